@@ -1,0 +1,54 @@
+"""Byte counters for collectives, per rank.
+
+Every communication module calls `record(kind, nbytes)` for each collective it issues, with the
+number of bytes this rank *sends* (the figure DESIGN 4 uses). The training loop reads and resets
+the counters once per logged step; benchmarks read them directly. Counting is plain Python on
+host-side sizes, so it costs nothing on the device.
+"""
+from collections import defaultdict
+
+_counters: dict[str, int] = defaultdict(int)
+_calls: dict[str, int] = defaultdict(int)
+
+
+def record(kind: str, nbytes: int) -> None:
+    """Add `nbytes` sent by this rank to the counter `kind` (e.g. "tp/all_reduce")."""
+    _counters[kind] += int(nbytes)
+    _calls[kind] += 1
+
+
+def snapshot() -> dict[str, int]:
+    """Bytes per counter since the last reset."""
+    return dict(_counters)
+
+
+def calls() -> dict[str, int]:
+    """Number of collectives per counter since the last reset."""
+    return dict(_calls)
+
+
+def reset() -> None:
+    _counters.clear()
+    _calls.clear()
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def all_reduce_bytes(numel: int, elem_size: int, group_size: int) -> int:
+    """Bytes a rank sends in a ring all-reduce: 2*(p-1)/p of the buffer."""
+    if group_size <= 1:
+        return 0
+    return 2 * (group_size - 1) * numel * elem_size // group_size
+
+
+def gather_bytes(numel_local: int, elem_size: int, group_size: int) -> int:
+    """Bytes a rank sends in a ring all-gather / reduce-scatter of its local part: (p-1) local parts."""
+    if group_size <= 1:
+        return 0
+    return (group_size - 1) * numel_local * elem_size

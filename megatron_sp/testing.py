@@ -1,0 +1,69 @@
+"""Helpers for the distributed tests: run a function on N gloo ranks on CPU.
+
+Each rank is a fresh spawned process with one thread, a file:// store (no port collisions between
+concurrent jobs) and a short collective timeout, so a failing rank never hangs the suite. Starting
+processes is the expensive part (2-4 s per spawn): put many checks into one `run_distributed` call.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank, world_size, init_file, fn, args, results, timeout_s):
+    torch.set_num_threads(1)
+    os.environ["MEGATRON_SP_TEST_RANK"] = str(rank)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException:  # report every failure to the parent, including assertion errors
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0,
+                    collective_timeout_s: float = 60.0) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return each rank's result.
+
+    `fn` must be a module-level (picklable) function. Any rank's exception is re-raised here with
+    its traceback; a run longer than `timeout_s` is killed and reported.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_worker, daemon=True,
+                             args=(r, world_size, init_file, fn, args, results, collective_timeout_s))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        outputs, errors = {}, {}
+        try:
+            for _ in range(world_size):
+                rank, ok, out = results.get(timeout=timeout_s)
+                (outputs if ok else errors)[rank] = out
+                if errors:
+                    break
+        except queue.Empty:
+            errors[-1] = f"timed out after {timeout_s} s waiting for the ranks"
+        finally:
+            for p in procs:
+                p.join(timeout=5 if not errors else 0.5)
+                if p.is_alive():
+                    p.kill()
+    if errors:
+        msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        raise AssertionError(f"distributed run failed:\n{msg}")
+    return [outputs[r] for r in range(world_size)]
