@@ -1,0 +1,214 @@
+"""Attention backends behind one interface (DESIGN 5).
+
+    backend(q, k, v, *, causal=True, softmax_scale=None, document_ids=None, dropout_p=0.0) -> out
+
+q [b, s, h, d], k/v [b, s, g, d] with h % g == 0 (grouped-query attention: query head i uses
+key/value head i // (h/g), handled inside), out [b, s, h, d] in q's dtype. softmax_scale None
+means 1/sqrt(d). document_ids [b, s] int64 marks packed documents (a token attends only to earlier
+tokens of its own document, see documents.py). dropout_p is applied as given: the caller passes 0
+in evaluation.
+
+Backends, in `auto` order: Transformer Engine DotProductAttention (fused), flash-attn
+(flash_attn_func / flash_attn_varlen_func), PyTorch scaled_dot_product_attention. The optional
+packages are imported only when their backend is built. Without document_ids no backend builds an
+s x s mask; with them only SDPA does (a [b, 1, s, s] bool mask: fine for tests and CPU, not for
+long contexts, where TE or flash-attn take cu_seqlens instead).
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_sp.attention.documents import cu_seqlens_from_document_ids, document_causal_mask
+
+BACKEND_NAMES = ("auto", "te", "flash", "sdpa")
+
+_INSTALL_HINTS = {
+    "transformer_engine.pytorch": (
+        "Transformer Engine", 'pip install --no-build-isolation "transformer_engine[pytorch]" '
+                              "(a CUDA build; see NVIDIA's Transformer Engine install guide)"),
+    "flash_attn": ("flash-attn", "pip install flash-attn --no-build-isolation (a CUDA build)"),
+}
+
+
+class AttentionBackendUnavailable(ImportError):
+    """An explicitly requested attention backend whose package cannot be imported."""
+
+
+def _import_optional(module_name: str, backend: str):
+    """Import an optional backend package, or raise AttentionBackendUnavailable saying how to get it."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as err:
+        package, hint = _INSTALL_HINTS[module_name]
+        raise AttentionBackendUnavailable(
+            f"attention backend '{backend}' needs the {package} package ({module_name}), which "
+            f"cannot be imported here ({err}); install it with: {hint}, or choose "
+            f"--attention-backend sdpa.") from err
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids):
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(f"attention expects q [b, s, h, d] and k, v [b, s, g, d]; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}.")
+    (b, s, h, d), g = q.shape, k.shape[2]
+    if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
+        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} differ in batch, sequence "
+                         f"or head size.")
+    if h % g != 0:
+        raise ValueError(f"{h} query heads are not a multiple of {g} key/value heads (GQA needs "
+                         f"h % g == 0).")
+    if document_ids is not None and tuple(document_ids.shape) != (b, s):
+        raise ValueError(f"document_ids must be [b, s] = [{b}, {s}], got "
+                         f"{tuple(document_ids.shape)}.")
+
+
+class _DocumentCache:
+    """Remembers cu_seqlens of the last document_ids tensor: every layer of a step passes the same
+    tensor, so the boundaries (and the host sync of max_seqlen) are computed once per step."""
+
+    def __init__(self):
+        self._key = None
+        self._value = None
+
+    def __call__(self, document_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        key = (document_ids, document_ids._version)
+        if self._key is None or self._key[0] is not key[0] or self._key[1] != key[1]:
+            self._key, self._value = key, cu_seqlens_from_document_ids(document_ids)
+        return self._value
+
+
+class AttentionBackend(nn.Module):
+    """Base class: `name` is what the start-up log prints."""
+
+    name = "base"
+
+    def extra_repr(self) -> str:
+        return f"name={self.name}"
+
+
+class SDPAAttention(AttentionBackend):
+    """torch.nn.functional.scaled_dot_product_attention.
+
+    Unpacked: is_causal=True and no mask, so PyTorch picks a fused kernel (flash on CPU and CUDA).
+    GQA uses enable_gqa=True (no copy of the key/value heads) except with a mask on CUDA, where the
+    mask-capable kernel needs equal head counts and the key/value heads are repeated instead.
+    """
+
+    name = "sdpa"
+
+    def forward(self, q, k, v, *, causal=True, softmax_scale=None, document_ids=None, dropout_p=0.0):
+        _check_shapes(q, k, v, document_ids)
+        h, g = q.shape[2], k.shape[2]
+        mask = None
+        if document_ids is not None:
+            mask = document_causal_mask(document_ids, causal=causal)   # [b, 1, s, s] bool
+        use_gqa = g != h and not (mask is not None and q.is_cuda)
+        if g != h and not use_gqa:
+            # [b, s, g, d] -> [b, s, h, d]: key/value head j serves query heads j*h/g .. (j+1)*h/g-1
+            k, v = (t.repeat_interleave(h // g, dim=2) for t in (k, v))
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [b, heads, s, d] views
+            attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None,
+            scale=softmax_scale, enable_gqa=use_gqa)
+        return out.transpose(1, 2).contiguous()                       # [b, h, s, d] -> [b, s, h, d]
+
+
+class FlashAttention(AttentionBackend):
+    """flash-attn 2: flash_attn_func on [b, s, h, d]; with documents flash_attn_varlen_func on the
+    flattened [b*s, h, d] tokens with int32 cu_seqlens. GQA is native (h % g == 0). fp16/bf16 on
+    CUDA only, as flash-attn itself requires."""
+
+    name = "flash"
+
+    def __init__(self):
+        super().__init__()
+        self._flash_attn = _import_optional("flash_attn", self.name)
+        self._documents = _DocumentCache()
+
+    def forward(self, q, k, v, *, causal=True, softmax_scale=None, document_ids=None, dropout_p=0.0):
+        _check_shapes(q, k, v, document_ids)
+        fa = self._flash_attn
+        if document_ids is None:
+            return fa.flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                                      causal=causal)
+        (b, s, h, d), g = q.shape, k.shape[2]
+        cu_seqlens, max_seqlen = self._documents(document_ids)
+        out = fa.flash_attn_varlen_func(
+            q.reshape(b * s, h, d), k.reshape(b * s, g, d), v.reshape(b * s, g, d),  # [t, heads, d]
+            cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+            dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal)
+        return out.view(b, s, h, d)                                   # [t, h, d] -> [b, s, h, d]
+
+
+class TEAttention(AttentionBackend):
+    """Transformer Engine DotProductAttention, one module per (h, g, d, format, mask, dropout, scale)
+    built on first use and cached (it holds no parameters). Unpacked: qkv_format "bshd",
+    attn_mask_type "causal". With documents: qkv_format "thd" on the flattened [b*s, h, d] tokens,
+    attn_mask_type "padding_causal", cu_seqlens_q/kv and max_seqlen_q/kv. TE returns the heads
+    merged ([b, s, h*d] or [t, h*d]); we return [b, s, h, d]."""
+
+    name = "te"
+
+    def __init__(self):
+        super().__init__()
+        self._te = _import_optional("transformer_engine.pytorch", self.name)
+        self._documents = _DocumentCache()
+        self._cache = {}
+
+    def _module(self, h, g, d, qkv_format, mask_type, dropout_p, softmax_scale):
+        key = (h, g, d, qkv_format, mask_type, float(dropout_p), float(softmax_scale))
+        module = self._cache.get(key)
+        if module is None:
+            module = self._te.DotProductAttention(
+                h, d, num_gqa_groups=g, attention_dropout=dropout_p, qkv_format=qkv_format,
+                attn_mask_type=mask_type, softmax_scale=softmax_scale)
+            self._cache[key] = module
+        module.train(dropout_p > 0)  # TE applies attention_dropout only in training mode
+        return module
+
+    def forward(self, q, k, v, *, causal=True, softmax_scale=None, document_ids=None, dropout_p=0.0):
+        _check_shapes(q, k, v, document_ids)
+        (b, s, h, d), g = q.shape, k.shape[2]
+        scale = softmax_scale if softmax_scale is not None else d ** -0.5
+        if document_ids is None:
+            mask_type = "causal" if causal else "no_mask"
+            te_attention = self._module(h, g, d, "bshd", mask_type, dropout_p, scale)
+            out = te_attention(q, k, v, qkv_format="bshd", attn_mask_type=mask_type)
+            return out.view(b, s, h, d)                               # [b, s, h*d] -> [b, s, h, d]
+        mask_type = "padding_causal" if causal else "padding"
+        cu_seqlens, max_seqlen = self._documents(document_ids)
+        te_attention = self._module(h, g, d, "thd", mask_type, dropout_p, scale)
+        out = te_attention(
+            q.reshape(b * s, h, d), k.reshape(b * s, g, d), v.reshape(b * s, g, d),  # [t, heads, d]
+            qkv_format="thd", attn_mask_type=mask_type,
+            cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+            max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+        return out.view(b, s, h, d)                                   # [t, h*d] -> [b, s, h, d]
+
+
+_BACKENDS = {"te": TEAttention, "flash": FlashAttention, "sdpa": SDPAAttention}
+
+
+def get_attention_backend(name: str = "auto") -> AttentionBackend:
+    """Build the attention backend `name` ("auto" | "te" | "flash" | "sdpa").
+
+    auto: Transformer Engine, then flash-attn, then SDPA; the first two only when CUDA is
+    available (they have no CPU kernels). An explicit "te" or "flash" whose package is missing
+    raises AttentionBackendUnavailable naming the package and how to install it.
+    """
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}: choose one of "
+                         f"{', '.join(BACKEND_NAMES)}.")
+    if name != "auto":
+        return _BACKENDS[name]()
+    if torch.cuda.is_available():
+        for candidate in ("te", "flash"):
+            try:
+                return _BACKENDS[candidate]()
+            except AttentionBackendUnavailable:
+                continue
+    return SDPAAttention()
