@@ -1,0 +1,104 @@
+"""Ulysses sequence-parallel attention (DeepSpeed-Ulysses; DESIGN 4).
+
+Each sp rank holds a contiguous chunk s/sp of the sequence with all h_l query and g_l key/value
+heads of its tp rank. A seq->head all-to-all of q, k and v gives it the whole sequence for h_l/sp
+query heads; any local attention backend then runs causal attention over the full sequence (so
+there is no causal load imbalance), and a head->seq all-to-all of the output returns to sequence
+chunks. Four all-to-alls per layer forward (q, k, v, out), four more in backward.
+
+Key/value heads (GQA), per tp rank: if g_l % sp == 0 they are split like the query heads; if
+sp % g_l == 0 each is replicated sp/g_l times first (repeat_interleave, so sp rank r receives key/
+value head floor(r*g_l/sp), the group of its query heads; autograd sums the replicas' gradients);
+anything else is refused.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_sp.mesh import LayoutError
+from megatron_sp.ulysses.comm import group_size, head_to_seq_all_to_all, seq_to_head_all_to_all
+
+
+def check_ulysses_layout(num_heads: int, num_kv_heads: int, tp: int, sp: int) -> None:
+    """Refuse (LayoutError, a ValueError) head counts that tp x Ulysses sp cannot split.
+
+    Rules: h % (tp*sp) == 0; g % tp == 0 and h % g == 0; with g_l = g/tp per tp rank, either
+    g_l % sp == 0 (split) or sp % g_l == 0 (each key/value head replicated sp/g_l times).
+    """
+    h, g = num_heads, num_kv_heads
+    if h % (tp * sp) != 0:
+        raise LayoutError(
+            f"{h} attention heads are not divisible by tp*sp = {tp}*{sp} = {tp * sp}: Ulysses "
+            f"needs num_heads % (tp*sp) == 0.")
+    if g < 1 or h % g != 0:
+        raise LayoutError(f"{h} attention heads are not a multiple of {g} key/value heads "
+                          f"(grouped-query attention needs num_heads % num_kv_heads == 0).")
+    if g % tp != 0:
+        raise LayoutError(f"{g} key/value heads are not divisible by tp = {tp}: each tp rank must "
+                          f"hold whole key/value heads (num_kv_heads % tp == 0).")
+    g_local = g // tp
+    if g_local % sp != 0 and sp % g_local != 0:
+        raise LayoutError(
+            f"{g} key/value heads over tp = {tp} leave {g_local} per tp rank, which sp = {sp} can "
+            f"neither split ({g_local} % {sp} != 0) nor replicate ({sp} % {g_local} != 0): Ulysses "
+            f"needs (num_kv_heads/tp) % sp == 0 or sp % (num_kv_heads/tp) == 0.")
+
+
+def check_seq_divisible(seq_length: int, sp: int, tp: int = 1, sequence_parallel: bool = False):
+    """Refuse a sequence length that sp (times tp with --sequence-parallel) does not divide."""
+    shards = sp * tp if sequence_parallel else sp
+    if seq_length % shards != 0:
+        how = f"sp*tp = {sp}*{tp} = {shards} (Ulysses with tp sequence sharding)" \
+            if sequence_parallel else f"sp = {sp}"
+        raise LayoutError(f"sequence length {seq_length} is not divisible by {how}: each rank "
+                          f"must hold an equal contiguous chunk of the sequence.")
+
+
+def expand_kv_heads(kv: torch.Tensor, sp: int) -> torch.Tensor:
+    """Replicate key/value heads so that sp divides them: [b, s/sp, g_l, d] -> [b, s/sp, max(g_l, sp), d].
+
+    Unchanged when g_l % sp == 0; otherwise (sp % g_l == 0) head j becomes heads
+    j*sp/g_l .. (j+1)*sp/g_l - 1, so after seq->head sp rank r holds head floor(r*g_l/sp).
+    """
+    g_local = kv.shape[2]
+    if g_local % sp == 0:
+        return kv
+    return kv.repeat_interleave(sp // g_local, dim=2)  # [b, s/sp, g_l, d] -> [b, s/sp, sp, d]
+
+
+class UlyssesAttention(nn.Module):
+    """Sequence-parallel wrapper around a local attention backend (megatron_sp.attention).
+
+    forward(q, k, v, *, document_ids=None, softmax_scale=None, dropout_p=0.0):
+      q [b, s/sp, h_l, d], k/v [b, s/sp, g_l, d] (this rank's sequence chunk, its tp rank's heads)
+      -> out [b, s/sp, h_l, d]. document_ids [b, s] covers the FULL sequence (every sp rank has
+      it) and goes to the local attention unchanged. Always causal.
+    With sp_group None or of size 1 it is just local_attention.
+    """
+
+    def __init__(self, local_attention, sp_group=None):
+        super().__init__()
+        self.local_attention = local_attention
+        self.sp_group = sp_group
+        self.sp_size = group_size(sp_group)
+
+    def forward(self, q, k, v, *, document_ids=None, softmax_scale=None, dropout_p=0.0):
+        sp = self.sp_size
+        if sp == 1:
+            return self.local_attention(q, k, v, document_ids=document_ids,
+                                        softmax_scale=softmax_scale, dropout_p=dropout_p)
+        check_ulysses_layout(q.shape[2], k.shape[2], tp=1, sp=sp)  # per-tp-rank head counts
+        if document_ids is not None and document_ids.shape[1] != q.shape[1] * sp:
+            raise ValueError(f"document_ids must cover the full sequence s = {q.shape[1] * sp} "
+                             f"(sp = {sp} chunks of {q.shape[1]}), got {document_ids.shape[1]}.")
+        group = self.sp_group
+        q = seq_to_head_all_to_all(q, group)                          # [b, s, h_l/sp, d]
+        k = seq_to_head_all_to_all(expand_kv_heads(k, sp), group)     # [b, s, max(g_l/sp, 1), d]
+        v = seq_to_head_all_to_all(expand_kv_heads(v, sp), group)     # [b, s, max(g_l/sp, 1), d]
+        out = self.local_attention(q, k, v, document_ids=document_ids,
+                                   softmax_scale=softmax_scale, dropout_p=dropout_p)
+        return head_to_seq_all_to_all(out, group)                     # [b, s/sp, h_l, d]
+
+    def extra_repr(self) -> str:
+        return f"sp={self.sp_size}"

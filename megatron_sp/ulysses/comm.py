@@ -1,0 +1,133 @@
+"""The two Ulysses all-to-alls (DeepSpeed-Ulysses, Jacobs et al. 2023), as autograd functions.
+
+Outside attention every sp rank holds a contiguous chunk of the sequence with all (tp-local)
+heads; inside attention it holds the whole sequence for 1/sp of the heads:
+
+    seq->head   [b, s/sp, n, d]  ->  [b, s, n/sp, d]   scatter heads, gather sequence
+    head->seq   [b, s, n/sp, d]  ->  [b, s/sp, n, d]   scatter sequence, gather heads
+
+Rank r of the sp group holds sequence positions [r*s/sp, (r+1)*s/sp) and, inside attention, heads
+[r*n/sp, (r+1)*n/sp). The two are exact inverses, so each one's backward is the other.
+
+Every torch.distributed call of Ulysses lives in this module. A group that is None or of size 1
+makes both functions the identity without touching torch.distributed. Each all-to-all records
+the bytes this rank sends, (sp-1)/sp of its local tensor, under comm_stats kind "sp/all_to_all"
+(backward all-to-alls are counted too, as they are sent).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_sp import comm_stats
+
+COMM_KIND = "sp/all_to_all"
+
+
+def group_size(group) -> int:
+    """Number of ranks in `group`; 1 for None (no torch.distributed call then)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    """This rank's index in `group`; 0 for None."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_to_all_bytes(x: torch.Tensor, sp: int) -> int:
+    """Bytes one rank sends in an all-to-all of its local tensor x: (sp-1)/sp of it."""
+    return (sp - 1) * x.numel() * x.element_size() // sp
+
+
+def _all_to_all(chunks: torch.Tensor, group) -> torch.Tensor:
+    """Exchange chunks[j] with rank j of `group`; result[i] is what rank i sent to us.
+
+    `chunks` is [sp, ...] and contiguous (gloo requires it), one equal chunk per destination rank.
+    """
+    out = torch.empty_like(chunks)
+    comm_stats.record(COMM_KIND, all_to_all_bytes(chunks, chunks.shape[0]))
+    dist.all_to_all_single(out, chunks, group=group)
+    return out
+
+
+def _check_divisible(what: str, size: int, sp: int):
+    if size % sp != 0:
+        raise ValueError(f"Ulysses all-to-all: {what} = {size} is not divisible by the sequence "
+                         f"parallel size sp = {sp}.")
+
+
+def _seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
+    """[b, s/sp, n, d] -> [b, s, n/sp, d] over `group` (no autograd)."""
+    sp = group_size(group)
+    if sp == 1:
+        return x
+    b, s_local, n, d = x.shape
+    _check_divisible("the number of heads", n, sp)
+    # [b, s/sp, n, d] -> [b, s/sp, sp, n/sp, d]: head group j goes to rank j
+    x = x.reshape(b, s_local, sp, n // sp, d)
+    # -> [sp, b, s/sp, n/sp, d]: one contiguous chunk per destination rank
+    chunks = x.permute(2, 0, 1, 3, 4).contiguous()
+    # received[i] = sequence chunk i of our head group: [sp, b, s/sp, n/sp, d]
+    received = _all_to_all(chunks, group)
+    # -> [b, sp, s/sp, n/sp, d] -> [b, s, n/sp, d]: sequence chunks in rank order
+    return received.permute(1, 0, 2, 3, 4).reshape(b, sp * s_local, n // sp, d)
+
+
+def _head_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """[b, s, n/sp, d] -> [b, s/sp, n, d] over `group` (no autograd)."""
+    sp = group_size(group)
+    if sp == 1:
+        return x
+    b, s, n_local, d = x.shape
+    _check_divisible("the sequence length", s, sp)
+    # [b, s, n/sp, d] -> [b, sp, s/sp, n/sp, d]: sequence chunk j goes to rank j
+    x = x.reshape(b, sp, s // sp, n_local, d)
+    # -> [sp, b, s/sp, n/sp, d]: one contiguous chunk per destination rank
+    chunks = x.transpose(0, 1).contiguous()
+    # received[i] = head group i of our sequence chunk: [sp, b, s/sp, n/sp, d]
+    received = _all_to_all(chunks, group)
+    # -> [b, s/sp, sp, n/sp, d] -> [b, s/sp, n, d]: head groups in rank order
+    return received.permute(1, 2, 0, 3, 4).reshape(b, s // sp, sp * n_local, d)
+
+
+class _SeqToHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_to_head(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _head_to_seq(grad, ctx.group), None
+
+
+class _HeadToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _head_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_head(grad, ctx.group), None
+
+
+def seq_to_head_all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Ulysses seq->head all-to-all: [b, s/sp, n, d] -> [b, s, n/sp, d].
+
+    x is this rank's contiguous sequence chunk with all n heads; the result is the full sequence
+    for heads [r*n/sp, (r+1)*n/sp) of sp rank r. Backward is the head->seq all-to-all.
+    """
+    if group_size(group) == 1:
+        return x
+    return _SeqToHead.apply(x, group)
+
+
+def head_to_seq_all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Ulysses head->seq all-to-all: [b, s, n/sp, d] -> [b, s/sp, n, d], the inverse of seq->head.
+
+    Backward is the seq->head all-to-all.
+    """
+    if group_size(group) == 1:
+        return x
+    return _HeadToSeq.apply(x, group)
