@@ -245,3 +245,9 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) 
             f"{env['master_port']} within {timeout_minutes} min ({type(err).__name__}: {err}); "
             f"check MASTER_ADDR/MASTER_PORT and that rank 0 is running.") from err
     return env
+
+
+def barrier(mesh: "ParallelMesh | None" = None) -> None:
+    """Wait for every rank (no-op without a process group)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,157 @@
+"""Command-line arguments with Megatron-LM's flag names (DESIGN 10), validated at start-up.
+
+Users bring their launch scripts: where Megatron has a flag we keep its name and meaning. A flag whose
+feature has not landed is refused with a clear message, never silently ignored (see UNSUPPORTED).
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def _bool_flag(parser, name, help):
+    parser.add_argument(name, action="store_true", help=help)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Pretrain a GPT model with megatron_sp.",
+                                allow_abbrev=False)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None, help="preset: gpt2-tiny, gpt2-small, gpt2-medium, "
+                   "llama-tiny, llama-1b, llama-8b (flags below override its fields)")
+    m.add_argument("--num-layers", type=int)
+    m.add_argument("--hidden-size", type=int)
+    m.add_argument("--ffn-hidden-size", type=int)
+    m.add_argument("--num-attention-heads", type=int)
+    _bool_flag(m, "--group-query-attention", "use grouped-query attention (--num-query-groups)")
+    m.add_argument("--num-query-groups", type=int)
+    m.add_argument("--kv-channels", type=int)
+    m.add_argument("--seq-length", type=int, default=None)
+    m.add_argument("--max-position-embeddings", type=int)
+    m.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"])
+    m.add_argument("--rotary-base", type=float)
+    m.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
+    m.add_argument("--norm-epsilon", type=float)
+    _bool_flag(m, "--swiglu", "SwiGLU MLP")
+    _bool_flag(m, "--openai-gelu", "tanh-approximated GeLU (GPT-2)")
+    _bool_flag(m, "--disable-bias-linear", "no biases in linear layers")
+    _bool_flag(m, "--add-qkv-bias", "bias in the QKV projection even with --disable-bias-linear")
+    _bool_flag(m, "--untie-embeddings-and-output-weights", "separate output layer")
+    m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    m.add_argument("--vocab-size", type=int, help="vocabulary of the NullTokenizer")
+    m.add_argument("--attention-dropout", type=float)
+    m.add_argument("--hidden-dropout", type=float)
+    m.add_argument("--init-method-std", type=float)
+
+    t = p.add_argument_group("training")
+    t.add_argument("--micro-batch-size", type=int, default=1)
+    t.add_argument("--global-batch-size", type=int, default=None)
+    t.add_argument("--train-iters", type=int, default=None)
+    t.add_argument("--train-samples", type=int, default=None)
+    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--min-lr", type=float, default=0.0)
+    t.add_argument("--lr-warmup-iters", type=int, default=0)
+    t.add_argument("--lr-warmup-fraction", type=float, default=None)
+    t.add_argument("--lr-decay-style", default="linear",
+                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    t.add_argument("--lr-decay-iters", type=int, default=None)
+    t.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--clip-grad", type=float, default=1.0)
+    t.add_argument("--adam-beta1", type=float, default=0.9)
+    t.add_argument("--adam-beta2", type=float, default=0.999)
+    t.add_argument("--adam-eps", type=float, default=1e-8)
+    _bool_flag(t, "--bf16", "bf16 mixed precision (fp32 master weights)")
+    _bool_flag(t, "--fp16", "fp16 mixed precision")
+    t.add_argument("--seed", type=int, default=1234)
+    t.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    t.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    t.add_argument("--recompute-num-layers", type=int, default=None)
+    t.add_argument("--attention-backend", default="auto", choices=["auto", "te", "flash", "sdpa"])
+    t.add_argument("--grad-bucket-size-mb", type=float, default=25.0)
+    t.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
+
+    d = p.add_argument_group("data")
+    d.add_argument("--data-path", nargs="*", default=None)
+    d.add_argument("--split", default="969,30,1")
+    d.add_argument("--data-cache-path", default=None)
+    d.add_argument("--tokenizer-type", default=None,
+                   choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
+    d.add_argument("--tokenizer-model", default=None)
+    _bool_flag(d, "--reset-position-ids", "positions restart after each end-of-document token")
+    _bool_flag(d, "--reset-attention-mask", "attention never crosses an end-of-document token")
+    _bool_flag(d, "--eod-mask-loss", "no loss on end-of-document tokens")
+    _bool_flag(d, "--mock-data", "synthetic random tokens (tests and benchmarks)")
+    d.add_argument("--cache-dir", default=None, help="where the embedded default corpus is built")
+
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    par.add_argument("--sequence-parallel-size", type=int, default=1,
+                     help="Ulysses sequence-parallel degree")
+    _bool_flag(par, "--sequence-parallel", "Megatron sequence sharding inside tensor parallelism")
+    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    par.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    par.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    par.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
+    par.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+
+    c = p.add_argument_group("checkpointing and exit")
+    c.add_argument("--save", default=None)
+    c.add_argument("--load", default=None)
+    c.add_argument("--save-interval", type=int, default=None)
+    _bool_flag(c, "--no-load-optim", "do not load optimizer state")
+    _bool_flag(c, "--no-load-rng", "do not load RNG state")
+    _bool_flag(c, "--finetune", "load weights only, reset iteration")
+    _bool_flag(c, "--exit-signal-handler", "save and exit on SIGTERM/SIGUSR1")
+    c.add_argument("--exit-interval", type=int, default=None)
+    c.add_argument("--exit-duration-in-mins", type=float, default=None)
+
+    lg = p.add_argument_group("logging")
+    lg.add_argument("--log-interval", type=int, default=10)
+    lg.add_argument("--eval-interval", type=int, default=1000)
+    lg.add_argument("--eval-iters", type=int, default=10)
+    lg.add_argument("--tensorboard-dir", default=None)
+    lg.add_argument("--metrics-jsonl", default=None)
+    return p
+
+
+# Flags whose feature has not landed yet: refused with the reason instead of ignored.
+# Each entry: (attribute, predicate on its value, message).
+UNSUPPORTED = [
+    ("fp16", lambda v: v, "--fp16 is not supported (no loss scaler yet); use --bf16."),
+    ("pipeline_model_parallel_size", lambda v: v > 1,
+     "--pipeline-model-parallel-size > 1 is not available yet (pipeline parallelism has not landed)."),
+    ("num_layers_per_virtual_pipeline_stage", lambda v: v is not None,
+     "--num-layers-per-virtual-pipeline-stage needs pipeline parallelism, which has not landed."),
+    ("decoder_first_pipeline_num_layers", lambda v: v is not None,
+     "--decoder-first-pipeline-num-layers needs pipeline parallelism, which has not landed."),
+    ("decoder_last_pipeline_num_layers", lambda v: v is not None,
+     "--decoder-last-pipeline-num-layers needs pipeline parallelism, which has not landed."),
+    ("recompute_granularity", lambda v: v is not None,
+     "--recompute-granularity has not landed yet (activation recompute)."),
+    ("load", lambda v: v is not None, "--load is not available yet (checkpointing has not landed)."),
+    ("exit_signal_handler", lambda v: v, "--exit-signal-handler needs checkpointing, which has not landed."),
+]
+
+
+def validate(args) -> None:
+    """Refuse bad or not-yet-supported combinations with one sentence each (SystemExit)."""
+    for attr, bad, message in UNSUPPORTED:
+        if bad(getattr(args, attr)):
+            raise SystemExit(f"error: {message}")
+    if args.train_iters is None and args.train_samples is None:
+        args.train_iters = 100
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters if args.train_iters else 1
+    if args.lr_warmup_fraction is not None:
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        args.sequence_parallel = False  # Megatron also drops it silently at tp=1: nothing to shard
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
+    validate(args)
+    return args

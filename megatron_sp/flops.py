@@ -1,0 +1,40 @@
+"""Model FLOPs and MFU, with Megatron-LM's formula so that figures compare with Megatron's (DESIGN 9)."""
+from __future__ import annotations
+
+import torch
+
+# Dense bf16 peak TFLOP/s per device, used for MFU (state the peak in the log).
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
+               "L40S": 362.0, "B200": 2250.0, "GH200": 989.0}
+
+
+def num_floating_point_operations(batch: int, seq: int, num_layers: int, hidden: int, heads: int,
+                                  query_groups: int, ffn: int, padded_vocab: int, kv_channels: int,
+                                  swiglu: bool) -> float:
+    """12*B*s*L*H^2*((1 + g/a + s/H)*q + (F/H)*gated + V/(2*L*H)), q = kv_channels*a/H."""
+    gated = 1.5 if swiglu else 1.0
+    q = kv_channels * heads / hidden
+    return 12.0 * batch * seq * num_layers * hidden ** 2 * (
+        (1.0 + query_groups / heads + seq / hidden) * q
+        + (ffn / hidden) * gated
+        + padded_vocab / (2.0 * num_layers * hidden))
+
+
+def flops_for_config(config, batch: int, seq: int, tp: int = 1) -> float:
+    return num_floating_point_operations(
+        batch, seq, config.num_layers, config.hidden_size, config.num_attention_heads,
+        config.num_query_groups, config.ffn_hidden_size, config.padded_vocab_size(tp),
+        config.kv_channels, config.activation == "swiglu")
+
+
+def device_peak_tflops(override: float | None = None) -> float | None:
+    """Peak bf16 TFLOP/s of this device (None when unknown, e.g. CPU)."""
+    if override:
+        return override
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key, value in PEAK_TFLOPS.items():
+        if key in name:
+            return value
+    return None

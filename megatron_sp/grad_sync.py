@@ -1,0 +1,175 @@
+"""Communication of the training step outside the layers: gradients, norms and loss reductions.
+
+- Gradients of parameters replicated over data and sequence parallelism are summed over the dp x sp
+  group (the loss is already normalised by the global token count, so a sum is the global mean), in
+  buckets that are launched asynchronously from gradient hooks during the last backward pass, so
+  the all-reduce overlaps the rest of backward.
+- Under --sequence-parallel, tp-replicated parameters (norms, row-parallel biases) saw only their
+  tp rank's tokens: their gradients are summed over tp.
+- Tied embeddings with pipelining: the first and last stage each hold the word embeddings; their
+  gradients are summed over the embedding group so both copies stay identical.
+- The global gradient norm over every rank, and the scalar reductions of loss and token counts.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megatron_sp import comm_stats
+
+
+def _active(group) -> bool:
+    return group is not None and dist.get_world_size(group) > 1
+
+
+def all_reduce_sum(tensor: torch.Tensor, group, kind: str = "dp/all_reduce") -> torch.Tensor:
+    """In-place sum over `group` (identity for None / size 1); returns the tensor."""
+    if _active(group):
+        comm_stats.record(kind, comm_stats.all_reduce_bytes(tensor.numel(), tensor.element_size(),
+                                                            dist.get_world_size(group)))
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+class _Bucket:
+    def __init__(self, params):
+        self.params = params
+        self.ready = 0
+        self.handle = None
+        self.buffer = None
+
+    def launch(self, group):
+        grads = [p.grad.reshape(-1) for p in self.params]
+        self.buffer = torch.cat(grads)                                # [sum of numels]
+        comm_stats.record("dp/all_reduce", comm_stats.all_reduce_bytes(
+            self.buffer.numel(), self.buffer.element_size(), dist.get_world_size(group)))
+        self.handle = dist.all_reduce(self.buffer, group=group, async_op=True)
+
+    def finish(self):
+        self.handle.wait()
+        offset = 0
+        for p in self.params:
+            n = p.grad.numel()
+            p.grad.copy_(self.buffer[offset:offset + n].view_as(p.grad))  # [numel] -> param shape
+            offset += n
+        self.handle = self.buffer = None
+        self.ready = 0
+
+
+class GradientSync:
+    """Bucketed, backward-overlapped gradient reduction for one model (all its pipeline chunks).
+
+    Call `start_last_backward()` before the backward pass of the last micro-batch (hooks then launch
+    each bucket's all-reduce as soon as its gradients are final) and `finish()` after it.
+    Without `start_last_backward()`, `finish()` reduces everything at once.
+    """
+
+    def __init__(self, modules, mesh, bucket_mb: float = 25.0, overlap: bool = True):
+        self.mesh = mesh
+        self.group = mesh.dp_sp_group if _active(mesh.dp_sp_group) else None
+        params = [p for m in modules for p in m.parameters() if p.requires_grad]
+        self.params = params
+        self.sp_params = [p for p in params if getattr(p, "sequence_parallel", False)]
+        self.embedding_params = [p for p in params if getattr(p, "embedding_tied", False)]
+        self.buckets: list[_Bucket] = []
+        self._armed = False
+        if self.group is None:
+            return
+        limit = bucket_mb * 2**20
+        current, size = [], 0
+        for p in reversed(params):               # backward visits layers roughly in reverse
+            current.append(p)
+            size += p.numel() * 4
+            if size >= limit:
+                self.buckets.append(_Bucket(current))
+                current, size = [], 0
+        if current:
+            self.buckets.append(_Bucket(current))
+        if overlap:
+            owner = {p: b for b in self.buckets for p in b.params}
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._make_hook(owner[p]))
+
+    def _make_hook(self, bucket):
+        def hook(param):
+            if not self._armed:
+                return
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params) and bucket.handle is None:
+                bucket.launch(self.group)
+        return hook
+
+    def start_last_backward(self):
+        self._armed = True
+
+    def finish(self):
+        """Complete every reduction; gradients are then final on every rank."""
+        self._armed = False
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for bucket in self.buckets:
+            if bucket.handle is None:
+                bucket.launch(self.group)
+        for bucket in self.buckets:
+            bucket.finish()
+        if self.sp_params and _active(self.mesh.tp_group):
+            self._all_reduce_flat([p.grad for p in self.sp_params], self.mesh.tp_group, "tp/all_reduce")
+        if self.embedding_params and _active(self.mesh.embedding_group):
+            self._all_reduce_flat([p.grad for p in self.embedding_params], self.mesh.embedding_group,
+                                  "pp/embedding_all_reduce")
+
+    @staticmethod
+    def _all_reduce_flat(grads, group, kind):
+        flat = all_reduce_sum(torch.cat([g.reshape(-1) for g in grads]), group, kind)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))   # [numel] -> grad shape
+            offset += g.numel()
+
+
+def global_grad_norm(params, mesh) -> float:
+    """L2 norm of the full gradient over every rank: tp shards summed, stages summed, copies once."""
+    sharded = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None or getattr(p, "embedding_copy", False):
+            continue
+        sq = p.grad.detach().double().pow(2).sum().cpu()
+        if getattr(p, "tp_partition_dim", None) is not None:
+            sharded += sq
+        else:
+            replicated += sq
+    # Replicated parameters hold the same gradient on every tp rank: count them once.
+    total = torch.stack([sharded, replicated / mesh.tp_size]).to(_device(params))
+    all_reduce_sum(total, mesh.tp_group, "tp/all_reduce")
+    total = total.sum()
+    all_reduce_sum(total, mesh.pp_group, "pp/all_reduce")
+    return math.sqrt(total.item())
+
+
+def _device(params):
+    for p in params:
+        return p.device
+    return torch.device("cpu")
+
+
+def clip_grad_norm(params, max_norm: float, mesh) -> float:
+    """Scale every gradient so the global norm is at most max_norm (max_norm <= 0: only measure)."""
+    params = list(params)
+    norm = global_grad_norm(params, mesh)
+    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm
+
+
+def reduce_loss_and_count(values: torch.Tensor, mesh) -> torch.Tensor:
+    """Sum [loss_sum, ...] over dp x sp and across stages (only the last stage has a loss)."""
+    all_reduce_sum(values, mesh.dp_sp_group, "dp/all_reduce")
+    all_reduce_sum(values, mesh.pp_group, "pp/all_reduce")
+    return values

@@ -1,0 +1,161 @@
+"""GPT model configuration: one validated dataclass for the GPT-2 and Llama families.
+
+Field names follow Megatron-LM's flags (--num-layers -> num_layers, ...). `__post_init__` fills the
+defaults Megatron derives (ffn size, kv channels, query groups) and refuses impossible values with one
+sentence. Parallel divisibility (heads over tp*sp, ...) is checked by `check_parallel`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass
+class GPTConfig:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int                          # real vocabulary (tokenizer); padded separately
+    num_query_groups: int | None = None      # GQA: key/value heads; None = multi-head attention
+    ffn_hidden_size: int | None = None       # None: 4*H (gelu) or Megatron's SwiGLU rule
+    kv_channels: int | None = None           # head dim d; None: H / heads
+    max_position_embeddings: int = 2048
+    normalization: str = "LayerNorm"         # LayerNorm | RMSNorm
+    norm_epsilon: float = 1e-5
+    activation: str = "gelu"                 # gelu (exact) | gelu_tanh (GPT-2, --openai-gelu) | swiglu
+    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope
+    rotary_base: float = 10000.0
+    add_bias_linear: bool = True
+    add_qkv_bias: bool | None = None         # None: same as add_bias_linear
+    tie_embeddings: bool = True              # Megatron ties unless --untie-embeddings-and-output-weights
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    init_method_std: float = 0.02
+    make_vocab_size_divisible_by: int = 128
+
+    def __post_init__(self):
+        def positive(name):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}.")
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                     "max_position_embeddings", "make_vocab_size_divisible_by"):
+            positive(name)
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        positive("num_query_groups")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_query_groups={self.num_query_groups}: each key/value head must serve a whole "
+                f"group of query heads.")
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                    f"{self.num_attention_heads}: set kv_channels (--kv-channels) explicitly.")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            if self.activation == "swiglu":   # Megatron: 2/3 of 4H, rounded up to a multiple of 64
+                self.ffn_hidden_size = int(math.ceil(4 * self.hidden_size * 2 / 3 / 64) * 64)
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        if self.add_qkv_bias is None:
+            self.add_qkv_bias = self.add_bias_linear
+        choices = {"normalization": ("LayerNorm", "RMSNorm"),
+                   "activation": ("gelu", "gelu_tanh", "swiglu"),
+                   "position_embedding_type": ("learned_absolute", "rope")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r} is not one of {allowed}.")
+        for name in ("attention_dropout", "hidden_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {getattr(self, name)}.")
+
+    # Derived sizes -----------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """Vocabulary padded to a multiple of make_vocab_size_divisible_by * tp (Megatron)."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def num_parameters(self) -> int:
+        """Parameter count with the unpadded vocabulary (embeddings counted once when tied)."""
+        H, L, F, V, d = self.hidden_size, self.num_layers, self.ffn_hidden_size, self.vocab_size, self.kv_channels
+        qkv = H * (self.num_attention_heads + 2 * self.num_query_groups) * d
+        proj = self.num_attention_heads * d * H
+        mlp = H * F * (3 if self.activation == "swiglu" else 2)
+        norms = 2 * H * (2 if self.normalization == "LayerNorm" else 1)
+        biases = 0
+        if self.add_bias_linear:
+            biases += H + (2 * F if self.activation == "swiglu" else F) + H
+        if self.add_qkv_bias:
+            biases += (self.num_attention_heads + 2 * self.num_query_groups) * d
+        per_layer = qkv + proj + mlp + norms + biases
+        emb = V * H * (1 if self.tie_embeddings else 2)
+        pos = self.max_position_embeddings * H if self.position_embedding_type == "learned_absolute" else 0
+        final_norm = H * (2 if self.normalization == "LayerNorm" else 1)
+        return L * per_layer + emb + pos + final_norm
+
+    def check_parallel(self, tp: int = 1, sp: int = 1, pp: int = 1) -> None:
+        """Refuse a layout this model cannot be split into, naming the numbers (DESIGN 3, 4)."""
+        h, g = self.num_attention_heads, self.num_query_groups
+        if h % (tp * sp):
+            raise ValueError(f"num_attention_heads={h} is not divisible by tp*sp={tp}*{sp}={tp * sp}: "
+                             f"every tensor- and sequence-parallel rank needs whole query heads.")
+        if g % tp:
+            raise ValueError(f"num_query_groups={g} is not divisible by tp={tp}: key/value heads are "
+                             f"split over tensor-parallel ranks and must stay whole.")
+        g_local = g // tp
+        if g_local % sp and sp % g_local:
+            raise ValueError(
+                f"key/value heads per tp rank ({g}/{tp}={g_local}) and sp={sp} do not fit Ulysses: "
+                f"one must divide the other (split when a multiple of sp, replicate when fewer).")
+        F = self.ffn_hidden_size
+        if F % tp:
+            raise ValueError(f"ffn_hidden_size={F} is not divisible by tp={tp}.")
+        if self.num_layers < pp:
+            raise ValueError(f"num_layers={self.num_layers} is fewer than pipeline stages pp={pp}.")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _gpt2(layers, hidden, heads, vocab=50257):
+    return dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=vocab,
+                max_position_embeddings=1024, normalization="LayerNorm", activation="gelu_tanh",
+                position_embedding_type="learned_absolute", add_bias_linear=True, tie_embeddings=True)
+
+
+def _llama(layers, hidden, heads, groups, ffn, vocab=128256, theta=500000.0, tied=False, max_pos=8192):
+    return dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                num_query_groups=groups, ffn_hidden_size=ffn, vocab_size=vocab,
+                max_position_embeddings=max_pos, normalization="RMSNorm", norm_epsilon=1e-5,
+                activation="swiglu", position_embedding_type="rope", rotary_base=theta,
+                add_bias_linear=False, tie_embeddings=tied)
+
+
+# Presets (--model NAME). Vocabulary sizes are the published tokenizers'; override with a tokenizer.
+PRESETS: dict[str, dict] = {
+    "gpt2-tiny": _gpt2(2, 128, 4, vocab=2048),
+    "gpt2-small": _gpt2(12, 768, 12),
+    "gpt2-medium": _gpt2(24, 1024, 16),
+    "llama-tiny": _llama(4, 256, 8, 2, 688, vocab=2048, theta=10000.0, max_pos=2048),
+    "llama-1b": _llama(16, 2048, 32, 8, 8192, tied=True, max_pos=131072),   # Llama-3.2-1B shapes
+    "llama-8b": _llama(32, 4096, 32, 8, 14336, max_pos=131072),            # Llama-3.1-8B shapes
+}
+
+
+def preset(name: str, **overrides) -> GPTConfig:
+    """A preset config, with fields overridden (e.g. vocab_size from the tokenizer)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}.")
+    return GPTConfig(**{**PRESETS[name], **overrides})

@@ -1,0 +1,314 @@
+"""The GPT model (GPT-2 and Llama families): one class for every parallel layout.
+
+Shapes through one layer (DESIGN 4): b batch, s full sequence, H hidden, h query heads, g key/value
+heads, d head dim, tp/sp the tensor- and sequence-parallel sizes.
+
+    x            [b, s/sp, H]       ([b, s/(sp*tp), H] with --sequence-parallel)
+    qkv          ColumnParallelLinear -> q [b, s/sp, h/tp, d], k, v [b, s/sp, g/tp, d]
+    attention    Ulysses: seq->head all-to-all, causal attention over s, head->seq all-to-all
+    out proj     RowParallelLinear (all-reduce, or reduce-scatter with --sequence-parallel)
+    mlp          ColumnParallelLinear -> activation -> RowParallelLinear
+
+The model takes the *full* micro-batch ([b, s] token ids, as every rank of a data-parallel replica
+loads it) and keeps its own contiguous sequence chunk: sp rank r holds positions [r*s/sp, (r+1)*s/sp),
+so positions stay global and document ids for packed attention are available for the whole sequence.
+With a one-rank mesh it is a plain nn.Module: `model(input_ids) -> logits`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megatron_sp.attention import get_attention_backend
+from megatron_sp.mesh import ParallelMesh
+from megatron_sp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                         VocabParallelEmbedding, vocab_parallel_cross_entropy)
+from megatron_sp.tensor_parallel import mappings
+from megatron_sp.ulysses import UlyssesAttention
+
+from .config import GPTConfig
+
+
+def _mark_sequence_parallel(module: nn.Module) -> None:
+    """Flag tp-replicated parameters whose gradients are partial under --sequence-parallel.
+
+    They see only this tp rank's s/(sp*tp) tokens, so their gradients are all-reduced over tp.
+    """
+    for p in module.parameters():
+        p.sequence_parallel = True
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    if config.normalization == "RMSNorm":
+        return nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon)
+    return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE (Su et al.) with the half-split (rotate_half) convention of Llama / Megatron."""
+
+    def __init__(self, head_dim: int, base: float):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [b, s_l] (global positions) -> cos, sin [b, s_l, 1, d]."""
+        angles = position_ids.float()[..., None] * self.inv_freq  # [b, s_l, d/2]
+        emb = torch.cat([angles, angles], dim=-1)[:, :, None, :]    # [b, s_l, 1, d]
+        return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, s_l, heads, d] rotated by its positions' angles; computed in fp32."""
+    x1, x2 = x.float().chunk(2, dim=-1)                 # each [b, s_l, heads, d/2]
+    rotated = torch.cat([-x2, x1], dim=-1)              # [b, s_l, heads, d]
+    return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    """Causal self-attention: column-parallel QKV, Ulysses attention, row-parallel output."""
+
+    def __init__(self, config: GPTConfig, mesh: ParallelMesh, backend, sequence_parallel: bool,
+                 rng_tracker=None):
+        super().__init__()
+        tp = mesh.tp_size
+        self.heads_local = config.num_attention_heads // tp
+        self.groups_local = config.num_query_groups // tp
+        self.q_per_group = config.num_attention_heads // config.num_query_groups
+        self.head_dim = config.kv_channels
+        self.dropout = config.attention_dropout
+        self.rng_tracker = rng_tracker
+        # Fused QKV in Megatron's grouped layout: rows are [g groups x (q_per_group q, 1 k, 1 v) x d],
+        # so a contiguous tp slice of rows holds g/tp whole groups.
+        qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
+        self.qkv = ColumnParallelLinear(config.hidden_size, qkv_out, mesh=mesh,
+                                        bias=config.add_qkv_bias, sequence_parallel=sequence_parallel)
+        self.core = UlyssesAttention(backend, mesh.sp_group)
+        self.proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                      mesh=mesh, bias=config.add_bias_linear,
+                                      sequence_parallel=sequence_parallel)
+
+    def forward(self, x, rope=None, document_ids=None):
+        b, s_l = x.shape[0], None
+        qkv = self.qkv(x)                                         # [b, s/sp, (h+2g)/tp * d]
+        b, s_l = qkv.shape[:2]
+        qkv = qkv.view(b, s_l, self.groups_local, self.q_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :self.q_per_group].reshape(b, s_l, self.heads_local, self.head_dim)
+        k = qkv[:, :, :, self.q_per_group]                        # [b, s/sp, g/tp, d]
+        v = qkv[:, :, :, self.q_per_group + 1]                    # [b, s/sp, g/tp, d]
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        dropout = self.dropout if self.training else 0.0
+        fork = self.rng_tracker.fork() if (self.rng_tracker and dropout) else contextlib.nullcontext()
+        with fork:
+            out = self.core(q, k.contiguous(), v.contiguous(), document_ids=document_ids,
+                            dropout_p=dropout)                    # [b, s/sp, h/tp, d]
+        out = out.reshape(b, s_l, self.heads_local * self.head_dim)  # [b, s/sp, h/tp * d]
+        return self.proj(out)
+
+
+class MLP(nn.Module):
+    """Column-parallel fc1 -> activation -> row-parallel fc2 (SwiGLU: fused gate and up)."""
+
+    def __init__(self, config: GPTConfig, mesh: ParallelMesh, sequence_parallel: bool):
+        super().__init__()
+        self.swiglu = config.activation == "swiglu"
+        self.activation = config.activation
+        fc1_out = config.ffn_hidden_size * (2 if self.swiglu else 1)
+        self.fc1 = ColumnParallelLinear(config.hidden_size, fc1_out, mesh=mesh,
+                                        bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
+                                        chunks=2 if self.swiglu else 1)
+        self.fc2 = RowParallelLinear(config.ffn_hidden_size, config.hidden_size, mesh=mesh,
+                                     bias=config.add_bias_linear, sequence_parallel=sequence_parallel)
+
+    def act(self, h: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)      # each [b, s_l, F/tp]
+            return F.silu(gate) * up
+        return F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config, mesh, backend, sequence_parallel, rng_tracker=None):
+        super().__init__()
+        self.input_norm = make_norm(config)
+        self.attention = SelfAttention(config, mesh, backend, sequence_parallel, rng_tracker)
+        self.post_attention_norm = make_norm(config)
+        self.mlp = MLP(config, mesh, sequence_parallel)
+        self.hidden_dropout = config.hidden_dropout
+        self.rng_tracker = rng_tracker if sequence_parallel else None
+        if sequence_parallel:
+            for module in (self.input_norm, self.post_attention_norm):
+                _mark_sequence_parallel(module)
+
+    def _dropout(self, x):
+        if not (self.training and self.hidden_dropout):
+            return x
+        # With sequence sharding each tp rank holds different tokens: different masks.
+        fork = self.rng_tracker.fork() if self.rng_tracker else contextlib.nullcontext()
+        with fork:
+            return F.dropout(x, self.hidden_dropout, training=True)
+
+    def forward(self, x, rope=None, document_ids=None):
+        x = x + self._dropout(self.attention(self.input_norm(x), rope, document_ids))
+        return x + self._dropout(self.mlp(self.post_attention_norm(x)))
+
+
+class Embedding(nn.Module):
+    """Vocabulary-parallel word embeddings (+ learned positions for GPT-2)."""
+
+    def __init__(self, config: GPTConfig, mesh: ParallelMesh, sequence_parallel: bool):
+        super().__init__()
+        self.mesh = mesh
+        self.sequence_parallel = sequence_parallel
+        self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size(mesh.tp_size),
+                                                      config.hidden_size, mesh=mesh)
+        # Padding rows beyond the real vocabulary start at zero in every layout.
+        self.word_embeddings.weight.real_rows = config.vocab_size
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.dropout = config.hidden_dropout
+
+    def forward(self, input_ids, position_ids, rng_tracker=None):
+        x = self.word_embeddings(input_ids)                       # [b, s/sp, H], replicated over tp
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(position_ids)
+        # Split after the sum: the backward all-gather hands every tp rank the full gradient of both
+        # embeddings, so neither needs a tp all-reduce.
+        if self.sequence_parallel:
+            x = mappings.scatter_to_sequence_parallel_region(x, self.mesh.tp_group)  # [b, s/(sp*tp), H]
+        if self.training and self.dropout:
+            fork = rng_tracker.fork() if (rng_tracker and self.sequence_parallel) else contextlib.nullcontext()
+            with fork:
+                x = F.dropout(x, self.dropout, training=True)
+        return x
+
+
+class GPTModel(nn.Module):
+    """A GPT decoder (or one pipeline stage of it) for any (tp, sp, pp, dp) layout.
+
+    Args:
+        config: the model shapes.
+        mesh: the parallel mesh (None: one rank, no torch.distributed needed).
+        layer_ids: the global layer indices this stage holds (default: all layers).
+        pre_process / post_process: whether this stage holds the embedding / the final norm, output
+            layer and loss (default: first / last pipeline stage).
+        attention_backend: "auto" | "te" | "flash" | "sdpa", or a backend object.
+        sequence_parallel: Megatron's --sequence-parallel (tp sequence sharding).
+        rng_tracker: megatron_sp.tensor_parallel.RNGTracker for dropout inside tp regions.
+    """
+
+    def __init__(self, config: GPTConfig, mesh: ParallelMesh | None = None, *, layer_ids=None,
+                 pre_process: bool | None = None, post_process: bool | None = None,
+                 attention_backend="sdpa", sequence_parallel: bool = False, rng_tracker=None):
+        super().__init__()
+        mesh = mesh or ParallelMesh.single()
+        config.check_parallel(mesh.tp_size, mesh.sp_size, mesh.pp_size)
+        self.config, self.mesh = config, mesh
+        self.sequence_parallel = sequence_parallel and mesh.tp_size > 1
+        self.rng_tracker = rng_tracker
+        self.pre_process = mesh.is_first_stage if pre_process is None else pre_process
+        self.post_process = mesh.is_last_stage if post_process is None else post_process
+        self.layer_ids = list(range(config.num_layers)) if layer_ids is None else list(layer_ids)
+        backend = get_attention_backend(attention_backend) if isinstance(attention_backend, str) \
+            else attention_backend
+        self.attention_backend_name = getattr(backend, "name", type(backend).__name__)
+
+        # Tied embeddings: the last stage keeps its own copy of the word embeddings under the same
+        # global name; the embedding group sums their gradients so both copies stay identical.
+        needs_embedding = self.pre_process or (self.post_process and config.tie_embeddings)
+        self.embedding = Embedding(config, mesh, self.sequence_parallel) if needs_embedding else None
+        if needs_embedding and config.tie_embeddings and mesh.pp_size > 1:
+            weight = self.embedding.word_embeddings.weight
+            weight.embedding_tied = True                 # gradient summed over the embedding group
+            weight.embedding_copy = not self.pre_process  # counted once in the gradient norm
+        self.rope = (RotaryEmbedding(config.kv_channels, config.rotary_base)
+                     if config.position_embedding_type == "rope" else None)
+        # Keys are global layer indices, so parameter names are layout-independent.
+        self.layers = nn.ModuleDict({
+            str(i): TransformerLayer(config, mesh, backend, self.sequence_parallel, rng_tracker)
+            for i in self.layer_ids})
+        self.final_norm = self.output_layer = None
+        if self.post_process:
+            self.final_norm = make_norm(config)
+            if self.sequence_parallel:
+                _mark_sequence_parallel(self.final_norm)
+            if not config.tie_embeddings:
+                self.output_layer = ColumnParallelLinear(
+                    config.hidden_size, config.padded_vocab_size(mesh.tp_size), mesh=mesh, bias=False,
+                    sequence_parallel=self.sequence_parallel)
+                self.output_layer.weight.real_rows = config.vocab_size
+
+    # Sequence sharding over sp -----------------------------------------------------------------
+    def shard_sequence(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """This sp rank's contiguous chunk of a full-sequence tensor [b, s, ...] -> [b, s/sp, ...]."""
+        if t is None or self.mesh.sp_size == 1:
+            return t
+        s = t.shape[1]
+        if s % self.mesh.sp_size:
+            raise ValueError(f"sequence length {s} is not divisible by sequence-parallel size "
+                             f"{self.mesh.sp_size}: choose --seq-length as a multiple of sp.")
+        chunk = s // self.mesh.sp_size
+        return t[:, self.mesh.sp_rank * chunk:(self.mesh.sp_rank + 1) * chunk]
+
+    # Forward -----------------------------------------------------------------------------------
+    def forward(self, input_ids=None, position_ids=None, labels=None, document_ids=None,
+                hidden_states=None):
+        """Run this stage.
+
+        input_ids, position_ids, labels, document_ids: full-sequence [b, s] tensors (labels already
+        shifted). hidden_states: the previous stage's output [b, s/sp, H] when not pre_process.
+        Returns hidden states [b, s/sp, H] when not post_process; otherwise the per-token loss of this
+        rank's chunk [b, s/sp] (fp32, unreduced) when labels are given, else the logits of this rank's
+        chunk [b, s/sp, V/tp] (with one tp rank: the real vocabulary only).
+        """
+        ref = input_ids if input_ids is not None else labels
+        if position_ids is None:
+            s = ref.shape[1] if ref is not None else hidden_states.shape[1] * self.mesh.sp_size
+            position_ids = torch.arange(s, device=(ref if ref is not None else hidden_states).device)
+            position_ids = position_ids.unsqueeze(0).expand(
+                (ref if ref is not None else hidden_states).shape[0], -1)
+        positions = self.shard_sequence(position_ids)             # [b, s/sp] global positions
+        if self.pre_process:
+            x = self.embedding(self.shard_sequence(input_ids), positions, self.rng_tracker)
+        else:
+            x = hidden_states
+        rope = self.rope(positions) if self.rope is not None else None
+        for layer in self.layers.values():
+            x = layer(x, rope, document_ids)
+        if not self.post_process:
+            return x
+        return self.output(x, self.shard_sequence(labels))
+
+    def output_weight(self) -> torch.Tensor:
+        return (self.embedding.word_embeddings.weight if self.config.tie_embeddings
+                else self.output_layer.weight)
+
+    def output(self, x, labels=None):
+        """Final norm, output layer and (vocab-parallel) cross entropy; never gathers the vocab."""
+        x = self.final_norm(x)
+        if self.output_layer is not None:
+            logits = self.output_layer(x)                          # [b, s/sp, V/tp]
+        else:
+            if self.sequence_parallel:
+                x = mappings.gather_from_sequence_parallel_region(x, self.mesh.tp_group)
+            else:
+                x = mappings.copy_to_tensor_parallel_region(x, self.mesh.tp_group)
+            logits = F.linear(x, self.output_weight())             # [b, s/sp, V/tp]
+        if labels is None:
+            if self.mesh.tp_size == 1:
+                logits = logits[..., :self.config.vocab_size]
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.mesh.tp_group,
+                                            vocab_size=self.config.vocab_size)

@@ -1,0 +1,231 @@
+#!/usr/bin/env python
+"""Pretrain a GPT model (GPT-2 or Llama family) with tp / Ulysses sp / pp / dp on one mesh.
+
+    python pretrain_gpt.py                       # embedded default: tiny GPT on stdlib docs, CPU
+    torchrun --nproc-per-node 4 pretrain_gpt.py --tensor-model-parallel-size 2 \
+        --sequence-parallel-size 2 --model llama-tiny --data-path my_text_document ...
+
+Flags follow Megatron-LM (see `--help` and README). This file ties the core (megatron_sp), the
+models (megatron_sp.models) and the data pipeline (megatron_sp.data) together.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+
+import torch
+
+from megatron_sp.arguments import parse_args
+from megatron_sp.flops import flops_for_config
+from megatron_sp.mesh import ParallelMesh, barrier, init_distributed
+from megatron_sp.optimizer import LRScheduler, build_optimizer
+from megatron_sp.tensor_parallel import RNGTracker
+from megatron_sp.training import MetricsWriter, Trainer, format_log_line, print_rank0
+from megatron_sp.models import GPTConfig, GPTModel, preset
+from megatron_sp.models.init import init_parameters
+
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron_sp")
+
+# The embedded default: a tiny GPT that trains on CPU in a few minutes.
+EMBEDDED_DEFAULT = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=256,
+                        micro_batch_size=8, global_batch_size=16, train_iters=150, lr=2e-3,
+                        lr_warmup_iters=15, log_interval=10, eval_interval=50, eval_iters=2)
+
+
+def model_config(args, vocab_size: int) -> GPTConfig:
+    """Preset (--model) overridden by explicit Megatron flags."""
+    fields = dict(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        kv_channels=args.kv_channels, max_position_embeddings=args.max_position_embeddings,
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        normalization=args.normalization, norm_epsilon=args.norm_epsilon,
+        attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
+        init_method_std=args.init_method_std)
+    if args.num_query_groups is not None:
+        fields["num_query_groups"] = args.num_query_groups
+    if args.swiglu:
+        fields["activation"] = "swiglu"
+    elif args.openai_gelu:
+        fields["activation"] = "gelu_tanh"
+    if args.disable_bias_linear:
+        fields["add_bias_linear"] = False
+    if args.add_qkv_bias:
+        fields["add_qkv_bias"] = True
+    if args.untie_embeddings_and_output_weights:
+        fields["tie_embeddings"] = False
+    fields = {k: v for k, v in fields.items() if v is not None}
+    fields["vocab_size"] = vocab_size
+    fields["make_vocab_size_divisible_by"] = args.make_vocab_size_divisible_by
+    if args.model:
+        return preset(args.model, **fields)
+    fields.setdefault("max_position_embeddings", args.seq_length)
+    fields.setdefault("attention_dropout", 0.0)
+    fields.setdefault("hidden_dropout", 0.0)
+    return GPTConfig(**fields)
+
+
+def apply_embedded_default(args) -> bool:
+    """No data and no model given: the embedded default run (returns True if applied)."""
+    if args.data_path or args.mock_data or args.model or args.num_layers:
+        return False
+    explicit = {a[2:].replace("-", "_") for a in sys.argv[1:] if a.startswith("--")}
+    for key, value in EMBEDDED_DEFAULT.items():
+        if key not in explicit:
+            setattr(args, key, value)
+    args.lr_decay_iters = args.train_iters
+    args.lr_decay_style = "cosine" if "lr_decay_style" not in explicit else args.lr_decay_style
+    args.min_lr = args.lr / 10 if "min_lr" not in explicit else args.min_lr
+    args.position_embedding_type = args.position_embedding_type or "rope"
+    args.normalization = args.normalization or "RMSNorm"
+    args.swiglu = True
+    args.disable_bias_linear = True
+    return True
+
+
+def build_tokenizer_and_data(args, mesh):
+    """(tokenizer or None, data prefix list or None) following --data-path / --mock-data / default."""
+    from megatron_sp import data as msdata
+    if args.mock_data:
+        vocab = args.vocab_size or 1024
+        return msdata.build_tokenizer("NullTokenizer", vocab_size=vocab), None
+    if not args.data_path:
+        cache = args.cache_dir or DEFAULT_CACHE
+        if mesh.rank == 0:
+            print_rank0(mesh, f"> building the embedded default corpus under {cache} (once) ...")
+            prefix, model_path = msdata.build_default_corpus(cache)
+        barrier(mesh)
+        prefix, model_path = msdata.build_default_corpus(cache)
+        args.data_path = [prefix]
+        args.tokenizer_type, args.tokenizer_model = "SentencePieceTokenizer", model_path
+        args.data_cache_path = args.data_cache_path or os.path.join(cache, "index-cache")
+    if args.tokenizer_type is None:
+        raise SystemExit("error: --data-path needs --tokenizer-type (and --tokenizer-model).")
+    tok = msdata.build_tokenizer(args.tokenizer_type, args.tokenizer_model, vocab_size=args.vocab_size)
+    return tok, args.data_path
+
+
+class MockDataset:
+    """Random tokens, the same sample i in every layout (seeded by the sample index)."""
+
+    def __init__(self, vocab_size: int, seq_length: int, seed: int, num_samples: int):
+        self.vocab, self.seq, self.seed, self.n = vocab_size, seq_length, seed, num_samples
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import numpy as np
+        rng = np.random.default_rng([self.seed, i])
+        text = rng.integers(0, self.vocab, self.seq + 1, dtype=np.int64)
+        return {"tokens": text[:-1], "labels": text[1:],
+                "loss_mask": np.ones(self.seq, dtype=np.float32),
+                "position_ids": np.arange(self.seq, dtype=np.int64)}
+
+
+def build_datasets(args, tokenizer, data_path, mesh):
+    from megatron_sp import data as msdata
+    train_samples = args.train_iters * args.global_batch_size
+    eval_runs = args.train_iters // args.eval_interval + 1
+    eval_samples = eval_runs * args.eval_iters * args.global_batch_size
+    if data_path is None:
+        return (MockDataset(tokenizer.vocab_size, args.seq_length, args.seed, train_samples),
+                MockDataset(tokenizer.vocab_size, args.seq_length, args.seed + 1, eval_samples))
+    train, valid, _ = msdata.build_gpt_datasets(
+        data_path, args.split, args.seq_length, args.seed, (train_samples, eval_samples, 0),
+        tokenizer.eod, tokenizer.pad, args.data_cache_path,
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss, return_document_ids=args.reset_attention_mask,
+        rank=mesh.rank, world_size=mesh.world_size, barrier=lambda: barrier(mesh))
+    return train, valid
+
+
+def loader(dataset, consumed, args, mesh):
+    from megatron_sp.data import PretrainingDataLoader
+    return iter(PretrainingDataLoader(dataset, consumed, args.micro_batch_size, mesh.dp_rank,
+                                      mesh.dp_size))
+
+
+def build_model(config, mesh, args, device):
+    tracker = RNGTracker(args.seed, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, sp_rank=mesh.sp_rank)
+    model = GPTModel(config, mesh, attention_backend=args.attention_backend,
+                     sequence_parallel=args.sequence_parallel, rng_tracker=tracker)
+    init_parameters(model, seed=args.seed)
+    return [model.to(device)]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    embedded = apply_embedded_default(args)
+    env = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    torch.set_num_threads(max(1, torch.get_num_threads() // max(1, (env or {}).get("world_size", 1))))
+    mesh = ParallelMesh.from_sizes(tp=args.tensor_model_parallel_size, sp=args.sequence_parallel_size,
+                                   pp=args.pipeline_model_parallel_size)
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available()
+                          else "cpu")
+    torch.manual_seed(args.seed)
+    tokenizer, data_path = build_tokenizer_and_data(args, mesh)
+    if args.seq_length is None:
+        raise SystemExit("error: --seq-length is required.")
+    config = model_config(args, tokenizer.vocab_size)
+    if args.seq_length > config.max_position_embeddings and config.position_embedding_type == "learned_absolute":
+        raise SystemExit(f"error: --seq-length {args.seq_length} exceeds --max-position-embeddings "
+                         f"{config.max_position_embeddings} of learned position embeddings.")
+    if args.seq_length % (mesh.sp_size * (mesh.tp_size if args.sequence_parallel else 1)):
+        raise SystemExit(f"error: --seq-length {args.seq_length} is not divisible by the sequence "
+                         f"shards (sp={mesh.sp_size}" + (f" x tp={mesh.tp_size}" if args.sequence_parallel
+                                                         else "") + ").")
+    chunks = build_model(config, mesh, args, device)
+    print_rank0(mesh, f"> {mesh}\n> model: {config.num_parameters() / 1e6:.2f}M parameters, "
+                      f"{config}\n> attention backend: {chunks[0].attention_backend_name}")
+    optimizer = build_optimizer(chunks, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2),
+                                args.adam_eps)
+    scheduler = LRScheduler(optimizer, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
+                            args.lr_decay_style, args.lr_wsd_decay_iters)
+    trainer = Trainer(chunks, optimizer, scheduler, mesh, global_batch_size=args.global_batch_size,
+                      micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+                      clip_grad=args.clip_grad, bf16=args.bf16,
+                      flops_per_step=flops_for_config(config, args.global_batch_size, args.seq_length,
+                                                      mesh.tp_size),
+                      peak_tflops=args.peak_tflops, bucket_mb=args.grad_bucket_size_mb)
+    train_ds, valid_ds = build_datasets(args, tokenizer, data_path, mesh)
+    train_iter = loader(train_ds, trainer.state.consumed_train_samples, args, mesh)
+    valid_iter = loader(valid_ds, 0, args, mesh) if valid_ds is not None else None
+    metrics = MetricsWriter(mesh, args.metrics_jsonl, args.tensorboard_dir)
+    train(args, trainer, train_iter, valid_iter, metrics)
+    metrics.close()
+    if embedded:
+        print_rank0(mesh, "> embedded default finished: loss above should have fallen; logs: "
+                          f"{args.metrics_jsonl or 'stdout (add --metrics-jsonl PATH)'}")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def train(args, trainer, train_iter, valid_iter, metrics):
+    from megatron_sp import comm_stats
+    mesh = trainer.mesh
+    comm_stats.reset()
+    start, last_logged = time.time(), trainer.state.iteration
+    while trainer.state.iteration < args.train_iters:
+        mbs = [next(train_iter) for _ in range(trainer.num_micro_batches)]
+        result = trainer.train_step(mbs)
+        it = trainer.state.iteration
+        if it % args.log_interval == 0 or it == args.train_iters:
+            elapsed = time.time() - start
+            record = trainer.log_record(result, elapsed, it - last_logged)
+            print_rank0(mesh, format_log_line(record, args.train_iters))
+            metrics.write(record)
+            comm_stats.reset()
+            start, last_logged = time.time(), it
+        if valid_iter is not None and args.eval_iters > 0 and (
+                it % args.eval_interval == 0 or it == args.train_iters):
+            val = trainer.evaluate(valid_iter, args.eval_iters)
+            print_rank0(mesh, f"validation at iteration {it} | lm loss: {val:.6E}")
+            metrics.write({"iteration": it, "valid_lm_loss": val})
+            start = time.time()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Layout equivalence: train the same model in a parallel layout and on one rank, compare.
+
+Every rank of a spawned gloo job trains the one-rank reference locally (a ParallelMesh.single()
+model, no communication) and the parallel model on the real mesh, on the same global batches, then
+compares per-step losses (1e-5 relative) and full gradients (gathered over tp, 1e-4) after every
+step. Parameters are initialised layout-independently, so both start from identical weights.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megatron_sp.mesh import ParallelMesh
+from megatron_sp.optimizer import LRScheduler, build_optimizer
+from megatron_sp.tensor_parallel import gather_full_like
+from megatron_sp.training import Trainer
+from megatron_sp.models import GPTModel, preset
+from megatron_sp.models.init import init_parameters
+
+LOSS_RTOL = 1e-5
+GRAD_ATOL = 1e-4
+
+
+def global_batches(vocab: int, seq: int, global_batch: int, steps: int, seed: int, packed=False):
+    """Fresh random samples with random loss masks (some all-zero spans), as numpy."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        text = rng.integers(0, vocab, (global_batch, seq + 1))
+        mask = (rng.random((global_batch, seq)) > 0.2).astype(np.float32)
+        mask[0, : seq // 2] = 0.0          # a sequence chunk with no unmasked token
+        batch = {"tokens": text[:, :-1], "labels": text[:, 1:], "loss_mask": mask,
+                 "position_ids": np.tile(np.arange(seq), (global_batch, 1))}
+        if packed:   # documents of random lengths, crossing sp chunk boundaries
+            starts = rng.random((global_batch, seq)) < 4.0 / seq
+            starts[:, 0] = True
+            doc = np.cumsum(starts, axis=1) - 1
+            first = np.maximum.accumulate(np.where(starts, np.arange(seq), 0), axis=1)
+            batch["document_ids"] = doc
+            batch["position_ids"] = np.arange(seq) - first
+        out.append({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()})
+    return out
+
+
+def micro_batches(batch: dict, micro_batch_size: int, dp_rank: int, dp_size: int) -> list[dict]:
+    """This dp rank's micro-batches of a global batch, in Megatron's sampler order."""
+    n = batch["tokens"].shape[0]
+    step = micro_batch_size * dp_size
+    out = []
+    for start in range(0, n, step):
+        lo = start + dp_rank * micro_batch_size
+        out.append({k: v[lo:lo + micro_batch_size] for k, v in batch.items()})
+    return out
+
+
+def train_layout(mesh, config, batches, micro_batch_size, *, sequence_parallel=False, seed=7,
+                 model_kwargs=None, lr=1e-3):
+    """Train on `mesh`; return per-step (loss, grad_norm, {name: full gradient})."""
+    model = GPTModel(config, mesh, sequence_parallel=sequence_parallel, **(model_kwargs or {}))
+    init_parameters(model, seed=seed)
+    optimizer = build_optimizer([model], lr=lr, weight_decay=0.1)
+    scheduler = LRScheduler(optimizer, lr, lr / 10, warmup_iters=1, decay_iters=len(batches),
+                            style="cosine")
+    global_batch = batches[0]["tokens"].shape[0]
+    trainer = Trainer([model], optimizer, scheduler, mesh, global_batch_size=global_batch,
+                      micro_batch_size=micro_batch_size, seq_length=batches[0]["tokens"].shape[1],
+                      clip_grad=1.0, bucket_mb=0.05)
+    history = []
+    for batch in batches:
+        result = trainer.train_step(micro_batches(batch, micro_batch_size, mesh.dp_rank, mesh.dp_size))
+        grads = {name: gather_full_like(p.grad, p, mesh.tp_group)
+                 for name, p in model.named_parameters()}
+        history.append((result.loss, result.grad_norm, grads))
+    return history
+
+
+def compare(reference, candidate, what: str, loss_rtol=LOSS_RTOL, grad_atol=GRAD_ATOL):
+    """Assert per-step losses and every full gradient agree; returns the worst differences."""
+    worst_loss, worst_grad = 0.0, 0.0
+    for step, ((l0, n0, g0), (l1, n1, g1)) in enumerate(zip(reference, candidate)):
+        rel = abs(l1 - l0) / max(abs(l0), 1e-12)
+        assert rel <= loss_rtol, f"{what}: step {step} loss {l1} vs one rank {l0} (rel {rel:.2e})"
+        for name, g in g1.items():
+            ref = g0[name]
+            if name.startswith("embedding.word_embeddings") or name.startswith("output_layer"):
+                rows = min(ref.shape[0], g.shape[0])     # padded vocab differs with tp
+                ref, g = ref[:rows], g[:rows]
+            diff = (g - ref).abs().max().item()
+            assert diff <= grad_atol, f"{what}: step {step} gradient of {name} differs by {diff:.2e}"
+            worst_grad = max(worst_grad, diff)
+        assert abs(n1 - n0) <= 1e-4 * max(1.0, n0), f"{what}: step {step} grad norm {n1} vs {n0}"
+        worst_loss = max(worst_loss, rel)
+    assert len(candidate) == len(reference) > 0
+    return worst_loss, worst_grad
+
+
+def check_layouts(rank, world, cases):
+    """Run each (name, preset overrides, tp, sp, micro_batch, sequence_parallel, packed) case."""
+    torch.manual_seed(1000 + rank)
+    results = []
+    for case in cases:
+        cfg = preset(case["model"], **case.get("overrides", {}))
+        batches = global_batches(cfg.vocab_size, case["seq"], case["global_batch"], case["steps"],
+                                 seed=case.get("data_seed", 11), packed=case.get("packed", False))
+        reference = train_layout(ParallelMesh.single(), cfg, batches, case["global_batch"])
+        mesh = ParallelMesh.from_sizes(tp=case.get("tp", 1), sp=case.get("sp", 1))
+        candidate = train_layout(mesh, cfg, batches, case["micro_batch"],
+                                 sequence_parallel=case.get("sequence_parallel", False))
+        results.append((case["name"],) + compare(reference, candidate, case["name"]))
+    return results
