@@ -74,7 +74,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad_2d = grad.view(-1, grad.size(-1))             # [b*s, V/tp]
         rows = torch.arange(grad_2d.size(0), device=grad.device)
         hit = (~outside).view(-1).to(grad.dtype)           # [b*s]: 1 where the target is local
-        grad_2d[rows, local_labels.view(-1)] -= (1.0 - ctx.smoothing) * hit
+        grad_2d[rows, local_labels.view(-1)] -= (1.0 - ctx.smoothing) * hit  # labels [b*s]
         if ctx.smoothing:
             grad[..., :ctx.n_valid] -= ctx.smoothing / ctx.vocab_size
         grad.mul_(grad_loss.unsqueeze(-1))                 # [b, s, V/tp] * [b, s, 1]

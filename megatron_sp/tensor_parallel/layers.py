@@ -230,7 +230,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight)          # [b, s, D], partial over tp
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # mask [b, s] -> [b, s, 1]
         if sequence_parallel:
             return mappings.reduce_scatter_to_sequence_parallel_region(out, self.group)  # [b, s/tp, D]
         return mappings.reduce_from_tensor_parallel_region(out, self.group)

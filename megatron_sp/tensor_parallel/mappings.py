@@ -149,7 +149,7 @@ class _CopyToTensorParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return x.view_as(x)
+        return x.view_as(x)                                 # same shape, a new autograd node
 
     @staticmethod
     def backward(ctx, grad):
