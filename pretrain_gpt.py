@@ -23,6 +23,7 @@ from megatron_sp.mesh import ParallelMesh, barrier, init_distributed
 from megatron_sp.optimizer import LRScheduler, build_optimizer
 from megatron_sp.tensor_parallel import RNGTracker
 from megatron_sp.training import MetricsWriter, Trainer, format_log_line, print_rank0
+from megatron_sp.memory import MemoryOptions, SavedTensorAccountant, format_report, peak_device_memory
 from megatron_sp.models import GPTConfig, GPTModel, preset
 from megatron_sp.models.init import init_parameters
 
@@ -151,7 +152,8 @@ def loader(dataset, consumed, args, mesh):
 def build_model(config, mesh, args, device):
     tracker = RNGTracker(args.seed, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, sp_rank=mesh.sp_rank)
     model = GPTModel(config, mesh, attention_backend=args.attention_backend,
-                     sequence_parallel=args.sequence_parallel, rng_tracker=tracker)
+                     sequence_parallel=args.sequence_parallel, rng_tracker=tracker,
+                     memory=MemoryOptions.from_args(args))
     init_parameters(model, seed=args.seed)
     return [model.to(device)]
 
@@ -210,12 +212,26 @@ def train(args, trainer, train_iter, valid_iter, metrics):
     start, last_logged = time.time(), trainer.state.iteration
     while trainer.state.iteration < args.train_iters:
         mbs = [next(train_iter) for _ in range(trainer.num_micro_batches)]
-        result = trainer.train_step(mbs)
+        nxt = trainer.state.iteration + 1
+        logging = nxt % args.log_interval == 0 or nxt == args.train_iters
+        if args.report_memory and logging:   # --report-memory: account this step's saved tensors
+            accountant = SavedTensorAccountant().attach(trainer.chunks)
+            with accountant.recording():
+                result = trainer.train_step(mbs)
+            accountant.detach()
+        else:
+            result = trainer.train_step(mbs)
         it = trainer.state.iteration
         if it % args.log_interval == 0 or it == args.train_iters:
             elapsed = time.time() - start
             record = trainer.log_record(result, elapsed, it - last_logged)
-            print_rank0(mesh, format_log_line(record, args.train_iters))
+            line = format_log_line(record, args.train_iters)
+            if args.report_memory:
+                report = accountant.report()
+                record["saved_bytes_per_rank"] = report["device_bytes"]
+                record["offloaded_bytes_per_rank"] = report["host_bytes"]
+                line += " | " + format_report(report, peak_device_memory(trainer.device))
+            print_rank0(mesh, line)
             metrics.write(record)
             comm_stats.reset()
             start, last_logged = time.time(), it

@@ -65,7 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     t.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
-    t.add_argument("--recompute-num-layers", type=int, default=None)
+    t.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="full+uniform: layers per checkpointed group; full+block: layers of each "
+                        "stage recomputed (default 1)")
+    t.add_argument("--mlp-tiles", default="1",
+                   help="run the MLP over N sequence tiles recomputed in backward (or 'auto'), so the "
+                        "[s, ffn] intermediate never exists whole")
+    t.add_argument("--loss-chunks", default="1",
+                   help="output layer + cross entropy over N sequence chunks recomputed in backward "
+                        "(or 'auto'), so the [s, vocab] logits never exist whole")
+    _bool_flag(t, "--offload-activations", "keep saved activations of the transformer layers (with "
+               "full recompute: the checkpointed layer inputs) in pinned host memory until backward")
+    _bool_flag(t, "--report-memory", "print activation bytes saved for backward per rank and layer, "
+               "and peak device memory, with the log line")
     t.add_argument("--attention-backend", default="auto", choices=["auto", "te", "flash", "sdpa"])
     t.add_argument("--grad-bucket-size-mb", type=float, default=25.0)
     t.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
@@ -127,8 +139,6 @@ UNSUPPORTED = [
      "--decoder-first-pipeline-num-layers needs pipeline parallelism, which has not landed."),
     ("decoder_last_pipeline_num_layers", lambda v: v is not None,
      "--decoder-last-pipeline-num-layers needs pipeline parallelism, which has not landed."),
-    ("recompute_granularity", lambda v: v is not None,
-     "--recompute-granularity has not landed yet (activation recompute)."),
     ("load", lambda v: v is not None, "--load is not available yet (checkpointing has not landed)."),
     ("exit_signal_handler", lambda v: v, "--exit-signal-handler needs checkpointing, which has not landed."),
 ]
@@ -147,6 +157,16 @@ def validate(args) -> None:
         args.lr_decay_iters = args.train_iters if args.train_iters else 1
     if args.lr_warmup_fraction is not None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    if args.recompute_granularity != "full" and (args.recompute_method is not None
+                                                  or args.recompute_num_layers is not None):
+        raise SystemExit("error: --recompute-method and --recompute-num-layers need "
+                         "--recompute-granularity full.")
+    for flag in ("mlp_tiles", "loss_chunks"):
+        value = getattr(args, flag)
+        if value != "auto" and not (str(value).isdigit() and int(value) >= 1):
+            raise SystemExit(f"error: --{flag.replace('_', '-')} must be a positive integer or "
+                             f"'auto', got {value!r}.")
+        setattr(args, flag, value if value == "auto" else int(value))
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # Megatron also drops it silently at tp=1: nothing to shard
 

@@ -24,6 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_sp.attention import get_attention_backend
+from megatron_sp.memory import (MemoryOptions, RecomputedAttention, chunked_output_loss,
+                                forward_layers, tiled_mlp)
 from megatron_sp.mesh import ParallelMesh
 from megatron_sp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                          VocabParallelEmbedding, vocab_parallel_cross_entropy)
@@ -113,10 +115,14 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Column-parallel fc1 -> activation -> row-parallel fc2 (SwiGLU: fused gate and up)."""
+    """Column-parallel fc1 -> activation -> row-parallel fc2 (SwiGLU: fused gate and up).
 
-    def __init__(self, config: GPTConfig, mesh: ParallelMesh, sequence_parallel: bool):
+    tiles > 1 (or "auto"): run over sequence tiles, each recomputed in backward (megatron_sp.memory).
+    """
+
+    def __init__(self, config: GPTConfig, mesh: ParallelMesh, sequence_parallel: bool, tiles=1):
         super().__init__()
+        self.tiles = tiles
         self.swiglu = config.activation == "swiglu"
         self.activation = config.activation
         fc1_out = config.ffn_hidden_size * (2 if self.swiglu else 1)
@@ -132,19 +138,24 @@ class MLP(nn.Module):
             return F.silu(gate) * up
         return F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
 
-    def forward(self, x):
+    def _forward(self, x):
         return self.fc2(self.act(self.fc1(x)))
+
+    def forward(self, x):
+        if self.tiles == 1:
+            return self._forward(x)
+        return tiled_mlp(self._forward, x, self.tiles, ffn_width=self.fc1.out_per_rank)
 
 
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config, mesh, backend, sequence_parallel, rng_tracker=None):
+    def __init__(self, config, mesh, backend, sequence_parallel, rng_tracker=None, mlp_tiles=1):
         super().__init__()
         self.input_norm = make_norm(config)
         self.attention = SelfAttention(config, mesh, backend, sequence_parallel, rng_tracker)
         self.post_attention_norm = make_norm(config)
-        self.mlp = MLP(config, mesh, sequence_parallel)
+        self.mlp = MLP(config, mesh, sequence_parallel, tiles=mlp_tiles)
         self.hidden_dropout = config.hidden_dropout
         self.rng_tracker = rng_tracker if sequence_parallel else None
         if sequence_parallel:
@@ -207,11 +218,13 @@ class GPTModel(nn.Module):
         attention_backend: "auto" | "te" | "flash" | "sdpa", or a backend object.
         sequence_parallel: Megatron's --sequence-parallel (tp sequence sharding).
         rng_tracker: megatron_sp.tensor_parallel.RNGTracker for dropout inside tp regions.
+        memory: megatron_sp.memory.MemoryOptions (recompute, tiled MLP, chunked loss, offload).
     """
 
     def __init__(self, config: GPTConfig, mesh: ParallelMesh | None = None, *, layer_ids=None,
                  pre_process: bool | None = None, post_process: bool | None = None,
-                 attention_backend="sdpa", sequence_parallel: bool = False, rng_tracker=None):
+                 attention_backend="sdpa", sequence_parallel: bool = False, rng_tracker=None,
+                 memory: MemoryOptions | None = None):
         super().__init__()
         mesh = mesh or ParallelMesh.single()
         config.check_parallel(mesh.tp_size, mesh.sp_size, mesh.pp_size)
@@ -224,6 +237,9 @@ class GPTModel(nn.Module):
         backend = get_attention_backend(attention_backend) if isinstance(attention_backend, str) \
             else attention_backend
         self.attention_backend_name = getattr(backend, "name", type(backend).__name__)
+        self.memory = memory or MemoryOptions()
+        if self.memory.selective_recompute:
+            backend = RecomputedAttention(backend)
 
         # Tied embeddings: the last stage keeps its own copy of the word embeddings under the same
         # global name; the embedding group sums their gradients so both copies stay identical.
@@ -237,7 +253,8 @@ class GPTModel(nn.Module):
                      if config.position_embedding_type == "rope" else None)
         # Keys are global layer indices, so parameter names are layout-independent.
         self.layers = nn.ModuleDict({
-            str(i): TransformerLayer(config, mesh, backend, self.sequence_parallel, rng_tracker)
+            str(i): TransformerLayer(config, mesh, backend, self.sequence_parallel, rng_tracker,
+                                     mlp_tiles=self.memory.mlp_tiles)
             for i in self.layer_ids})
         self.final_norm = self.output_layer = None
         if self.post_process:
@@ -285,8 +302,7 @@ class GPTModel(nn.Module):
         else:
             x = hidden_states
         rope = self.rope(positions) if self.rope is not None else None
-        for layer in self.layers.values():
-            x = layer(x, rope, document_ids)
+        x = forward_layers(self.layers.items(), x, rope, document_ids, self.memory, self.rng_tracker)
         if not self.post_process:
             return x
         return self.output(x, self.shard_sequence(labels))
@@ -298,6 +314,11 @@ class GPTModel(nn.Module):
     def output(self, x, labels=None):
         """Final norm, output layer and (vocab-parallel) cross entropy; never gathers the vocab."""
         x = self.final_norm(x)
+        if labels is not None and self.memory.loss_chunks != 1:
+            return chunked_output_loss(x, labels, self.output_weight(), mesh=self.mesh,
+                                       sequence_parallel=self.sequence_parallel,
+                                       vocab_size=self.config.vocab_size,
+                                       chunks=self.memory.loss_chunks)
         if self.output_layer is not None:
             logits = self.output_layer(x)                          # [b, s/sp, V/tp]
         else:

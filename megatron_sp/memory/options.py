@@ -1,0 +1,77 @@
+"""MemoryOptions: the long-context memory techniques, one dataclass passed to GPTModel(memory=...).
+
+    recompute_granularity  None | "full" | "selective"   (Megatron's --recompute-granularity)
+    recompute_method       "uniform" | "block"            (--recompute-method, full only)
+    recompute_num_layers   int                            (--recompute-num-layers, full only)
+    mlp_tiles              1 (off) | N | "auto"           (--mlp-tiles): MLP over N sequence tiles
+    loss_chunks            1 (off) | N | "auto"           (--loss-chunks): output layer + loss in chunks
+    offload_activations    bool                           (--offload-activations): saved tensors of
+                           the transformer layers (with full recompute: only the checkpointed layer
+                           inputs) live in host memory until backward
+
+Megatron's meanings: full + uniform checkpoints groups of `recompute_num_layers` consecutive layers
+(only each group's input is kept); full + block checkpoints the first `recompute_num_layers` layers of
+each pipeline stage one by one and keeps the rest; selective recomputes the attention core only.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class MemoryOptions:
+    recompute_granularity: str | None = None
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    mlp_tiles: int | str = 1
+    loss_chunks: int | str = 1
+    offload_activations: bool = False
+
+    def __post_init__(self):
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ValueError(f"recompute_granularity must be None, 'full' or 'selective', got "
+                             f"{self.recompute_granularity!r}.")
+        if self.recompute_method not in ("uniform", "block"):
+            raise ValueError(f"recompute_method must be 'uniform' or 'block', got "
+                             f"{self.recompute_method!r}.")
+        if not isinstance(self.recompute_num_layers, int) or self.recompute_num_layers < 0 or (
+                self.recompute_method == "uniform" and self.recompute_num_layers < 1):
+            raise ValueError(f"recompute_num_layers must be >= 1 (uniform) or >= 0 (block), got "
+                             f"{self.recompute_num_layers!r}.")
+        for name in ("mlp_tiles", "loss_chunks"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.isdigit():
+                value = int(value)
+                setattr(self, name, value)
+            if value != "auto" and not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be a positive integer or 'auto', got {value!r}.")
+
+    @property
+    def full_recompute(self) -> bool:
+        return self.recompute_granularity == "full"
+
+    @property
+    def selective_recompute(self) -> bool:
+        return self.recompute_granularity == "selective"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_args(cls, args) -> "MemoryOptions":
+        """From parsed megatron_sp.arguments (Megatron flag names plus ours)."""
+        return cls(recompute_granularity=args.recompute_granularity,
+                   recompute_method=args.recompute_method or "uniform",
+                   recompute_num_layers=(args.recompute_num_layers
+                                         if args.recompute_num_layers is not None else 1),
+                   mlp_tiles=getattr(args, "mlp_tiles", 1) or 1,
+                   loss_chunks=getattr(args, "loss_chunks", 1) or 1,
+                   offload_activations=bool(getattr(args, "offload_activations", False)))
+
+
+def resolve_count(value: int | str, length: int, width: int, hidden: int) -> int:
+    """Tiles/chunks for a [.., length, width] intermediate: `auto` makes one tile's intermediate
+    no wider than the [length, hidden] residual stream (ceil(width / hidden)); never above length."""
+    n = math.ceil(width / hidden) if value == "auto" else int(value)
+    return max(1, min(n, length))
