@@ -12,6 +12,7 @@ import torch
 
 from megatron_sp.mesh import ParallelMesh
 from megatron_sp.optimizer import LRScheduler, build_optimizer
+from megatron_sp.pipeline import chunk_specs, get_forward_backward_func, prune_stage
 from megatron_sp.tensor_parallel import gather_full_like
 from megatron_sp.training import Trainer
 from megatron_sp.models import GPTModel, preset
@@ -53,23 +54,45 @@ def micro_batches(batch: dict, micro_batch_size: int, dp_rank: int, dp_size: int
     return out
 
 
+def build_chunks(mesh, config, *, sequence_parallel=False, model_kwargs=None, pipeline=None, seed=7):
+    """This stage's model chunks (one unless interleaved) and the schedule of the layout.
+
+    pipeline: {"virtual": layers per virtual stage, "first"/"last": uneven stage sizes}.
+    """
+    pipeline = pipeline or {}
+    specs = chunk_specs(config.num_layers, mesh, layers_per_virtual_stage=pipeline.get("virtual"),
+                        first=pipeline.get("first"), last=pipeline.get("last"))
+    chunks = []
+    for spec in specs:
+        chunk = GPTModel(config, mesh, sequence_parallel=sequence_parallel, **spec,
+                         **(model_kwargs or {}))
+        prune_stage(chunk)
+        init_parameters(chunk, seed=seed)
+        chunks.append(chunk)
+    return chunks, get_forward_backward_func(mesh.pp_size, len(chunks))
+
+
 def train_layout(mesh, config, batches, micro_batch_size, *, sequence_parallel=False, seed=7,
-                 model_kwargs=None, lr=1e-3):
-    """Train on `mesh`; return per-step (loss, grad_norm, {name: full gradient})."""
-    model = GPTModel(config, mesh, sequence_parallel=sequence_parallel, **(model_kwargs or {}))
-    init_parameters(model, seed=seed)
-    optimizer = build_optimizer([model], lr=lr, weight_decay=0.1)
+                 model_kwargs=None, lr=1e-3, pipeline=None):
+    """Train on `mesh`; return per-step (loss, grad_norm, {name: full gradient}).
+
+    With pipelining each stage reports the gradients of the parameters it holds (names are global);
+    the loss and grad norm are global on every rank.
+    """
+    chunks, schedule = build_chunks(mesh, config, sequence_parallel=sequence_parallel,
+                                    model_kwargs=model_kwargs, pipeline=pipeline, seed=seed)
+    optimizer = build_optimizer(chunks, lr=lr, weight_decay=0.1)
     scheduler = LRScheduler(optimizer, lr, lr / 10, warmup_iters=1, decay_iters=len(batches),
                             style="cosine")
     global_batch = batches[0]["tokens"].shape[0]
-    trainer = Trainer([model], optimizer, scheduler, mesh, global_batch_size=global_batch,
+    trainer = Trainer(chunks, optimizer, scheduler, mesh, global_batch_size=global_batch,
                       micro_batch_size=micro_batch_size, seq_length=batches[0]["tokens"].shape[1],
-                      clip_grad=1.0, bucket_mb=0.05)
+                      clip_grad=1.0, bucket_mb=0.05, schedule=schedule)
     history = []
     for batch in batches:
         result = trainer.train_step(micro_batches(batch, micro_batch_size, mesh.dp_rank, mesh.dp_size))
         grads = {name: gather_full_like(p.grad, p, mesh.tp_group)
-                 for name, p in model.named_parameters()}
+                 for chunk in chunks for name, p in chunk.named_parameters()}
         history.append((result.loss, result.grad_norm, grads))
     return history
 
@@ -95,7 +118,8 @@ def compare(reference, candidate, what: str, loss_rtol=LOSS_RTOL, grad_atol=GRAD
 
 
 def check_layouts(rank, world, cases):
-    """Run each (name, preset overrides, tp, sp, micro_batch, sequence_parallel, packed) case."""
+    """Run each (name, preset overrides, tp, sp, pp, pipeline, micro_batch, sequence_parallel,
+    packed) case."""
     torch.manual_seed(1000 + rank)
     results = []
     for case in cases:
@@ -103,8 +127,10 @@ def check_layouts(rank, world, cases):
         batches = global_batches(cfg.vocab_size, case["seq"], case["global_batch"], case["steps"],
                                  seed=case.get("data_seed", 11), packed=case.get("packed", False))
         reference = train_layout(ParallelMesh.single(), cfg, batches, case["global_batch"])
-        mesh = ParallelMesh.from_sizes(tp=case.get("tp", 1), sp=case.get("sp", 1))
+        mesh = ParallelMesh.from_sizes(tp=case.get("tp", 1), sp=case.get("sp", 1),
+                                       pp=case.get("pp", 1))
         candidate = train_layout(mesh, cfg, batches, case["micro_batch"],
-                                 sequence_parallel=case.get("sequence_parallel", False))
+                                 sequence_parallel=case.get("sequence_parallel", False),
+                                 pipeline=case.get("pipeline"))
         results.append((case["name"],) + compare(reference, candidate, case["name"]))
     return results

@@ -1,0 +1,106 @@
+"""Point-to-point communication between pipeline stages: every pipeline `dist.` call lives here.
+
+Forward: activations [b, s/sp, H] ([b, s/(sp*tp), H] with --sequence-parallel) go to the next
+stage; backward: their gradients (same shape) go to the previous stage. Every exchange of one
+schedule step is issued as one `dist.batch_isend_irecv` (sends and receives posted together, then
+waited), so two neighbours that both send and receive never deadlock.
+
+Neighbours form a ring over the pp group (stage p-1's "next" is stage 0) because interleaved
+schedules pass activations from the last stage's chunk c to the first stage's chunk c+1; the
+schedules decide when the ring edge is used. Two messages can travel between the same pair in the
+same step (with pp=2 and virtual stages a peer is both previous and next), so messages are told
+apart by tag (activations 0, gradients 1) and posted in a canonical order (activation ops, then
+gradient ops) on both sides, which also keeps them matched on backends that ignore tags.
+
+Bytes sent are counted as "pp/send" in megatron_sp.comm_stats.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_sp import comm_stats
+
+ACTIVATION_TAG = 0
+GRADIENT_TAG = 1
+
+
+class P2PCommunicator:
+    """Send/receive of one fixed-shape tensor between this stage and its pipeline neighbours.
+
+    shape: the activation shape [b, s_local, H]; dtype: the wire dtype (fp32 by default, the dtype
+    of the residual stream, also under bf16 autocast). Tensors are cast to it on send.
+    """
+
+    def __init__(self, mesh, shape, dtype=torch.float32, device=None):
+        self.mesh = mesh
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.device = device or torch.device("cpu")
+        self.group = mesh.pp_group
+        pp, r = mesh.pp_size, mesh.pp_rank
+        self.next_rank = mesh.stage_rank((r + 1) % pp)
+        self.prev_rank = mesh.stage_rank((r - 1) % pp)
+
+    def _empty(self):
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+    def _send_op(self, tensor, peer, tag):
+        tensor = tensor.detach().to(self.dtype).contiguous()
+        if tuple(tensor.shape) != self.shape:
+            raise RuntimeError(f"pipeline send of shape {tuple(tensor.shape)}, expected {self.shape} "
+                               f"(micro-batch shape changed inside one step?).")
+        comm_stats.record("pp/send", tensor.numel() * tensor.element_size())
+        return dist.P2POp(dist.isend, tensor, peer, self.group, tag)
+
+    def communicate(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+        """One batched exchange. send_next: activation to the next stage; send_prev: gradient to
+        the previous stage; recv_prev: receive an activation from the previous stage; recv_next:
+        receive a gradient from the next stage. Returns (from_prev, from_next) (None if not asked).
+        """
+        from_prev = self._empty() if recv_prev else None
+        from_next = self._empty() if recv_next else None
+        ops = []
+        # Activations (travel downstream), then gradients (travel upstream): the same order on
+        # both ends of every link.
+        if send_next is not None:
+            ops.append(self._send_op(send_next, self.next_rank, ACTIVATION_TAG))
+        if from_prev is not None:
+            ops.append(dist.P2POp(dist.irecv, from_prev, self.prev_rank, self.group, ACTIVATION_TAG))
+        if send_prev is not None:
+            ops.append(self._send_op(send_prev, self.prev_rank, GRADIENT_TAG))
+        if from_next is not None:
+            ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, self.group, GRADIENT_TAG))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return from_prev, from_next
+
+    # Megatron's named exchanges ---------------------------------------------------------------
+    def recv_forward(self, recv=True):
+        return self.communicate(recv_prev=recv)[0]
+
+    def send_forward(self, output):
+        self.communicate(send_next=output)
+
+    def recv_backward(self, recv=True):
+        return self.communicate(recv_next=recv)[1]
+
+    def send_backward(self, input_grad):
+        self.communicate(send_prev=input_grad)
+
+    def send_forward_recv_backward(self, output, recv=True):
+        return self.communicate(send_next=output, recv_next=recv)[1]
+
+    def send_backward_recv_forward(self, input_grad, recv=True):
+        return self.communicate(send_prev=input_grad, recv_prev=recv)[0]
+
+    def send_forward_recv_forward(self, output, recv_prev):
+        return self.communicate(send_next=output, recv_prev=recv_prev)[0]
+
+    def send_backward_recv_backward(self, input_grad, recv_next):
+        return self.communicate(send_prev=input_grad, recv_next=recv_next)[1]
+
+    def send_forward_backward_recv_forward_backward(self, output, input_grad, recv_prev, recv_next):
+        return self.communicate(send_next=output, send_prev=input_grad, recv_prev=recv_prev,
+                                recv_next=recv_next)
