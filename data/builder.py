@@ -1,0 +1,107 @@
+"""build_gpt_datasets: Megatron's --data-path / --split / sample counts to (train, valid, test)."""
+import math
+import re
+
+import numpy as np
+
+from .blended_dataset import BlendedDataset, normalize
+from .gpt_dataset import GPTDataset, GPTDatasetConfig
+from .indexed_dataset import IndexedDataset
+
+SPLIT_NAMES = ("train", "valid", "test")
+BLEND_SURPLUS = 0.005   # megatron-core's mid_level_dataset_surplus
+
+
+def parse_data_path(data_path):
+    """Megatron's list form -> (prefixes, weights or None)."""
+    if isinstance(data_path, str):
+        data_path = data_path.split()
+    items = [str(x) for x in data_path]
+    if len(items) % 2 == 1:
+        return items, None
+    try:
+        weights = [float(w) for w in items[0::2]]
+    except ValueError:
+        return items, None
+    return items[1::2], weights
+
+
+def split_matrix(split):
+    """'949,50,1' -> [(0, .949), (.949, .999), (.999, 1.0)], None for a 0-weight split."""
+    if isinstance(split, str):
+        split = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    split = list(split) + [0.0] * (3 - len(split))
+    ends, acc = [0.0], 0.0
+    for w in normalize(split):
+        acc = acc + w
+        ends.append(acc)
+    return [(a, b) if b > a else None for a, b in zip(ends[:-1], ends[1:])]
+
+
+def split_documents(bookends, n):
+    """The contiguous range of sequence ids a split covers."""
+    beg, end = int(round(bookends[0] * float(n))), int(round(bookends[1] * float(n)))
+    return np.arange(beg, end, dtype=np.int32)
+
+
+def _gpt_splits(prefix, matrix, sizes, config, build):
+    indexed = IndexedDataset(prefix)
+    return [None if bookends is None else
+            GPTDataset(indexed, prefix, split_documents(bookends, len(indexed)), size, name,
+                       config, build)
+            for bookends, size, name in zip(matrix, sizes, SPLIT_NAMES)]
+
+
+def _build_all(prefixes, weights, matrix, sizes, config, build):
+    if len(prefixes) == 1 and weights is None:
+        return _gpt_splits(prefixes[0], matrix, sizes, config, build)
+    if weights is not None:
+        weights = normalize(weights)
+        targets = [[int(math.ceil(s * w)) if s is not None else None for s in sizes]
+                   for w in weights]
+        if any(s is None for s, m in zip(sizes, matrix) if m is not None):
+            raise ValueError("blending with weights needs a sample count for every used split")
+        buffers = [[int(math.ceil(t * (1 + BLEND_SURPLUS))) if t is not None else None
+                    for t in row] for row in targets]
+    else:
+        buffers = [[None] * 3 for _ in prefixes]
+    per_prefix = [_gpt_splits(p, matrix, b, config, build) for p, b in zip(prefixes, buffers)]
+    out = []
+    for i, bookends in enumerate(matrix):
+        if bookends is None:
+            out.append(None)
+            continue
+        parts = [splits[i] for splits in per_prefix]
+        if weights is not None:
+            w_i, size_i = weights, sum(row[i] for row in targets)
+        else:
+            w_i = [len(d) for d in parts]
+            size_i = sum(w_i) if sizes[i] is None else min(sizes[i], sum(w_i))
+        out.append(BlendedDataset(parts, w_i, size_i, config.cache_dir, build))
+    return out
+
+
+def build_gpt_datasets(data_path, split, seq_length, seed, num_samples, eod_id, pad_id, cache_dir,
+                       *, reset_position_ids=False, reset_attention_mask=False,
+                       eod_mask_loss=False, return_document_ids=False, rank=0, world_size=1,
+                       barrier=None):
+    """(train, valid, test) datasets equal to megatron-core's for the same settings.
+
+    Rank 0 builds (and caches) the indices; the others wait (barrier, or polling the cache when
+    no barrier is given) and memory-map them.
+    """
+    prefixes, weights = parse_data_path(data_path)
+    config = GPTDatasetConfig(seq_length, seed, eod_id, pad_id, cache_dir, reset_position_ids,
+                              reset_attention_mask, eod_mask_loss, return_document_ids)
+    matrix = split_matrix(split)
+    sizes = list(num_samples) + [None] * (3 - len(num_samples))
+    result = None
+    if rank == 0:
+        result = _build_all(prefixes, weights, matrix, sizes, config, build=True)
+    if world_size > 1 and barrier is not None:
+        barrier()
+    if rank != 0:
+        if cache_dir is None:
+            raise ValueError("several ranks need a shared cache_dir for the dataset indices")
+        result = _build_all(prefixes, weights, matrix, sizes, config, build=False)
+    return tuple(result)

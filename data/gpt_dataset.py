@@ -1,0 +1,234 @@
+"""GPT pretraining dataset: the same document, sample and shuffle indices as megatron-core.
+
+A sample is seq_length + 1 consecutive tokens of the shuffled, epoch-tiled document stream;
+sample i starts at token i * seq_length (so consecutive samples share one token).
+"""
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
+
+
+@dataclass
+class GPTDatasetConfig:
+    """Everything that shapes GPT samples (plain values, no torch)."""
+    seq_length: int
+    seed: int
+    eod_id: int
+    pad_id: int = -1
+    cache_dir: str = None
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    return_document_ids: bool = False
+
+
+# ---------------------------------------------------------------------------------------------
+# index building (pure numpy, vectorised)
+
+def num_epochs_needed(tokens_per_epoch, num_samples, seq_length):
+    """Smallest e >= 1 with e * tokens_per_epoch >= num_samples * seq_length + 1."""
+    if num_samples is None:
+        return 1
+    needed = num_samples * seq_length + 1
+    return max(1, -(-needed // tokens_per_epoch))
+
+
+def build_document_index(documents, num_epochs, rng, separate_final_epoch):
+    """The split's documents tiled num_epochs times and shuffled (the last epoch on its own)."""
+    if separate_final_epoch and num_epochs > 1:
+        first = build_document_index(documents, num_epochs - 1, rng, False)
+        last = build_document_index(documents, 1, rng, False)
+        return np.concatenate((first, last))
+    index = np.tile(np.asarray(documents, np.int32), num_epochs)
+    rng.shuffle(index)
+    return index
+
+
+def build_sample_index(sequence_lengths, document_index, seq_length, num_samples):
+    """[num_samples + 1, 2] rows of (position in document_index, token offset in that document).
+
+    Row i (i >= 1) locates token i * seq_length of the flattened stream, i.e. the document that
+    holds it (empty documents never do); row 0 is (0, 0) as in Megatron's helper.
+    """
+    sizes = np.asarray(sequence_lengths)[document_index].astype(np.int64)
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    per_doc = (ends + seq_length - 1) // seq_length - (starts + seq_length - 1) // seq_length
+    doc_pos = np.repeat(np.arange(len(document_index), dtype=np.int64), per_doc)[:num_samples + 1]
+    if len(doc_pos) != num_samples + 1:
+        raise ValueError(f"the document stream holds too few tokens for {num_samples} samples")
+    offsets = np.arange(num_samples + 1, dtype=np.int64) * seq_length - starts[doc_pos]
+    big = max(len(document_index), int(sizes.max(initial=0))) > np.iinfo(np.int32).max
+    out = np.empty((num_samples + 1, 2), np.int64 if big else np.int32)
+    out[:, 0], out[:, 1] = doc_pos, offsets
+    out[0] = 0
+    return out
+
+
+def build_shuffle_index(num_samples, total_size, rng):
+    """Permutation of [0, num_samples) followed by a separate permutation of the rest."""
+    dtype = np.int64 if total_size >= np.iinfo(np.uint32).max - 1 else np.uint32
+    first = np.arange(num_samples, dtype=dtype)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=dtype)
+    rng.shuffle(last)
+    return np.concatenate((first, last))
+
+
+def build_gpt_indices(sequence_lengths, documents, num_samples, seq_length, seed):
+    """(document_index, sample_index, shuffle_index), equal to megatron-core's GPTDataset."""
+    tokens_per_epoch = int(np.asarray(sequence_lengths)[documents].sum(dtype=np.int64))
+    if tokens_per_epoch < 2:
+        raise ValueError("the split holds fewer than 2 tokens; use more data or another split")
+    num_epochs = num_epochs_needed(tokens_per_epoch, num_samples, seq_length)
+    separate, sans_final = False, None
+    if num_epochs > 1:
+        sans_final = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+        per_epoch = (tokens_per_epoch - 1) // seq_length
+        separate = num_samples - sans_final < int(SEPARATE_FINAL_EPOCH_THRESHOLD * per_epoch)
+    rng = np.random.RandomState(seed)
+    document_index = build_document_index(documents, num_epochs, rng, separate)
+    total = (num_epochs * tokens_per_epoch - 1) // seq_length
+    sample_index = build_sample_index(sequence_lengths, document_index, seq_length, total)
+    shuffle_index = build_shuffle_index(sans_final if separate else total, total, rng)
+    return document_index, sample_index, shuffle_index
+
+
+# ---------------------------------------------------------------------------------------------
+# item assembly
+
+def ltor_fields(tokens, eod_id, reset_position_ids, eod_mask_loss, want_document_ids):
+    """loss_mask, position_ids and (optionally) per-token segment ids; never an s x s mask."""
+    s = len(tokens)
+    loss_mask = np.ones(s, np.float32)
+    is_eod = tokens == eod_id
+    if eod_mask_loss:
+        loss_mask[is_eod] = 0.0
+    position_ids = np.arange(s, dtype=np.int64)
+    document_ids = None
+    if reset_position_ids or want_document_ids:
+        new_segment = np.empty(s, bool)
+        new_segment[:1] = True
+        new_segment[1:] = is_eod[:-1]
+        document_ids = np.cumsum(new_segment, dtype=np.int64) - 1
+        if reset_position_ids:
+            position_ids -= np.flatnonzero(new_segment)[document_ids]
+    return loss_mask, position_ids, document_ids
+
+
+# ---------------------------------------------------------------------------------------------
+# caching
+
+def save_npy(path, array):
+    """np.save under a temporary name, then rename (readers never see a partial file)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        np.save(f, array, allow_pickle=False)
+    os.replace(tmp, path)
+
+
+def wait_for(paths, timeout=3600.0):
+    """Poll until every path exists (used when no barrier callable is given)."""
+    deadline = time.time() + timeout
+    while not all(os.path.isfile(p) for p in paths):
+        if time.time() > deadline:
+            raise TimeoutError(f"gave up waiting for rank 0 to write {paths[0]}; check rank 0's "
+                               f"log and that the cache directory is shared by all ranks.")
+        time.sleep(0.2)
+
+
+def description_hash(description):
+    """md5 of a JSON description (the cache key)."""
+    text = json.dumps(description, indent=2, sort_keys=True, default=str)
+    return text, hashlib.md5(text.encode()).hexdigest()
+
+
+class GPTDataset:
+    """Megatron-compatible GPT samples drawn from an IndexedDataset split.
+
+    build=False means "the indices must already be cached" (non-zero ranks).
+    """
+
+    def __init__(self, indexed, path_prefix, documents, num_samples, split_name, config,
+                 build=True):
+        self.indexed, self.config, self.split_name = indexed, config, split_name
+        self.num_samples = num_samples
+        self.documents = np.asarray(documents, np.int32)
+        self.pad_id = -1 if config.pad_id == config.eod_id else config.pad_id
+        stat = os.stat(path_prefix + ".idx")
+        self.description = {
+            "class": "GPTDataset", "path": os.path.abspath(path_prefix), "idx_size": stat.st_size,
+            "documents": [int(self.documents[0]), int(self.documents[-1]) + 1]
+            if len(self.documents) else [0, 0],
+            "num_samples": num_samples, "split": split_name, "seq_length": config.seq_length,
+            "seed": config.seed,
+        }
+        self.document_index, self.sample_index, self.shuffle_index = self._indices(build)
+
+    def _indices(self, build):
+        """Load the cached indices (memory-mapped) or build them (and cache when asked)."""
+        names = ("document_index", "sample_index", "shuffle_index")
+        cache = self.config.cache_dir
+        if cache is None:
+            return self._build()
+        text, key = description_hash(self.description)
+        paths = [os.path.join(cache, f"{key}-GPTDataset-{self.split_name}-{n}.npy") for n in names]
+        if not all(map(os.path.isfile, paths)):
+            if not build:
+                wait_for(paths)
+            else:
+                os.makedirs(cache, exist_ok=True)
+                with open(os.path.join(cache, f"{key}-GPTDataset-{self.split_name}.json"), "w") as f:
+                    f.write(text)
+                for path, array in zip(paths, self._build()):
+                    save_npy(path, array)
+        return tuple(np.load(p, mmap_mode="r") for p in paths)
+
+    def _build(self):
+        return build_gpt_indices(self.indexed.sequence_lengths, self.documents, self.num_samples,
+                                 self.config.seq_length, self.config.seed)
+
+    def __len__(self):
+        return len(self.sample_index) - 1
+
+    def text(self, idx):
+        """The seq_length + 1 token ids of sample idx (after shuffling), as int64."""
+        j = int(self.shuffle_index[idx])
+        d0, o0 = (int(v) for v in self.sample_index[j])
+        d1, o1 = (int(v) for v in self.sample_index[j + 1])
+        doc, get = self.document_index, self.indexed.get
+        if d0 == d1:
+            parts = [get(int(doc[d0]), o0, o1 - o0 + 1)]
+        else:
+            parts = [get(int(doc[d0]), o0)]
+            parts += [get(int(doc[k])) for k in range(d0 + 1, d1)]
+            parts.append(get(int(doc[d1]), 0, o1 + 1))
+        text = np.concatenate(parts, dtype=np.int64)
+        short = self.config.seq_length + 1 - len(text)
+        if short > 0:
+            text = np.concatenate([text, np.full(short, self.pad_id, np.int64)])
+        return text
+
+    def __getitem__(self, idx):
+        cfg = self.config
+        text = self.text(idx)
+        tokens, labels = text[:-1].copy(), text[1:].copy()
+        loss_mask, position_ids, document_ids = ltor_fields(
+            tokens, cfg.eod_id, cfg.reset_position_ids, cfg.eod_mask_loss,
+            cfg.return_document_ids or cfg.reset_attention_mask)
+        loss_mask[labels == self.pad_id] = 0.0
+        tokens[tokens == self.pad_id] = 0
+        labels[labels == self.pad_id] = 0
+        item = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+                "position_ids": position_ids}
+        if cfg.return_document_ids:
+            item["document_ids"] = document_ids
+        return item
