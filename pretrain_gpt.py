@@ -21,6 +21,7 @@ from megatron_sp.arguments import parse_args
 from megatron_sp.flops import flops_for_config
 from megatron_sp.mesh import ParallelMesh, barrier, init_distributed
 from megatron_sp.optimizer import LRScheduler, build_optimizer
+from megatron_sp import pipeline
 from megatron_sp.tensor_parallel import RNGTracker
 from megatron_sp.training import MetricsWriter, Trainer, format_log_line, print_rank0
 from megatron_sp.memory import MemoryOptions, SavedTensorAccountant, format_report, peak_device_memory
@@ -150,12 +151,36 @@ def loader(dataset, consumed, args, mesh):
 
 
 def build_model(config, mesh, args, device):
+    """This stage's model chunks: contiguous global layer ids per stage (one chunk per virtual stage
+    with --num-layers-per-virtual-pipeline-stage); embedding on the first, loss on the last."""
     tracker = RNGTracker(args.seed, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, sp_rank=mesh.sp_rank)
-    model = GPTModel(config, mesh, attention_backend=args.attention_backend,
-                     sequence_parallel=args.sequence_parallel, rng_tracker=tracker,
-                     memory=MemoryOptions.from_args(args))
-    init_parameters(model, seed=args.seed)
-    return [model.to(device)]
+    try:
+        specs = pipeline.chunk_specs(config.num_layers, mesh,
+                                     layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
+                                     first=args.decoder_first_pipeline_num_layers,
+                                     last=args.decoder_last_pipeline_num_layers)
+    except pipeline.PipelineLayoutError as err:
+        raise SystemExit(f"error: {err}") from None
+    chunks = []
+    for spec in specs:
+        model = GPTModel(config, mesh, attention_backend=args.attention_backend,
+                         sequence_parallel=args.sequence_parallel, rng_tracker=tracker,
+                         memory=MemoryOptions.from_args(args), **spec)
+        pipeline.prune_stage(model)
+        init_parameters(model, seed=args.seed)
+        chunks.append(model.to(device))
+    return chunks
+
+
+def build_schedule(chunks, mesh, args):
+    """No pipelining, 1F1B or interleaved 1F1B; refuses a micro-batch count it cannot run."""
+    num_micro_batches = args.global_batch_size // (args.micro_batch_size * mesh.dp_size)
+    if mesh.pp_size > 1:
+        try:
+            pipeline.check_num_microbatches(num_micro_batches, mesh.pp_size, len(chunks))
+        except pipeline.PipelineLayoutError as err:
+            raise SystemExit(f"error: {err}") from None
+    return pipeline.get_forward_backward_func(mesh.pp_size, len(chunks))
 
 
 def main(argv=None):
@@ -191,7 +216,8 @@ def main(argv=None):
                       clip_grad=args.clip_grad, bf16=args.bf16,
                       flops_per_step=flops_for_config(config, args.global_batch_size, args.seq_length,
                                                       mesh.tp_size),
-                      peak_tflops=args.peak_tflops, bucket_mb=args.grad_bucket_size_mb)
+                      peak_tflops=args.peak_tflops, bucket_mb=args.grad_bucket_size_mb,
+                      schedule=build_schedule(chunks, mesh, args))
     train_ds, valid_ds = build_datasets(args, tokenizer, data_path, mesh)
     train_iter = loader(train_ds, trainer.state.consumed_train_samples, args, mesh)
     valid_iter = loader(valid_ds, 0, args, mesh) if valid_ds is not None else None

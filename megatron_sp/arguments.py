@@ -131,14 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
 # Each entry: (attribute, predicate on its value, message).
 UNSUPPORTED = [
     ("fp16", lambda v: v, "--fp16 is not supported (no loss scaler yet); use --bf16."),
-    ("pipeline_model_parallel_size", lambda v: v > 1,
-     "--pipeline-model-parallel-size > 1 is not available yet (pipeline parallelism has not landed)."),
-    ("num_layers_per_virtual_pipeline_stage", lambda v: v is not None,
-     "--num-layers-per-virtual-pipeline-stage needs pipeline parallelism, which has not landed."),
-    ("decoder_first_pipeline_num_layers", lambda v: v is not None,
-     "--decoder-first-pipeline-num-layers needs pipeline parallelism, which has not landed."),
-    ("decoder_last_pipeline_num_layers", lambda v: v is not None,
-     "--decoder-last-pipeline-num-layers needs pipeline parallelism, which has not landed."),
     ("load", lambda v: v is not None, "--load is not available yet (checkpointing has not landed)."),
     ("exit_signal_handler", lambda v: v, "--exit-signal-handler needs checkpointing, which has not landed."),
 ]
@@ -167,6 +159,17 @@ def validate(args) -> None:
             raise SystemExit(f"error: --{flag.replace('_', '-')} must be a positive integer or "
                              f"'auto', got {value!r}.")
         setattr(args, flag, value if value == "auto" else int(value))
+    if args.pipeline_model_parallel_size < 1:
+        raise SystemExit(f"error: --pipeline-model-parallel-size must be >= 1, got "
+                         f"{args.pipeline_model_parallel_size}.")
+    if args.pipeline_model_parallel_size == 1:
+        for flag in ("num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+                     "decoder_last_pipeline_num_layers"):
+            if getattr(args, flag) is not None:
+                raise SystemExit(f"error: --{flag.replace('_', '-')} needs "
+                                 f"--pipeline-model-parallel-size > 1.")
+    # Layer split and micro-batch count are checked once the model and mesh are known
+    # (megatron_sp.pipeline.partition), with the numbers.
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # Megatron also drops it silently at tp=1: nothing to shard
 
