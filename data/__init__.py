@@ -4,3 +4,5 @@ from .indexed_dataset import DataFileError, IndexedDataset, IndexedDatasetBuilde
 from .gpt_dataset import GPTDataset, GPTDatasetConfig
 from .blended_dataset import BlendedDataset
 from .builder import build_gpt_datasets
+from .tokenizers import build_tokenizer, train_sentencepiece
+from .preprocess import preprocess

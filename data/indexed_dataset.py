@@ -194,6 +194,19 @@ class IndexedDatasetBuilder:
         self._num_sequences += len(lengths)
         self.end_document()
 
+    def add_documents(self, tokens, lengths):
+        """Append many one-sequence documents at once; a length of 0 is an empty document."""
+        arr = self._as_tokens(tokens)
+        lengths = np.asarray(lengths, np.int64).reshape(-1)
+        if int(lengths.sum()) != arr.size:
+            raise ValueError(f"{self.bin_path}: lengths sum to {int(lengths.sum())} but "
+                             f"{arr.size} tokens were given; pass lengths that cover the tokens.")
+        self._file.write(arr.tobytes())
+        nonempty = lengths > 0
+        self._lengths.append(lengths[nonempty].astype(np.int32))
+        self._documents.append(self._num_sequences + np.cumsum(nonempty, dtype=np.int64))
+        self._num_sequences += int(nonempty.sum())
+
     def add_index(self, path_prefix):
         """Append a whole existing .bin/.idx pair (same dtype), keeping its document structure."""
         dtype, lengths, _, docs, _ = read_index(path_prefix + ".idx")

@@ -1,0 +1,131 @@
+"""Tokenizers with Megatron's names: SentencePieceTokenizer, HuggingFaceTokenizer, NullTokenizer.
+
+Each exposes .vocab_size (unpadded), .eod, .pad (-1 when the tokenizer has none), .tokenize(text)
+and .detokenize(ids).
+"""
+import os
+
+EOD_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
+PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]", "<|padding|>")
+
+
+class NullTokenizer:
+    """Megatron's NullTokenizer: text is space-separated ids; eod = vocab_size (N + 1 ids)."""
+
+    def __init__(self, vocab_size):
+        if vocab_size is None:
+            raise ValueError("NullTokenizer needs vocab_size (Megatron's --vocab-size).")
+        self.vocab_size = int(vocab_size) + 1
+        self.eod = int(vocab_size)
+        self.pad = -1
+
+    def tokenize(self, text):
+        return [int(x) for x in text.split()]
+
+    def detokenize(self, ids):
+        return " ".join(str(int(x)) for x in ids)
+
+
+class SentencePieceTokenizer:
+    """A sentencepiece .model file; eod is its </s> (eos) id, pad its pad id (or -1)."""
+
+    def __init__(self, model_file):
+        import sentencepiece as spm
+        if not model_file or not os.path.isfile(model_file):
+            raise ValueError(f"{model_file}: sentencepiece model not found; pass --tokenizer-model "
+                             f"with the path of a .model file.")
+        self.sp = spm.SentencePieceProcessor(model_file=model_file)
+        self.vocab_size = self.sp.get_piece_size()
+        self.eod = self.sp.eos_id()
+        self.pad = self.sp.pad_id()
+        if self.eod < 0:
+            raise ValueError(f"{model_file}: the model has no </s> (eos) piece to use as eod; "
+                             f"train it with eos_id set.")
+
+    def tokenize(self, text):
+        return self.sp.encode(text)
+
+    def detokenize(self, ids):
+        return self.sp.decode([int(i) for i in ids])
+
+
+class HuggingFaceTokenizer:
+    """A Hugging Face `tokenizers` JSON file, or a folder holding tokenizer.json (else loaded with
+    transformers.AutoTokenizer)."""
+
+    def __init__(self, path):
+        from tokenizers import Tokenizer
+        if path and os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
+            path = os.path.join(path, "tokenizer.json")
+        if path and os.path.isfile(path):
+            self._tok = Tokenizer.from_file(path)
+            self._encode = lambda text: self._tok.encode(text, add_special_tokens=False).ids
+            self._decode = self._tok.decode
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        elif path and os.path.isdir(path):
+            from transformers import AutoTokenizer
+            self._tok = AutoTokenizer.from_pretrained(path)
+            self._encode = lambda text: self._tok.encode(text, add_special_tokens=False)
+            self._decode = self._tok.decode
+            vocab = self._tok.get_vocab()
+            self.vocab_size = len(self._tok)
+        else:
+            raise ValueError(f"{path}: no tokenizer JSON file or tokenizer folder there; pass "
+                             f"--tokenizer-model with a tokenizer.json or a Hugging Face folder.")
+        self.eod = next((vocab[n] for n in EOD_NAMES if n in vocab), None)
+        if self.eod is None:
+            raise ValueError(f"{path}: none of {EOD_NAMES} is in the vocabulary, so there is no "
+                             f"end-of-document token; add one to the tokenizer.")
+        self.pad = next((vocab[n] for n in PAD_NAMES if n in vocab), -1)
+
+    def tokenize(self, text):
+        return list(self._encode(text))
+
+    def detokenize(self, ids):
+        return self._decode([int(i) for i in ids])
+
+
+def build_tokenizer(tokenizer_type, tokenizer_model=None, vocab_size=None):
+    """Megatron's --tokenizer-type / --tokenizer-model / --vocab-size to a tokenizer object."""
+    if tokenizer_type == "NullTokenizer":
+        return NullTokenizer(vocab_size)
+    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+        return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tokenizer_model)
+    raise ValueError(f"unknown tokenizer type {tokenizer_type!r}; use SentencePieceTokenizer, "
+                     f"HuggingFaceTokenizer or NullTokenizer.")
+
+
+def _text_iterator(texts_or_files):
+    """Lines of text from a list of strings and/or paths of text files."""
+    items = [texts_or_files] if isinstance(texts_or_files, str) else texts_or_files
+    for item in items:
+        if isinstance(item, str) and len(item) < 4096 and os.path.isfile(item):
+            with open(item, encoding="utf-8") as f:
+                for line in f:
+                    if line.strip():
+                        yield line.rstrip("\n")
+        else:
+            for line in str(item).splitlines():
+                if line.strip():
+                    yield line
+
+
+def train_sentencepiece(texts_or_files, model_prefix, vocab_size, model_type="unigram"):
+    """Train a small sentencepiece model (unk 0, bos 1, eos 2 = eod, pad 3, byte fallback).
+
+    Written under a temporary prefix and renamed; returns the path of the .model file.
+    """
+    import sentencepiece as spm
+    tmp = f"{model_prefix}.tmp{os.getpid()}"
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=_text_iterator(texts_or_files), model_prefix=tmp,
+        vocab_size=vocab_size, model_type=model_type, character_coverage=0.9995,
+        byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=3, hard_vocab_limit=False,
+        input_sentence_size=200000, shuffle_input_sentence=True, num_threads=os.cpu_count() or 1,
+        minloglevel=2)
+    os.replace(tmp + ".vocab", model_prefix + ".vocab")
+    os.replace(tmp + ".model", model_prefix + ".model")
+    return model_prefix + ".model"
