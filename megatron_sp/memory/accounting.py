@@ -72,6 +72,7 @@ class SavedTensorAccountant:
         self.passes: list[_Pass] = []
         self._handles = []
         self._recording = False
+        self._param_storages = set()
 
     # Model hooks: passes and labels --------------------------------------------------------------
     def attach(self, models) -> "SavedTensorAccountant":
@@ -123,7 +124,7 @@ class SavedTensorAccountant:
             p.by_label[label] = p.by_label.get(label, 0) + nbytes
 
     def _pack(self, t):
-        if not is_parameter(t):
+        if not (is_parameter(t) or _storage_key(t)[0] in self._param_storages):
             self._add(t)
         return t
 
