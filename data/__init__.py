@@ -6,3 +6,5 @@ from .blended_dataset import BlendedDataset
 from .builder import build_gpt_datasets
 from .tokenizers import build_tokenizer, train_sentencepiece
 from .preprocess import preprocess
+from .loader import PretrainingDataLoader
+from .corpus import build_default_corpus

@@ -1,0 +1,55 @@
+"""The trainer's data loader: Megatron's MegatronPretrainingSampler order, resumable."""
+import numpy as np
+import torch
+
+INT_KEYS = ("tokens", "labels", "position_ids", "document_ids")
+
+
+def collate(items):
+    """List of item dicts -> dict of torch tensors [batch, s] (int64, loss_mask float32)."""
+    out = {}
+    for key in items[0]:
+        arr = np.stack([np.asarray(it[key]) for it in items])
+        out[key] = torch.from_numpy(arr.astype(np.int64 if key in INT_KEYS else np.float32))
+    return out
+
+
+class PretrainingDataLoader:
+    """Yields this data-parallel rank's micro-batches.
+
+    Global step t covers sample indices [c + t*m*d, c + (t+1)*m*d) with c = consumed_samples,
+    m = micro_batch_size, d = dp_size; rank r takes [r*m, (r+1)*m) of that chunk.
+    """
+
+    def __init__(self, dataset, consumed_samples, micro_batch_size, dp_rank, dp_size,
+                 drop_last=True):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size}); pass the rank's index "
+                             f"in its data-parallel group.")
+        if consumed_samples > len(dataset):
+            raise ValueError(f"consumed_samples {consumed_samples} exceeds the dataset's "
+                             f"{len(dataset)} samples; build the dataset with more samples.")
+        self.dataset, self.consumed_samples = dataset, consumed_samples
+        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+        self.drop_last = drop_last
+
+    def index_batches(self):
+        """Sample indices of each micro-batch of this rank."""
+        n, m, step = len(self.dataset), self.micro_batch_size, self.micro_batch_size * self.dp_size
+        start = self.consumed_samples
+        while start + step <= n:
+            yield range(start + self.dp_rank * m, start + (self.dp_rank + 1) * m)
+            start += step
+        if not self.drop_last and start < n:
+            mine = range(start + self.dp_rank * m, min(start + (self.dp_rank + 1) * m, n))
+            if len(mine):
+                yield mine
+
+    def __len__(self):
+        step = self.micro_batch_size * self.dp_size
+        full, rest = divmod(len(self.dataset) - self.consumed_samples, step)
+        return full + (0 if self.drop_last or rest <= self.dp_rank * self.micro_batch_size else 1)
+
+    def __iter__(self):
+        for indices in self.index_batches():
+            yield collate([self.dataset[i] for i in indices])
