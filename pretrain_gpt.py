@@ -221,6 +221,7 @@ def main(argv=None):
     train_ds, valid_ds = build_datasets(args, tokenizer, data_path, mesh)
     train_iter = loader(train_ds, trainer.state.consumed_train_samples, args, mesh)
     valid_iter = loader(valid_ds, 0, args, mesh) if valid_ds is not None else None
+    trainer.set_failure_policy(args.nonfinite_loss, args.distributed_timeout_minutes)
     metrics = MetricsWriter(mesh, args.metrics_jsonl, args.tensorboard_dir)
     train(args, trainer, train_iter, valid_iter, metrics)
     metrics.close()

@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--eval-iters", type=int, default=10)
     lg.add_argument("--tensorboard-dir", default=None)
     lg.add_argument("--metrics-jsonl", default=None)
+    lg.add_argument("--nonfinite-loss", choices=["skip", "stop"], default="stop",
+                    help="a NaN/inf loss or gradient norm: stop the run with the iteration (default, "
+                    "like Megatron's NaN check) or skip that optimizer step and count it in the log")
     return p
 
 

@@ -9,6 +9,7 @@
 - Tied embeddings with pipelining: the first and last stage each hold the word embeddings; their
   gradients are summed over the embedding group so both copies stay identical.
 - The global gradient norm over every rank, and the scalar reductions of loss and token counts.
+- Monitoring: every rank's step time gathered on every rank (the straggler report).
 """
 from __future__ import annotations
 
@@ -173,3 +174,17 @@ def reduce_loss_and_count(values: torch.Tensor, mesh) -> torch.Tensor:
     all_reduce_sum(values, mesh.dp_sp_group, "dp/all_reduce")
     all_reduce_sum(values, mesh.pp_group, "pp/all_reduce")
     return values
+
+
+def gather_step_times(seconds: float, device=None) -> list[float]:
+    """Every rank's `seconds` (its own time per iteration), gathered on every rank in rank order.
+
+    The straggler report: one all-gather of one float64 per rank over the whole world, called by
+    every rank at the same iteration (each --log-interval). Identity without a process group.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [float(seconds)]
+    local = torch.tensor([float(seconds)], dtype=torch.float64, device=device)     # [1]
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]   # world x [1]
+    dist.all_gather(gathered, local)
+    return [t.item() for t in gathered]
