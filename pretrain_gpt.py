@@ -18,6 +18,7 @@ import time
 import torch
 
 from megatron_sp.arguments import parse_args
+from megatron_sp.checkpointing import CheckpointError, CheckpointManager, consumed_valid_samples
 from megatron_sp.flops import flops_for_config
 from megatron_sp.mesh import ParallelMesh, barrier, init_distributed
 from megatron_sp.optimizer import LRScheduler, build_optimizer
@@ -218,12 +219,19 @@ def main(argv=None):
                                                       mesh.tp_size),
                       peak_tflops=args.peak_tflops, bucket_mb=args.grad_bucket_size_mb,
                       schedule=build_schedule(chunks, mesh, args))
+    checkpoints = CheckpointManager(args, trainer, config)   # --load, --save, exit conditions
+    try:
+        checkpoints.load()
+    except CheckpointError as err:
+        raise SystemExit(f"error: {err}") from None
     train_ds, valid_ds = build_datasets(args, tokenizer, data_path, mesh)
     train_iter = loader(train_ds, trainer.state.consumed_train_samples, args, mesh)
-    valid_iter = loader(valid_ds, 0, args, mesh) if valid_ds is not None else None
+    valid_iter = (loader(valid_ds, consumed_valid_samples(args, trainer.state.iteration), args, mesh)
+                  if valid_ds is not None else None)
     trainer.set_failure_policy(args.nonfinite_loss, args.distributed_timeout_minutes)
     metrics = MetricsWriter(mesh, args.metrics_jsonl, args.tensorboard_dir)
-    train(args, trainer, train_iter, valid_iter, metrics)
+    train(args, trainer, train_iter, valid_iter, metrics, checkpoints)
+    checkpoints.finish()
     metrics.close()
     if embedded:
         print_rank0(mesh, "> embedded default finished: loss above should have fallen; logs: "
@@ -232,7 +240,7 @@ def main(argv=None):
         torch.distributed.destroy_process_group()
 
 
-def train(args, trainer, train_iter, valid_iter, metrics):
+def train(args, trainer, train_iter, valid_iter, metrics, checkpoints=None):
     from megatron_sp import comm_stats
     mesh = trainer.mesh
     comm_stats.reset()
@@ -268,6 +276,8 @@ def train(args, trainer, train_iter, valid_iter, metrics):
             print_rank0(mesh, f"validation at iteration {it} | lm loss: {val:.6E}")
             metrics.write({"iteration": it, "valid_lm_loss": val})
             start = time.time()
+        if checkpoints is not None and checkpoints.after_step():   # saves; signal/exit flags
+            break
 
 
 if __name__ == "__main__":

@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(c, "--exit-signal-handler", "save and exit on SIGTERM/SIGUSR1")
     c.add_argument("--exit-interval", type=int, default=None)
     c.add_argument("--exit-duration-in-mins", type=float, default=None)
+    _bool_flag(c, "--async-save", "write checkpoints in the background (published at the next save)")
 
     lg = p.add_argument_group("logging")
     lg.add_argument("--log-interval", type=int, default=10)
@@ -134,8 +135,6 @@ def build_parser() -> argparse.ArgumentParser:
 # Each entry: (attribute, predicate on its value, message).
 UNSUPPORTED = [
     ("fp16", lambda v: v, "--fp16 is not supported (no loss scaler yet); use --bf16."),
-    ("load", lambda v: v is not None, "--load is not available yet (checkpointing has not landed)."),
-    ("exit_signal_handler", lambda v: v, "--exit-signal-handler needs checkpointing, which has not landed."),
 ]
 
 

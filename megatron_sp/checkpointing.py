@@ -340,12 +340,13 @@ def _dcp_async_save(state: dict, path: str):
                           planner=save_planner())
 
 
-def _dcp_load(state: dict, path: str):
+def _dcp_load(state: dict, path: str, local: bool = False):
+    """Read `state` from `path`; collective over the world unless `local` (one process reads)."""
     import torch.distributed.checkpoint as dcp
     _, load_planner = _planners()
     with _dcp_errors():
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=load_planner(path),
-                 no_dist=not _dist())
+                 no_dist=local or not _dist())
     return state
 
 
@@ -617,8 +618,68 @@ def read_full_tensors(path: str, prefix: str = "model/") -> dict[str, torch.Tens
                       torch.Size([0] * len(m.size)))
              for k, m in md.state_dict_metadata.items()
              if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-    _dcp_load(state, folder)
+    _dcp_load(state, folder, local=True)
     return {k[len(prefix):]: v.local for k, v in state.items()}
+
+
+def load_pretrained(path: str, *, device="cpu", dtype: torch.dtype | None = None,
+                    attention_backend: str = "sdpa"):
+    """A one-rank GPTModel (eval mode) from a checkpoint of any layout or a consolidated export.
+
+    `path`: a --save root (newest checkpoint), an iter_XXXXXXX / release folder, or a
+    model.safetensors written by `export_safetensors` / convert.py --saver safetensors. Reads only
+    this process's files (no process group needed, none used even when one exists).
+    """
+    from megatron_sp.mesh import ParallelMesh
+    from megatron_sp.models import GPTConfig, GPTModel
+    if os.path.isfile(path) and path.endswith(".safetensors"):
+        from safetensors import safe_open
+        with safe_open(path, framework="pt") as f:
+            md = f.metadata() or {}
+            if "megatron_sp_config" not in md:
+                raise CheckpointError(f"{path} is not a megatron_sp export (no megatron_sp_config "
+                                      f"in its metadata).")
+            config = GPTConfig.from_dict(json.loads(md["megatron_sp_config"]))
+            model = GPTModel(config, ParallelMesh.single(), attention_backend=attention_backend)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name not in f.keys():
+                        raise CheckpointError(f"{path} has no tensor {name!r}.")
+                    t = f.get_tensor(name)
+                    rows = getattr(p, "real_rows", None)
+                    want = (rows,) + tuple(p.shape[1:]) if rows else tuple(p.shape)
+                    if tuple(t.shape) != want:
+                        raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)} in {path} "
+                                              f"but shape {want} in the model.")
+                    (p[:rows] if rows else p).copy_(t)
+    else:
+        folder = resolve_checkpoint(path) if os.path.exists(path) else None
+        if folder is None:
+            raise CheckpointError(f"{path} holds no checkpoint ({TRACKER_FILENAME} or .metadata "
+                                  f"missing).")
+        meta = read_meta(folder)
+        if not meta.get("config"):
+            raise CheckpointError(f"checkpoint {folder} records no model config.")
+        config = GPTConfig.from_dict(meta["config"])
+        model = GPTModel(config, ParallelMesh.single(), attention_backend=attention_backend)
+        _dcp_load(model_state([model], 0, 1), folder, local=True)
+    model.eval()
+    return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+
+
+def export_safetensors(path: str, out_file: str) -> str:
+    """Write one consolidated model.safetensors (our names, full shapes, vocabulary unpadded, the
+    model config in its metadata) from a checkpoint of any layout; `load_pretrained` reads it."""
+    from safetensors.torch import save_file
+    model = load_pretrained(path)
+    tensors = {}
+    for name, p in model.named_parameters():
+        rows = getattr(p, "real_rows", None)
+        tensors[name] = (p[:rows] if rows else p).detach().contiguous()
+    os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
+    save_file(tensors, out_file, metadata={"format": "pt", "megatron_sp_config":
+                                           json.dumps(model.config.to_dict())})
+    return out_file
 
 
 # Pre-emption ---------------------------------------------------------------------------------------
@@ -642,3 +703,91 @@ class SignalHandler:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+
+
+# The training loop's side: --save/--load/--save-interval and the exit conditions -------------------
+
+def consumed_valid_samples(args, iteration: int) -> int:
+    """Validation samples used by the evaluations up to `iteration` (so a resumed run continues
+    with the same validation batches as an uninterrupted one)."""
+    if getattr(args, "eval_iters", 0) <= 0 or not getattr(args, "eval_interval", 0):
+        return 0
+    return (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
+
+
+class CheckpointManager:
+    """Megatron's checkpoint and exit flags around a `Trainer` (one per run, every rank).
+
+        manager = CheckpointManager(args, trainer, config)
+        manager.load()                       # --load (--no-load-optim, --no-load-rng, --finetune)
+        while ...: trainer.train_step(...); if manager.after_step(): break
+        manager.finish()                     # final save, async saves published, handlers released
+
+    After each iteration the ranks agree (one all-reduce of two flags, `any_rank_flag`) on whether a
+    signal arrived (--exit-signal-handler) or --exit-duration-in-mins is spent; together with
+    --exit-interval and --save-interval that decides to save (when --save is given) and to stop.
+    """
+
+    def __init__(self, args, trainer, config=None):
+        self.args, self.trainer, self.config = args, trainer, config
+        self.mesh = trainer.mesh
+        self.start_time = time.time()
+        self.last_saved = None
+        self.exit_reason = None
+        self.signals = SignalHandler() if getattr(args, "exit_signal_handler", False) else None
+
+    def _rng_tracker(self):
+        return getattr(self.trainer.chunks[0], "rng_tracker", None)
+
+    def load(self) -> dict | None:
+        a, t = self.args, self.trainer
+        if not getattr(a, "load", None):
+            return None
+        meta = load_checkpoint(a.load, t.chunks, self.mesh, optimizer=t.optimizer,
+                               scheduler=t.scheduler, train_state=t.state, config=self.config,
+                               rng_tracker=self._rng_tracker(), load_optim=not a.no_load_optim,
+                               load_rng=not a.no_load_rng, finetune=a.finetune)
+        if meta is None and _rank() == 0:
+            print(f"> no checkpoint found under --load {a.load}: starting from scratch", flush=True)
+        self.last_saved = t.state.iteration if meta is not None and not a.finetune else None
+        return meta
+
+    def save(self):
+        a, t = self.args, self.trainer
+        if not getattr(a, "save", None) or self.last_saved == t.state.iteration:
+            return
+        save_checkpoint(a.save, t.state.iteration, t.chunks, self.mesh, optimizer=t.optimizer,
+                        scheduler=t.scheduler, train_state=t.state, config=self.config, args=a,
+                        rng_tracker=self._rng_tracker(), async_save=getattr(a, "async_save", False))
+        self.last_saved = t.state.iteration
+
+    def after_step(self) -> bool:
+        """Save and/or decide to stop after an iteration; True means leave the training loop."""
+        a, it = self.args, self.trainer.state.iteration
+        duration = getattr(a, "exit_duration_in_mins", None)
+        signal_flag, time_flag = False, False
+        if self.signals is not None or duration:
+            local_time = bool(duration) and (time.time() - self.start_time) / 60.0 > duration
+            local_signal = self.signals is not None and self.signals.received is not None
+            signal_flag, time_flag = any_rank_flag([local_signal, local_time])
+        interval = getattr(a, "exit_interval", None)
+        if signal_flag:
+            self.exit_reason = "a signal (SIGTERM/SIGUSR1)"
+        elif time_flag:
+            self.exit_reason = f"--exit-duration-in-mins {duration}"
+        elif interval and it % interval == 0:
+            self.exit_reason = f"--exit-interval {interval}"
+        save_interval = getattr(a, "save_interval", None)
+        if self.exit_reason or (save_interval and it % save_interval == 0):
+            self.save()
+        if self.exit_reason and _rank() == 0:
+            print(f"> exiting at iteration {it} after {self.exit_reason}", flush=True)
+        return self.exit_reason is not None
+
+    def finish(self):
+        """End of training: save the last iteration, publish an async save, release handlers."""
+        if self.trainer.state.iteration > 0 or self.exit_reason:
+            self.save()
+        finalize_async_save()
+        if self.signals is not None:
+            self.signals.release()
