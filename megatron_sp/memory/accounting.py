@@ -9,7 +9,9 @@ A `torch.autograd.graph.saved_tensors_hooks` pair sees every tensor saved for ba
 checkpointed region (inside one, the checkpoint's own hooks drop them: they are recomputed, and the
 checkpoint's saved inputs *are* seen). Storages are deduplicated (a view or a tensor saved by two ops
 counts once, at its storage's size: that is what stays alive); parameters are not activations and are
-skipped. Each forward of an attached model starts a new pass (one micro-batch: its graph is freed by its
+skipped, and weight copies (aten::linear's w^T on CPU, autocast's bf16 casts: tensors whose every
+autograd path ends at a parameter) are counted apart as `weight_copy_bytes` (they do not grow with the
+sequence; `device_bytes` are the activations). Each forward of an attached model starts a new pass (one micro-batch: its graph is freed by its
 backward before the next forward); the report is the largest pass. Tensors moved to host by
 megatron_sp.memory.offload are counted as host bytes instead.
 
@@ -52,6 +54,33 @@ def is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)
 
 
+_COPY_NODES = {"TBackward0", "ToCopyBackward0", "TransposeBackward0", "PermuteBackward0",
+               "ViewBackward0", "CloneBackward0", "ExpandBackward0"}
+
+
+def derived_from_parameters(t: torch.Tensor, depth: int = 4) -> bool:
+    """True for a weight copy (w.t() kept by aten::linear on CPU, the bf16 cast under autocast): t comes
+    from parameters through a few transpose/cast/view ops only."""
+    fn = t.grad_fn
+    if fn is None:
+        return False
+
+    def walk(node, left):
+        if node is None:
+            return True                       # an input that needs no grad
+        if type(node).__name__ == "AccumulateGrad":
+            return is_parameter(node.variable)
+        if left == 0 or type(node).__name__ not in _COPY_NODES:
+            return False                      # e.g. an embedding lookup is an activation
+        return all(walk(n, left - 1) for n, _ in node.next_functions)
+    return walk(fn, depth)
+
+
+def record_weight_copy(t: torch.Tensor) -> None:
+    for acct in _ACTIVE:
+        acct._add(t, weight_copy=True)
+
+
 def record_host(t: torch.Tensor, device_tensor: torch.Tensor) -> None:
     """Called by the offload hooks: `device_tensor` now lives on the host as `t`."""
     for acct in _ACTIVE:
@@ -63,6 +92,7 @@ class _Pass:
         self.seen = set()
         self.device_bytes = 0
         self.host_bytes = 0
+        self.weight_copy_bytes = 0
         self.by_label: dict[str, int] = {}
         self.host_by_label: dict[str, int] = {}
 
@@ -107,7 +137,7 @@ class SavedTensorAccountant:
             self.passes.append(_Pass())
 
     # Recording -----------------------------------------------------------------------------------
-    def _add(self, t: torch.Tensor, host: bool = False):
+    def _add(self, t: torch.Tensor, host: bool = False, weight_copy: bool = False):
         if not self.passes:
             self.passes.append(_Pass())
         p = self.passes[-1]
@@ -116,7 +146,9 @@ class SavedTensorAccountant:
             return
         p.seen.add(key)
         label = _LABELS[-1]
-        if host:
+        if weight_copy:
+            p.weight_copy_bytes += nbytes
+        elif host:
             p.host_bytes += nbytes
             p.host_by_label[label] = p.host_by_label.get(label, 0) + nbytes
         else:
@@ -124,7 +156,11 @@ class SavedTensorAccountant:
             p.by_label[label] = p.by_label.get(label, 0) + nbytes
 
     def _pack(self, t):
-        if not (is_parameter(t) or _storage_key(t)[0] in self._param_storages):
+        if is_parameter(t) or _storage_key(t)[0] in self._param_storages:
+            return t
+        if derived_from_parameters(t):
+            self._add(t, weight_copy=True)
+        else:
             self._add(t)
         return t
 
@@ -144,10 +180,12 @@ class SavedTensorAccountant:
     def report(self) -> dict:
         """The largest pass: device bytes, host bytes (offloaded), per-label device bytes."""
         if not self.passes:
-            return {"device_bytes": 0, "host_bytes": 0, "by_label": {}, "host_by_label": {},
+            return {"device_bytes": 0, "host_bytes": 0, "weight_copy_bytes": 0, "by_label": {},
+                    "host_by_label": {},
                     "passes": 0}
         p = max(self.passes, key=lambda q: q.device_bytes + q.host_bytes)
         return {"device_bytes": p.device_bytes, "host_bytes": p.host_bytes,
+                "weight_copy_bytes": p.weight_copy_bytes,
                 "by_label": dict(p.by_label), "host_by_label": dict(p.host_by_label),
                 "passes": len(self.passes)}
 
@@ -169,6 +207,8 @@ def format_report(report: dict, peak: int | None = None) -> str:
     parts = [f"saved for backward (MB/rank): {report['device_bytes'] / mb:.2f}",
              f"per layer: {per_layer:.2f}",
              f"output: {report['by_label'].get('output', 0) / mb:.2f}"]
+    if report.get("weight_copy_bytes"):
+        parts.append(f"weight copies: {report['weight_copy_bytes'] / mb:.2f}")
     if report["host_bytes"]:
         parts.append(f"offloaded to host: {report['host_bytes'] / mb:.2f}")
     if peak is not None:

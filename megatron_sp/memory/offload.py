@@ -24,6 +24,9 @@ _COPIES: dict = {}
 def _pack(t: torch.Tensor):
     if accounting.is_parameter(t):
         return (None, t)
+    if accounting.derived_from_parameters(t):   # a weight copy: as cheap to keep as to move
+        accounting.record_weight_copy(t)
+        return (None, t)
     key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
            t.dtype, t._version)
     hit = _COPIES.get(key)
@@ -32,11 +35,11 @@ def _pack(t: torch.Tensor):
     if len(_COPIES) > 4096:
         for k in [k for k, (ref, _) in _COPIES.items() if ref() is None]:
             del _COPIES[k]
-    if t.device.type == "cpu":
-        host = t.detach().clone()           # CPU: the same path, a host copy
-    else:
-        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
-        host.copy_(t, non_blocking=True)
+    # Same strides as the saved tensor (a checkpoint's recompute checks the layout of what it gets
+    # back: a sequence tile is a strided view, and a contiguous copy would take another kernel path).
+    host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype,
+                               pin_memory=t.device.type != "cpu")
+    host.copy_(t, non_blocking=t.device.type != "cpu")
     accounting.record_host(host, t)
     _COPIES[key] = (weakref.ref(t), host)
     return (t.device, host)
@@ -46,7 +49,8 @@ def _unpack(packed):
     device, t = packed
     if device is None or device.type == "cpu":
         return t
-    return t.to(device, non_blocking=True)
+    out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
+    return out.copy_(t, non_blocking=True)
 
 
 def offload_saved_tensors():

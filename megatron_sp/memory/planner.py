@@ -88,11 +88,12 @@ def _layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies
 def activation_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int = 1,
                      sequence_parallel: bool = False, num_layers: int | None = None,
                      memory: MemoryOptions | None = None, dtype_bytes: int = 4,
-                     weight_copies: bool = True, post_process: bool = True,
+                     weight_copies: bool = False, post_process: bool = True,
                      pre_process: bool = True) -> dict:
     """Predicted bytes saved for backward per rank for one micro-batch (see the module docstring).
 
-    Returns {"layer": bytes of one layer (not recomputed), "layers": all this stage's layers,
+    weight_copies: also count the weight copies aten::linear keeps (the accountant reports them
+    apart, as weight_copy_bytes). Returns {"layer": bytes of one layer (not recomputed), "layers": all this stage's layers,
     "output", "embedding", "shared" (RoPE), "host" (offloaded), "total" (device), "terms": {...}}.
     """
     memory = memory or MemoryOptions()
