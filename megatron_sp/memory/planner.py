@@ -258,11 +258,13 @@ def _divisors(n):
 
 def plan(cfg, seq: int, global_batch: int, num_gpus: int, gpu_mem_gb: float = 80.0, *,
          gpus_per_node: int = 8, intra_node_gbps: float = 450.0, inter_node_gbps: float = 50.0,
-         reserve_gb: float = 4.0, dtype_bytes: int = 2, micro_batch: int = 1) -> list[Plan]:
+         reserve_gb: float = 4.0, dtype_bytes: int = 2, micro_batch: int = 1,
+         peak_tflops: float = 989.0, mfu: float = 0.4) -> list[Plan]:
     """Feasible (tp, sp, pp, dp) layouts with the cheapest memory settings that fit, best first.
 
-    Score: relative compute cost of the techniques x (1 + estimated communication time / compute
-    time proxy); tp stays inside a node; sp and dp may cross nodes (bandwidths in GB/s per GPU).
+    Score: estimated step seconds = model FLOPs / (GPUs x peak x mfu) x technique cost (recompute
+    ~ +1/3) x (1 + pipeline bubble) + communication bytes / bandwidth (tp inside a node; sp, pp and dp
+    cross nodes when the layout spans them; GB/s per GPU). Each plan carries .score (seconds).
     """
     plans = []
     for tp in _divisors(min(num_gpus, gpus_per_node)):
@@ -283,9 +285,18 @@ def plan(cfg, seq: int, global_batch: int, num_gpus: int, gpu_mem_gb: float = 80
                     act = activation_bytes(cfg, seq, micro_batch, tp=tp, sp=sp,
                                            sequence_parallel=seqpar, num_layers=cfg.num_layers // pp,
                                            memory=mem, dtype_bytes=dtype_bytes, weight_copies=False)
-                    # pipelining keeps up to pp micro-batches in flight on the first stage (1F1B)
-                    inflight = pp if pp > 1 else 1
-                    total = weights + act["total"] * inflight
+                    # 1F1B keeps up to pp micro-batches in flight on the first stage
+                    inflight = max(1, min(pp, global_batch // (micro_batch * dp)))
+                    # full recompute: one layer's activations exist again during its backward
+                    working = 0.0
+                    if mem.full_recompute:
+                        one = activation_bytes(cfg, seq, micro_batch, tp=tp, sp=sp,
+                                               sequence_parallel=seqpar, num_layers=1,
+                                               memory=MemoryOptions(mlp_tiles=mem.mlp_tiles),
+                                               dtype_bytes=dtype_bytes, post_process=False,
+                                               pre_process=False)
+                        working = one["layer"] * mem.recompute_num_layers
+                    total = weights + act["total"] * inflight + working
                     if total / 2**30 + reserve_gb <= gpu_mem_gb:
                         comm = comm_bytes_per_step(cfg, seq, global_batch, micro_batch, tp, sp, pp, dp,
                                                    seqpar, mem, dtype_bytes)
@@ -296,14 +307,19 @@ def plan(cfg, seq: int, global_batch: int, num_gpus: int, gpu_mem_gb: float = 80
                         plans[-1].cost = cost
                         break
 
+    from megatron_sp.flops import flops_for_config
+    compute_s = flops_for_config(cfg, global_batch, seq) / (num_gpus * peak_tflops * 1e12 * mfu)
+
     def score(p: Plan):
+        """Estimated seconds per step: compute (x technique cost, x pipeline bubble) + communication
+        (not overlapped: a pessimistic bound)."""
         bw = {"tp": intra_node_gbps,
               "sp": intra_node_gbps if p.tp * p.sp <= gpus_per_node else inter_node_gbps,
               "pp": inter_node_gbps if p.tp * p.sp * p.dp < num_gpus else intra_node_gbps,
               "dp": inter_node_gbps if p.tp * p.sp < num_gpus else intra_node_gbps}
         comm_s = sum(gb / bw[k] for k, gb in p.comm_gb.items())
         bubble = (p.pp - 1) / max(1, global_batch // (p.micro_batch * p.dp)) if p.pp > 1 else 0.0
-        return p.cost * (1 + bubble) + comm_s
+        return compute_s * p.cost * (1 + bubble) + comm_s
     plans.sort(key=score)
     for p in plans:
         p.score = score(p)
