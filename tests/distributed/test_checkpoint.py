@@ -19,10 +19,13 @@ from megatron_sp.testing import run_distributed
 OVERRIDES = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
                  ffn_hidden_size=128, vocab_size=300, add_bias_linear=True)
 
-# (name, tp, sp, pp) on 4 ranks (dp inferred). Saves: tp2 x dp2, sp2 x dp2, tp2 x pp2.
-SAVES = [("tp2xdp2", 2, 1, 1), ("sp2xdp2", 1, 2, 1), ("tp2xpp2", 2, 1, 2)]
-LOADS = [("one-rank", None, None, None), ("tp4", 4, 1, 1), ("sp2xpp2", 1, 2, 2),
-         ("tp2xsp2", 2, 2, 1)]
+# (name, tp, sp, pp) on 4 ranks (dp inferred). Each save is loaded back in its own layout (RNG too),
+# on one rank, and in one other layout.
+LAYOUTS = {"one-rank": (None, None, None), "tp4": (4, 1, 1), "sp2xpp2": (1, 2, 2),
+           "tp2xsp2": (2, 2, 1), "tp2xdp2": (2, 1, 1), "sp2xdp2": (1, 2, 1), "tp2xpp2": (2, 1, 2)}
+MATRIX = {"llama": {"tp2xdp2": ["one-rank", "sp2xpp2"], "sp2xdp2": ["one-rank", "tp4"],
+                    "tp2xpp2": ["one-rank", "tp2xsp2"]},
+          "gpt2": {"tp2xpp2": ["one-rank", "sp2xpp2"]}}
 
 
 def _config(model):
@@ -111,13 +114,11 @@ def check_matrix(rank, world, root):
     from megatron_sp.training import TrainState
     from megatron_sp.tensor_parallel import RNGTracker
     done = []
-    for model in ("llama", "gpt2"):
+    for model, saves in MATRIX.items():
         config = _config(model)
         ref = _reference(config)
-        for sname, tp, sp, pp in SAVES:
-            if model == "gpt2" and sname != "tp2xpp2":
-                continue
-            mesh = _mesh(tp, sp, pp)
+        for sname, loads in saves.items():
+            mesh = _mesh(*LAYOUTS[sname])
             chunks = _build(config, mesh, seed=3)
             opt, sched = _opt(chunks, True)
             tracker = RNGTracker(7, mesh.tp_rank, mesh.pp_rank, mesh.sp_rank)
@@ -142,10 +143,8 @@ def check_matrix(rank, world, root):
             assert torch.equal(torch.rand(4), expect_torch), "default RNG stream not restored"
             with tracker2.fork():
                 assert torch.equal(torch.rand(4), expect_tp), "tensor-parallel RNG not restored"
-            for lname, ltp, lsp, lpp in LOADS:
-                if model == "gpt2" and lname not in ("one-rank", "sp2xpp2"):
-                    continue
-                lmesh = _mesh(ltp, lsp, lpp)
+            for lname in loads:
+                lmesh = _mesh(*LAYOUTS[lname])
                 chunks3 = _build(config, lmesh, seed=99)
                 opt3, sched3 = _opt(chunks3, False)
                 state3 = TrainState()
@@ -179,7 +178,7 @@ def check_matrix(rank, world, root):
 def test_resharding_matrix():
     with tempfile.TemporaryDirectory() as root:
         results = run_distributed(check_matrix, 4, root)
-    assert len(results[0]) == 3 * 4 + 2
+    assert len(results[0]) == sum(len(v) for s in MATRIX.values() for v in s.values())
 
 
 def test_missing_and_partial_checkpoint(tmp_path):
