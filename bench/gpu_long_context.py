@@ -1,0 +1,144 @@
+#!/usr/bin/env python
+"""One GPU: the longest sequence that trains for a ~1B Llama-style model (preset llama-1b, bf16
+autocast over fp32 master weights, SDPA flash kernel) with each memory technique, and MFU at 8K and 32K.
+
+    python bench/gpu_long_context.py                 # whole run time-boxed to --budget-s (default 450)
+    python bench/gpu_long_context.py --techniques plain all --max-seq 262144
+
+For each technique the sequence doubles from --start-seq while a forward+backward+AdamW step fits
+(torch.cuda.OutOfMemoryError caught, cache emptied) and the technique's time box is not spent. MFU uses
+megatron_sp.flops (Megatron's formula) against the device's bf16 dense peak (megatron_sp.flops
+.PEAK_TFLOPS; --peak-tflops overrides). Prints one table; --json writes the rows.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from megatron_sp.flops import device_peak_tflops, flops_for_config  # noqa: E402
+from megatron_sp.memory import MemoryOptions, SavedTensorAccountant  # noqa: E402
+from megatron_sp.models import GPTModel, preset  # noqa: E402
+
+TECHNIQUES = {
+    "plain": {},
+    "chunked loss": dict(loss_chunks="auto"),
+    "tiled mlp": dict(mlp_tiles="auto"),
+    "selective": dict(recompute_granularity="selective"),
+    "full recompute": dict(recompute_granularity="full"),
+    "all": dict(recompute_granularity="full", mlp_tiles="auto", loss_chunks="auto"),
+    "all+offload": dict(recompute_granularity="full", mlp_tiles="auto", loss_chunks="auto",
+                        offload_activations=True),
+}
+
+
+def build(cfg, mem, device):
+    model = GPTModel(cfg, memory=MemoryOptions(**mem), attention_backend="sdpa").to(device)
+    with torch.no_grad():                       # speed: plain init is fine for a benchmark
+        for p in model.parameters():
+            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    return model, opt
+
+
+def step(model, opt, seq, vocab, device, account=False):
+    ids = torch.randint(0, vocab, (1, seq), device=device)
+    acct = SavedTensorAccountant().attach(model) if account else None
+    ctx = acct.recording() if acct else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    with ctx, torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids.roll(-1, 1)).float().mean()
+        loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if acct:
+        acct.detach()
+        return acct.report()
+    return None
+
+
+def try_seq(cfg, mem, seq, device, timed_steps):
+    """(fits, seconds per step, peak GB, saved GB) for one sequence length."""
+    model = opt = None
+    try:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        model, opt = build(cfg, mem, device)
+        rep = step(model, opt, seq, cfg.vocab_size, device, account=True)   # warm-up + accounting
+        torch.cuda.synchronize()
+        t0 = time.time()
+        for _ in range(timed_steps):
+            step(model, opt, seq, cfg.vocab_size, device)
+        torch.cuda.synchronize()
+        dt = (time.time() - t0) / max(timed_steps, 1)
+        return True, dt, torch.cuda.max_memory_allocated() / 2**30, rep["device_bytes"] / 2**30
+    except torch.cuda.OutOfMemoryError:
+        return False, None, None, None
+    finally:
+        del model, opt
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-1b")
+    p.add_argument("--techniques", nargs="+", default=list(TECHNIQUES))
+    p.add_argument("--start-seq", type=int, default=8192)
+    p.add_argument("--max-seq", type=int, default=1 << 20)
+    p.add_argument("--budget-s", type=float, default=450.0, help="whole run (stay under 8 minutes)")
+    p.add_argument("--timed-steps", type=int, default=2)
+    p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/gpu_long_context.py needs a CUDA GPU; use bench/long_context.py on CPU.")
+        return 1
+    device = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    peak = device_peak_tflops(args.peak_tflops)
+    cfg = preset(args.model, max_position_embeddings=args.max_seq)
+    print(f"{torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} "
+          f"GB), {args.model}: {cfg.num_parameters() / 1e9:.2f}B params, bf16 autocast, SDPA; "
+          f"peak {peak} TFLOP/s", flush=True)
+    start = time.time()
+    per_tech = args.budget_s / len(args.techniques)
+    rows = []
+    for name in args.techniques:
+        mem, t_end = TECHNIQUES[name], min(start + args.budget_s, time.time() + per_tech)
+        seq, best = args.start_seq, None
+        mfu = {}
+        while seq <= args.max_seq and time.time() < t_end:
+            ok, dt, peak_gb, saved_gb = try_seq(cfg, mem, seq, device,
+                                                args.timed_steps if seq in (8192, 32768) else 0)
+            if not ok:
+                break
+            best = (seq, peak_gb, saved_gb)
+            if seq in (8192, 32768) and dt and peak:
+                mfu[seq] = flops_for_config(cfg, 1, seq) / dt / 1e12 / peak
+            print(f"  {name:>15} seq {seq:>8}: peak {peak_gb:6.1f} GB, saved {saved_gb:6.2f} GB"
+                  + (f", {dt * 1e3:.0f} ms/step" if dt else ""), flush=True)
+            seq *= 2
+        rows.append(dict(technique=name, max_seq=best[0] if best else None,
+                         peak_gb=best[1] if best else None, mfu_8k=mfu.get(8192),
+                         mfu_32k=mfu.get(32768), stopped="time" if time.time() >= t_end else "oom/max"))
+    print(f"\n{'technique':>15} {'longest seq':>12} {'peak GB':>8} {'MFU 8K':>7} {'MFU 32K':>8}")
+    for r in rows:
+        pct = lambda v: f"{100 * v:.1f}%" if v else "-"
+        peak_gb = f"{r['peak_gb']:.1f}" if r["peak_gb"] else "-"
+        print(f"{r['technique']:>15} {str(r['max_seq'] or '-'):>12} {peak_gb:>8} "
+              f"{pct(r['mfu_8k']):>7} {pct(r['mfu_32k']):>8}   (stopped: {r['stopped']})")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
