@@ -50,6 +50,13 @@ def build_document_index(documents, num_epochs, rng, separate_final_epoch):
     return index
 
 
+def ceil_div(a, b):
+    """ceil(a / b) for int64 arrays; float64 is exact while a < 2**52 and much faster."""
+    if len(a) and int(a[-1]) < 2 ** 52:
+        return np.ceil(a / float(b)).astype(np.int64)
+    return -(-a // b)
+
+
 def build_sample_index(sequence_lengths, document_index, seq_length, num_samples):
     """[num_samples + 1, 2] rows of (position in document_index, token offset in that document).
 
@@ -58,11 +65,18 @@ def build_sample_index(sequence_lengths, document_index, seq_length, num_samples
     """
     sizes = np.asarray(sequence_lengths)[document_index].astype(np.int64)
     ends = np.cumsum(sizes)
-    starts = ends - sizes
-    per_doc = (ends + seq_length - 1) // seq_length - (starts + seq_length - 1) // seq_length
-    doc_pos = np.repeat(np.arange(len(document_index), dtype=np.int64), per_doc)[:num_samples + 1]
-    if len(doc_pos) != num_samples + 1:
+    first = ceil_div(ends, seq_length)        # boundaries before each document's end
+    first[1:] = first[:-1]
+    first[0] = 0                              # index of the first boundary in each document
+    counts = np.diff(first, append=ceil_div(ends[-1:], seq_length))
+    if int(first[-1] + counts[-1]) < num_samples + 1:
         raise ValueError(f"the document stream holds too few tokens for {num_samples} samples")
+    holders = np.flatnonzero(counts)          # documents holding >= 1 boundary, in order
+    marks = np.zeros(num_samples + 1, np.int64)
+    keep = first[holders] <= num_samples
+    marks[first[holders][keep]] = np.diff(holders[keep], prepend=0)
+    doc_pos = np.cumsum(marks)
+    starts = ends - sizes
     offsets = np.arange(num_samples + 1, dtype=np.int64) * seq_length - starts[doc_pos]
     big = max(len(document_index), int(sizes.max(initial=0))) > np.iinfo(np.int32).max
     out = np.empty((num_samples + 1, 2), np.int64 if big else np.int32)

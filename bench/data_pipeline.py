@@ -1,0 +1,136 @@
+"""Data pipeline benchmark: ours vs megatron-core, side by side (a few minutes on 2 cores).
+
+python bench/data_pipeline.py [--runs 3] [--mb 8]
+Rows: preprocessing MB/s with 1 and 2 workers; random item reads/s of IndexedDataset; GPT index
+build time at 1M and 10M samples (megatron-core with its compiled helper); blending indices.
+"""
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+import warnings
+
+import numpy as np
+
+warnings.filterwarnings("ignore")
+from megatron_sp.data import IndexedDataset, IndexedDatasetBuilder, preprocess, train_sentencepiece  # noqa: E402
+from megatron_sp.data.blended_dataset import build_blending_indices  # noqa: E402
+from megatron_sp.data.gpt_dataset import build_gpt_indices  # noqa: E402
+
+try:
+    from megatron.core.datasets import gpt_dataset as mc_gpt, helpers as mc_helpers
+    from megatron.core.datasets.indexed_dataset import IndexedDataset as McIndexedDataset
+except ImportError:
+    mc_gpt = None
+
+
+def median_time(fn, runs):
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def row(name, ours, theirs, unit, higher_is_better):
+    if theirs is None:
+        print(f"{name:<40} {ours:>12.3f} {'-':>12}  {unit}")
+        return
+    ratio = ours / theirs if higher_is_better else theirs / ours
+    print(f"{name:<40} {ours:>12.3f} {theirs:>12.3f}  {unit:<10} x{ratio:.2f}")
+
+
+def bench_preprocess(d, mb, runs):
+    rng = np.random.default_rng(0)
+    words = np.array(open(__file__).read().split())
+    path, size = os.path.join(d, "bench.jsonl"), 0
+    with open(path, "w") as f:
+        while size < mb * 1e6:
+            line = json.dumps({"text": " ".join(rng.choice(words, int(rng.integers(50, 400))))})
+            f.write(line + "\n")
+            size += len(line) + 1
+    model = train_sentencepiece([" ".join(rng.choice(words, 200)) for _ in range(2000)],
+                                os.path.join(d, "sp"), 1000)
+    for workers in (1, 2):
+        t = median_time(lambda: preprocess(path, os.path.join(d, f"pp{workers}"),
+                                           "SentencePieceTokenizer", model, append_eod=True,
+                                           workers=workers, log_interval=0), runs)
+        row(f"preprocess MB/s, {workers} worker(s)", size / t / 1e6, None, "MB/s", True)
+
+
+def bench_reads(d, runs, n_docs=200_000, n_reads=200_000):
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 1000, n_docs)
+    b = IndexedDatasetBuilder(os.path.join(d, "r.bin"), np.uint16)
+    b.add_documents(rng.integers(0, 60000, int(lengths.sum())), lengths)
+    b.finalize(os.path.join(d, "r.idx"))
+    ours = IndexedDataset(os.path.join(d, "r"))
+    idx = rng.integers(0, n_docs, n_reads).tolist()
+    t_ours = median_time(lambda: [ours[i] for i in idx], runs)
+    t_mc = None
+    if mc_gpt is not None:
+        theirs = McIndexedDataset(os.path.join(d, "r"))
+        t_mc = median_time(lambda: [theirs[i] for i in idx], runs)
+    row("random item reads/s (x1000)", n_reads / t_ours / 1e3,
+        n_reads / t_mc / 1e3 if t_mc else None, "k/s", True)
+
+
+def mc_build(lengths, documents, num_samples, seq, seed):
+    """megatron-core's own index pipeline (its functions and compiled helper)."""
+    tokens = int(lengths[documents].sum())
+    epochs = mc_gpt.GPTDataset._get_num_epochs(
+        type("C", (), {"num_samples": num_samples,
+                       "config": type("X", (), {"sequence_length": seq,
+                                                "add_extra_token_to_sequence": True})})(), tokens)
+    sans = ((epochs - 1) * tokens - 1) // seq
+    separate = epochs > 1 and num_samples - sans < int(0.8 * ((tokens - 1) // seq))
+    rs = np.random.RandomState(seed)
+    doc = mc_gpt._build_document_index(documents, epochs, rs, separate)
+    sample = mc_helpers.build_sample_idx(lengths, doc, seq, epochs, tokens, True, True)
+    mc_gpt._build_shuffle_index(sans if separate else sample.shape[0] - 1,
+                                sample.shape[0] - 1, rs)
+
+
+def bench_gpt_index(runs):
+    rng = np.random.default_rng(2)
+    lengths = rng.integers(1, 2000, 100_000).astype(np.int32)    # ~100M tokens per epoch
+    documents = np.arange(len(lengths), dtype=np.int32)
+    for num_samples in (1_000_000, 10_000_000):
+        seq = 1024
+        ours = median_time(lambda: build_gpt_indices(lengths, documents, num_samples, seq, 1), runs)
+        theirs = None
+        if mc_gpt is not None:
+            theirs = median_time(lambda: mc_build(lengths, documents, num_samples, seq, 1), runs)
+        row(f"GPT index build, {num_samples // 1_000_000}M samples (s)", ours, theirs, "s", False)
+
+
+def bench_blend(runs, size=1_000_000):
+    w = np.array([0.5, 0.3, 0.2])
+    ours = median_time(lambda: build_blending_indices(w.tolist(), size), runs)
+    theirs = None
+    if mc_gpt is not None:
+        def mc():
+            mc_helpers.build_blending_indices(np.zeros(size, np.int16), np.zeros(size, np.int64),
+                                              w, 3, size, False)
+        theirs = median_time(mc, runs)
+    row("blending indices, 1M samples (s)", ours, theirs, "s", False)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--mb", type=float, default=8, help="size of the preprocessing corpus")
+    args = p.parse_args()
+    print(f"{'':<40} {'ours':>12} {'mcore':>12}  unit       ratio (>1: ours faster)")
+    with tempfile.TemporaryDirectory() as d:
+        bench_preprocess(d, args.mb, args.runs)
+        bench_reads(d, args.runs)
+    bench_gpt_index(args.runs)
+    bench_blend(args.runs)
+
+
+if __name__ == "__main__":
+    main()
