@@ -177,10 +177,14 @@ def model_state(chunks, tp_rank: int, tp_size: int) -> dict[str, Shard]:
 
 
 def _init_adam_state(optimizer, param):
-    """Empty AdamW state of `param` (zeros, step 0) as torch's AdamW creates it on first step."""
+    """Empty AdamW state of `param` (zeros, step 0) as torch's AdamW creates it on first step
+    (the step on the parameter's device for fused/capturable AdamW, else on the CPU)."""
     st = optimizer.state[param]
     if "exp_avg" not in st:
-        st["step"] = torch.zeros((), dtype=torch.float32)
+        group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), {})
+        on_device = group.get("fused") or group.get("capturable")
+        st["step"] = torch.zeros((), dtype=torch.float32,
+                                 device=param.device if on_device else "cpu")
         st["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         st["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
     return st
