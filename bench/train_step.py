@@ -1,0 +1,309 @@
+"""Single-rank training tokens/s: our GPTModel against Hugging Face GPT2LMHeadModel / LlamaForCausalLM.
+
+Both models are built from the same shapes with random weights (no download), and HF gets *our*
+initial weights copied in, so the two compute the same function: the first step's losses are printed
+side by side (fp32 must agree to ~1e-5). One training step, for both, is
+
+    zero_grad -> forward + loss (autocast bf16 for the bf16 rows) -> backward -> AdamW step
+
+with the same optimizer (megatron_sp.optimizer.build_optimizer: torch AdamW, foreach on CPU, the same
+weight-decay groups), the same tokens and the same loss: the mean next-token cross entropy over the
+b*(s-1) positions that have a next token. HF gets labels=input_ids (it shifts inside and ignores the
+last position); ours gets the left-shifted ids as labels and a loss mask that zeroes the last position
+(our model returns the per-token loss [b, s]). HF uses attn_implementation="sdpa", our model the SDPA
+backend. Vocabularies are equal; ours pads its output layer to a multiple of 128 (no padding when the
+vocabulary already is one, as the default 8192 is).
+
+Steps of the two models are interleaved (ours first on even steps, HF first on odd ones) so that
+machine noise hits both alike; tokens/s = b*s / median step time after the warm-up steps.
+
+    python bench/train_step.py                                # gpt2 + llama, fp32 + bf16, defaults
+    python bench/train_step.py --models llama --dtype bf16 --layers 8 --seq 1024 --steps 10
+    python bench/train_step.py --profile                      # + top ops of one step, ours and HF
+
+Goal (issue #3 item 8): ours/HF >= 1.3 on every row.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root: models/
+
+from megatron_sp.optimizer import build_optimizer
+from models.config import GPTConfig
+from models.gpt import GPTModel
+from models.init import init_parameters
+
+GOAL = 1.3
+
+
+# Model builders ---------------------------------------------------------------------------------
+
+def our_config(family: str, args) -> GPTConfig:
+    common = dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                  vocab_size=args.vocab, max_position_embeddings=max(args.seq, 1024),
+                  norm_epsilon=1e-5)
+    if family == "gpt2":
+        return GPTConfig(**common, normalization="LayerNorm", activation="gelu_tanh",
+                         position_embedding_type="learned_absolute", add_bias_linear=True,
+                         tie_embeddings=True)
+    kv = args.kv_heads or max(1, args.heads // 4)
+    return GPTConfig(**common, num_query_groups=kv, ffn_hidden_size=args.ffn,  # None: Megatron's SwiGLU rule
+                     normalization="RMSNorm", activation="swiglu", position_embedding_type="rope",
+                     rotary_base=10000.0, add_bias_linear=False, tie_embeddings=False)
+
+
+def hf_model(family: str, cfg: GPTConfig):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    if family == "gpt2":
+        hf_cfg = GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_position_embeddings,
+                            n_embd=cfg.hidden_size, n_layer=cfg.num_layers,
+                            n_head=cfg.num_attention_heads, n_inner=cfg.ffn_hidden_size,
+                            activation_function="gelu_new", layer_norm_epsilon=cfg.norm_epsilon,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                            tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
+                            attn_implementation="sdpa")
+        return GPT2LMHeadModel(hf_cfg)
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
+                         num_attention_heads=cfg.num_attention_heads,
+                         num_key_value_heads=cfg.num_query_groups, head_dim=cfg.kv_channels,
+                         max_position_embeddings=cfg.max_position_embeddings,
+                         rms_norm_eps=cfg.norm_epsilon,
+                         rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base},
+                         tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+                         attention_dropout=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
+                         pad_token_id=None, attn_implementation="sdpa")
+    return LlamaForCausalLM(hf_cfg)
+
+
+def _split_qkv(weight: torch.Tensor, cfg: GPTConfig):
+    """Our fused QKV rows [g x (q_per_group q, k, v) x d] -> q [h*d, ...], k, v [g*d, ...]."""
+    g, d = cfg.num_query_groups, cfg.kv_channels
+    qpg = cfg.num_attention_heads // g
+    w = weight.reshape(g, qpg + 2, d, *weight.shape[1:])
+    flat = lambda t: t.reshape(-1, *weight.shape[1:])  # noqa: E731
+    return flat(w[:, :qpg]), flat(w[:, qpg]), flat(w[:, qpg + 1])
+
+
+@torch.no_grad()
+def copy_into_hf(ours: GPTModel, hf, family: str, cfg: GPTConfig) -> None:
+    """Load our (initialised) weights into the HF model, so both compute the same function."""
+    V = cfg.vocab_size
+    sd = {k: v.detach() for k, v in ours.state_dict().items()}
+    emb = sd["embedding.word_embeddings.weight"][:V]
+    pairs = []  # (hf tensor, our tensor)
+    if family == "gpt2":
+        t = hf.transformer
+        pairs += [(t.wte.weight, emb), (t.wpe.weight, sd["embedding.position_embeddings.weight"]),
+                  (t.ln_f.weight, sd["final_norm.weight"]), (t.ln_f.bias, sd["final_norm.bias"])]
+        for i, block in enumerate(t.h):
+            p = f"layers.{i}."
+            q, k, v = _split_qkv(sd[p + "attention.qkv.weight"], cfg)
+            qb, kb, vb = _split_qkv(sd[p + "attention.qkv.bias"], cfg)
+            pairs += [  # HF Conv1D weights are [in, out]: ours transposed
+                (block.ln_1.weight, sd[p + "input_norm.weight"]), (block.ln_1.bias, sd[p + "input_norm.bias"]),
+                (block.attn.c_attn.weight, torch.cat([q, k, v]).t()),
+                (block.attn.c_attn.bias, torch.cat([qb, kb, vb])),
+                (block.attn.c_proj.weight, sd[p + "attention.proj.weight"].t()),
+                (block.attn.c_proj.bias, sd[p + "attention.proj.bias"]),
+                (block.ln_2.weight, sd[p + "post_attention_norm.weight"]),
+                (block.ln_2.bias, sd[p + "post_attention_norm.bias"]),
+                (block.mlp.c_fc.weight, sd[p + "mlp.fc1.weight"].t()), (block.mlp.c_fc.bias, sd[p + "mlp.fc1.bias"]),
+                (block.mlp.c_proj.weight, sd[p + "mlp.fc2.weight"].t()),
+                (block.mlp.c_proj.bias, sd[p + "mlp.fc2.bias"])]
+    else:
+        m = hf.model
+        pairs += [(m.embed_tokens.weight, emb), (m.norm.weight, sd["final_norm.weight"]),
+                  (hf.lm_head.weight, sd["output_layer.weight"][:V])]
+        for i, layer in enumerate(m.layers):
+            p = f"layers.{i}."
+            q, k, v = _split_qkv(sd[p + "attention.qkv.weight"], cfg)
+            gate, up = sd[p + "mlp.fc1.weight"].chunk(2, dim=0)
+            a = layer.self_attn
+            pairs += [(layer.input_layernorm.weight, sd[p + "input_norm.weight"]),
+                      (a.q_proj.weight, q), (a.k_proj.weight, k), (a.v_proj.weight, v),
+                      (a.o_proj.weight, sd[p + "attention.proj.weight"]),
+                      (layer.post_attention_layernorm.weight, sd[p + "post_attention_norm.weight"]),
+                      (layer.mlp.gate_proj.weight, gate), (layer.mlp.up_proj.weight, up),
+                      (layer.mlp.down_proj.weight, sd[p + "mlp.fc2.weight"])]
+    for dst, src in pairs:
+        assert dst.shape == src.shape, (dst.shape, src.shape)
+        dst.copy_(src)
+    n_ours = sum(p.numel() for p in ours.parameters())
+    n_hf = sum(p.numel() for p in hf.parameters())
+    pad = ours.config.padded_vocab_size() - V
+    extra = pad * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
+    assert n_ours - extra == n_hf, f"parameter counts differ: ours {n_ours} (-{extra} padding), HF {n_hf}"
+
+
+# One training step ------------------------------------------------------------------------------
+
+def _autocast(dtype: str):
+    if dtype == "bf16":
+        return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def ours_step(model, opt, batch, dtype):
+    opt.zero_grad(set_to_none=True)
+    with _autocast(dtype):
+        per_token = model(batch["input_ids"], labels=batch["labels"])      # [b, s] fp32
+    loss = (per_token * batch["loss_mask"]).sum() / batch["num_tokens"]
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def hf_step(model, opt, batch, dtype):
+    opt.zero_grad(set_to_none=True)
+    with _autocast(dtype):
+        loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss  # shifts inside
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def make_batch(step: int, args) -> dict:
+    gen = torch.Generator().manual_seed(1234 + step)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+    labels = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)  # next token; last: none
+    mask = torch.ones(args.batch, args.seq)
+    mask[:, -1] = 0.0
+    return {"input_ids": ids, "labels": labels, "loss_mask": mask, "num_tokens": mask.sum()}
+
+
+def build(family, args):
+    cfg = our_config(family, args)
+    ours = GPTModel(cfg, attention_backend="sdpa")
+    init_parameters(ours, seed=args.seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = hf_model(family, cfg)
+    copy_into_hf(ours, hf, family, cfg)
+    ours.train(), hf.train()
+    opt_ours = build_optimizer([ours], lr=1e-4, weight_decay=0.01)
+    opt_hf = build_optimizer([hf], lr=1e-4, weight_decay=0.01)
+    return cfg, ours, hf, opt_ours, opt_hf
+
+
+def bench_row(family, dtype, args) -> dict:
+    cfg, ours, hf, opt_ours, opt_hf = build(family, args)
+    times = {"ours": [], "hf": []}
+    cpu = {"ours": [], "hf": []}
+    first = {}
+    runners = {"ours": lambda b: ours_step(ours, opt_ours, b, dtype),
+               "hf": lambda b: hf_step(hf, opt_hf, b, dtype)}
+    for step in range(args.warmup + args.steps):
+        batch = make_batch(step, args)
+        order = ("ours", "hf") if step % 2 == 0 else ("hf", "ours")
+        for name in order:
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss = runners[name](batch)
+            elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+            if step == 0:
+                first[name] = float(loss)
+            if step >= args.warmup:
+                times[name].append(elapsed)
+                cpu[name].append(cpu_s)
+    tokens = args.batch * args.seq
+    row = {"model": family, "dtype": dtype, "params": sum(p.numel() for p in hf.parameters()),
+           "loss_ours": first["ours"], "loss_hf": first["hf"]}
+    for name in ("ours", "hf"):
+        row[f"ms_{name}"] = 1000 * statistics.median(times[name])
+        row[f"tps_{name}"] = tokens / statistics.median(times[name])
+    row["ratio"] = row["tps_ours"] / row["tps_hf"]
+    row["cpu_ratio"] = statistics.median(cpu["hf"]) / statistics.median(cpu["ours"])
+    if args.profile:
+        profile_row(family, dtype, args, ours, hf, opt_ours, opt_hf)
+    return row
+
+
+# Profiling --------------------------------------------------------------------------------------
+
+def profile_row(family, dtype, args, ours, hf, opt_ours, opt_hf):
+    from torch.profiler import ProfilerActivity, profile, record_function
+    batch = make_batch(0, args)
+    for name, step, model, opt in (("ours", ours_step, ours, opt_ours), ("hf", hf_step, hf, opt_hf)):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with record_function(f"{name}_step"):
+                step(model, opt, batch, dtype)
+        print(f"\n--- profile: {family} {dtype} {name} (one step, top {args.profile_rows} ops by self CPU "
+              f"time) ---")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows,
+                                        max_name_column_width=48))
+
+
+# Main -------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", choices=("gpt2", "llama"), default=["gpt2", "llama"])
+    p.add_argument("--dtype", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"],
+                   help="fp32: no autocast; bf16: torch.autocast(cpu, bfloat16), fp32 master weights")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=None, help="Llama key/value heads (default heads/4)")
+    p.add_argument("--ffn", type=int, default=None,
+                   help="FFN size (default: 4*hidden for GPT-2, Megatron's SwiGLU rule for Llama)")
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8, help="timed steps (median)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=cores, help=f"torch.set_num_threads (default {cores})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="print the top ops of one step per model")
+    p.add_argument("--profile-rows", type=int, default=25)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import transformers
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{torch.get_num_threads()} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"shapes: layers {args.layers}, hidden {args.hidden}, heads {args.heads} "
+          f"(llama kv heads {args.kv_heads or max(1, args.heads // 4)}), vocab {args.vocab}, "
+          f"seq {args.seq}, batch {args.batch}; {args.warmup} warm-up + {args.steps} timed steps, "
+          f"interleaved; step = forward + loss + backward + AdamW")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > args.threads:
+        print(f"warning: load average {load:.1f} > {args.threads} threads: other processes share "
+              f"these cores, so step times are noisy (the CPU-time ratio column is steadier)")
+    start = time.perf_counter()
+    rows = []
+    for family in args.models:
+        for dtype in args.dtype:
+            rows.append(bench_row(family, dtype, args))
+            r = rows[-1]
+            print(f"  {family:5s} {dtype}: ours {r['ms_ours']:.0f} ms, HF {r['ms_hf']:.0f} ms per step "
+                  f"(first-step loss ours {r['loss_ours']:.6f}, HF {r['loss_hf']:.6f})", flush=True)
+
+    header = (f"{'model':6s} {'dtype':5s} {'params':>8s} {'ours tok/s':>11s} {'HF tok/s':>10s} "
+              f"{'ours/HF':>8s} {'(CPU-time ratio)':>17s}")
+    print("\n" + header + "\n" + "-" * len(header))
+    for r in rows:
+        print(f"{r['model']:6s} {r['dtype']:5s} {r['params'] / 1e6:7.1f}M {r['tps_ours']:11.0f} "
+              f"{r['tps_hf']:10.0f} {r['ratio']:7.2f}x {r['cpu_ratio']:16.2f}x")
+    worst = min(r["ratio"] for r in rows)
+    met = all(r["ratio"] >= GOAL for r in rows)
+    print(f"\ngoal: ours/HF >= {GOAL}x on every row -> {'MET' if met else 'NOT MET'} "
+          f"(lowest {worst:.2f}x; {time.perf_counter() - start:.0f} s total)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
