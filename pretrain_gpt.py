@@ -237,6 +237,7 @@ def main(argv=None):
         print_rank0(mesh, "> embedded default finished: loss above should have fallen; logs: "
                           f"{args.metrics_jsonl or 'stdout (add --metrics-jsonl PATH)'}")
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()    # no rank tears down the store while another still uses it
         torch.distributed.destroy_process_group()
 
 
