@@ -11,6 +11,7 @@ models (megatron_sp.models) and the data pipeline (megatron_sp.data) together.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import sys
 import time
@@ -33,8 +34,9 @@ DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron_sp")
 
 # The embedded default: a tiny GPT that trains on CPU in a few minutes.
 EMBEDDED_DEFAULT = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=256,
-                        micro_batch_size=8, global_batch_size=16, train_iters=150, lr=2e-3,
-                        lr_warmup_iters=15, log_interval=10, eval_interval=50, eval_iters=2)
+                        micro_batch_size=8, global_batch_size=8, train_iters=100, lr=2e-3,
+                        lr_warmup_iters=10, log_interval=10, eval_interval=50, eval_iters=2,
+                        save="runs/default/checkpoints", metrics_jsonl="runs/default/metrics.jsonl")
 
 
 def model_config(args, vocab_size: int) -> GPTConfig:
@@ -70,11 +72,15 @@ def model_config(args, vocab_size: int) -> GPTConfig:
     return GPTConfig(**fields)
 
 
-def apply_embedded_default(args) -> bool:
-    """No data and no model given: the embedded default run (returns True if applied)."""
+def apply_embedded_default(args, argv=None) -> bool:
+    """No data and no model given: the embedded default run (returns True if applied).
+
+    Flags given explicitly on the command line (`argv`) win over the defaults.
+    """
     if args.data_path or args.mock_data or args.model or args.num_layers:
         return False
-    explicit = {a[2:].replace("-", "_") for a in sys.argv[1:] if a.startswith("--")}
+    argv = sys.argv[1:] if argv is None else argv
+    explicit = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
     for key, value in EMBEDDED_DEFAULT.items():
         if key not in explicit:
             setattr(args, key, value)
@@ -167,7 +173,6 @@ def build_model(config, mesh, args, device):
         model = GPTModel(config, mesh, attention_backend=args.attention_backend,
                          sequence_parallel=args.sequence_parallel, rng_tracker=tracker,
                          memory=MemoryOptions.from_args(args), **spec)
-        pipeline.prune_stage(model)
         init_parameters(model, seed=args.seed)
         chunks.append(model.to(device))
     return chunks
@@ -186,7 +191,7 @@ def build_schedule(chunks, mesh, args):
 
 def main(argv=None):
     args = parse_args(argv)
-    embedded = apply_embedded_default(args)
+    embedded = apply_embedded_default(args, argv)
     env = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, (env or {}).get("world_size", 1))))
     mesh = ParallelMesh.from_sizes(tp=args.tensor_model_parallel_size, sp=args.sequence_parallel_size,
@@ -234,8 +239,10 @@ def main(argv=None):
     checkpoints.finish()
     metrics.close()
     if embedded:
-        print_rank0(mesh, "> embedded default finished: loss above should have fallen; logs: "
-                          f"{args.metrics_jsonl or 'stdout (add --metrics-jsonl PATH)'}")
+        print_rank0(mesh, f"> embedded default finished: the lm loss above fell from about "
+                          f"ln({tokenizer.vocab_size}) = {math.log(tokenizer.vocab_size):.2f}.\n"
+                          f"> checkpoint: {os.path.abspath(args.save) if args.save else 'none'}\n"
+                          f"> metrics:    {os.path.abspath(args.metrics_jsonl) if args.metrics_jsonl else 'stdout only'}")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()    # no rank tears down the store while another still uses it
         torch.distributed.destroy_process_group()

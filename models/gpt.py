@@ -176,9 +176,14 @@ class TransformerLayer(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Vocabulary-parallel word embeddings (+ learned positions for GPT-2)."""
+    """Vocabulary-parallel word embeddings (+ learned positions for GPT-2).
 
-    def __init__(self, config: GPTConfig, mesh: ParallelMesh, sequence_parallel: bool):
+    with_positions=False builds the word embeddings only: the last pipeline stage's copy of tied
+    embeddings serves the output layer and never embeds (as in Megatron-LM).
+    """
+
+    def __init__(self, config: GPTConfig, mesh: ParallelMesh, sequence_parallel: bool,
+                 with_positions: bool = True):
         super().__init__()
         self.mesh = mesh
         self.sequence_parallel = sequence_parallel
@@ -187,7 +192,7 @@ class Embedding(nn.Module):
         # Padding rows beyond the real vocabulary start at zero in every layout.
         self.word_embeddings.weight.real_rows = config.vocab_size
         self.position_embeddings = None
-        if config.position_embedding_type == "learned_absolute":
+        if config.position_embedding_type == "learned_absolute" and with_positions:
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.dropout = config.hidden_dropout
 
@@ -244,7 +249,8 @@ class GPTModel(nn.Module):
         # Tied embeddings: the last stage keeps its own copy of the word embeddings under the same
         # global name; the embedding group sums their gradients so both copies stay identical.
         needs_embedding = self.pre_process or (self.post_process and config.tie_embeddings)
-        self.embedding = Embedding(config, mesh, self.sequence_parallel) if needs_embedding else None
+        self.embedding = (Embedding(config, mesh, self.sequence_parallel,
+                                    with_positions=self.pre_process) if needs_embedding else None)
         if needs_embedding and config.tie_embeddings and mesh.pp_size > 1:
             weight = self.embedding.word_embeddings.weight
             weight.embedding_tied = True                 # gradient summed over the embedding group

@@ -2,7 +2,6 @@
 
     specs = chunk_specs(config.num_layers, mesh, layers_per_virtual_stage=..., first=..., last=...)
     chunks = [GPTModel(config, mesh, **spec, ...) for spec in specs]
-    for chunk in chunks: prune_stage(chunk)
     schedule = get_forward_backward_func(mesh.pp_size, len(chunks))
 
 The core does not import the models (DESIGN 2): callers build the chunks from the specs.
@@ -31,16 +30,7 @@ def chunk_specs(num_layers: int, mesh, *, layers_per_virtual_stage=None, first=N
             for c, layer_ids in enumerate(ids)]
 
 
-def prune_stage(chunk) -> None:
-    """Drop what a chunk holds but never uses: the last stage's copy of the tied word embeddings
-    is for the output layer only, so (as in Megatron-LM) it carries no position embeddings."""
-    embedding = getattr(chunk, "embedding", None)
-    if embedding is not None and not chunk.pre_process and \
-            getattr(embedding, "position_embeddings", None) is not None:
-        embedding.position_embeddings = None
-
-
 __all__ = ["P2PCommunicator", "PipelineLayoutError", "check_num_microbatches", "chunk_layer_ids",
            "chunk_specs", "forward_backward_pipelining_with_interleaving",
            "forward_backward_pipelining_without_interleaving", "get_forward_backward_func",
-           "prune_stage", "stage_layer_counts", "stage_layer_ids", "virtual_pipeline_size"]
+           "stage_layer_counts", "stage_layer_ids", "virtual_pipeline_size"]

@@ -12,7 +12,7 @@ import torch
 
 from megatron_sp.mesh import ParallelMesh
 from megatron_sp.optimizer import LRScheduler, build_optimizer
-from megatron_sp.pipeline import chunk_specs, get_forward_backward_func, prune_stage
+from megatron_sp.pipeline import chunk_specs, get_forward_backward_func
 from megatron_sp.tensor_parallel import gather_full_like
 from megatron_sp.training import Trainer
 from megatron_sp.models import GPTModel, preset
@@ -66,7 +66,6 @@ def build_chunks(mesh, config, *, sequence_parallel=False, model_kwargs=None, pi
     for spec in specs:
         chunk = GPTModel(config, mesh, sequence_parallel=sequence_parallel, **spec,
                          **(model_kwargs or {}))
-        prune_stage(chunk)
         init_parameters(chunk, seed=seed)
         chunks.append(chunk)
     return chunks, get_forward_backward_func(mesh.pp_size, len(chunks))

@@ -40,10 +40,8 @@ def _build(config, mesh, seed):
     from megatron_sp.models import GPTModel
     from megatron_sp.models.init import init_parameters
     if mesh.pp_size > 1:
-        from megatron_sp.pipeline import chunk_specs, prune_stage
+        from megatron_sp.pipeline import chunk_specs
         chunks = [GPTModel(config, mesh, **spec) for spec in chunk_specs(config.num_layers, mesh)]
-        for c in chunks:
-            prune_stage(c)
     else:
         chunks = [GPTModel(config, mesh)]
     for c in chunks:
