@@ -67,9 +67,10 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [b, s_l, heads, d] rotated by its positions' angles; computed in fp32."""
-    x1, x2 = x.float().chunk(2, dim=-1)                 # each [b, s_l, heads, d/2]
+    xf = x.float()                                      # one cast (a copy under bf16)
+    x1, x2 = xf.chunk(2, dim=-1)                        # each [b, s_l, heads, d/2]
     rotated = torch.cat([-x2, x1], dim=-1)              # [b, s_l, heads, d]
-    return (x.float() * cos + rotated * sin).to(x.dtype)
+    return (xf * cos + rotated * sin).to(x.dtype)
 
 
 class SelfAttention(nn.Module):
@@ -96,13 +97,13 @@ class SelfAttention(nn.Module):
                                       sequence_parallel=sequence_parallel)
 
     def forward(self, x, rope=None, document_ids=None):
-        b, s_l = x.shape[0], None
         qkv = self.qkv(x)                                         # [b, s/sp, (h+2g)/tp * d]
         b, s_l = qkv.shape[:2]
         qkv = qkv.view(b, s_l, self.groups_local, self.q_per_group + 2, self.head_dim)
-        q = qkv[:, :, :, :self.q_per_group].reshape(b, s_l, self.heads_local, self.head_dim)
-        k = qkv[:, :, :, self.q_per_group]                        # [b, s/sp, g/tp, d]
-        v = qkv[:, :, :, self.q_per_group + 1]                    # [b, s/sp, g/tp, d]
+        # One split (its backward is one concatenation, not three zero-filled scatters).
+        q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)
+        q = q.reshape(b, s_l, self.heads_local, self.head_dim)    # [b, s/sp, h/tp, d]
+        k, v = k.squeeze(3), v.squeeze(3)                         # [b, s/sp, g/tp, d] each
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         dropout = self.dropout if self.training else 0.0
