@@ -143,10 +143,13 @@ def validate(args) -> None:
     for attr, bad, message in UNSUPPORTED:
         if bad(getattr(args, attr)):
             raise SystemExit(f"error: {message}")
-    if args.train_iters is None and args.train_samples is None:
-        args.train_iters = 100
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size
+    if args.train_iters is None:   # Megatron: --train-samples counts samples, a constant batch
+        args.train_iters = (args.train_samples // args.global_batch_size
+                            if args.train_samples is not None else 100)
+    if args.group_query_attention and args.num_query_groups is None:
+        args.num_query_groups = 1      # Megatron's default number of query groups
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters if args.train_iters else 1
     if args.lr_warmup_fraction is not None:
