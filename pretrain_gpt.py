@@ -21,7 +21,7 @@ import torch
 from megatron_sp.arguments import parse_args
 from megatron_sp.checkpointing import CheckpointError, CheckpointManager, consumed_valid_samples
 from megatron_sp.flops import flops_for_config
-from megatron_sp.mesh import ParallelMesh, barrier, init_distributed
+from megatron_sp.mesh import ParallelMesh, barrier, init_distributed, shutdown
 from megatron_sp.optimizer import LRScheduler, build_optimizer
 from megatron_sp import pipeline
 from megatron_sp.tensor_parallel import RNGTracker
@@ -243,9 +243,7 @@ def main(argv=None):
                           f"ln({tokenizer.vocab_size}) = {math.log(tokenizer.vocab_size):.2f}.\n"
                           f"> checkpoint: {os.path.abspath(args.save) if args.save else 'none'}\n"
                           f"> metrics:    {os.path.abspath(args.metrics_jsonl) if args.metrics_jsonl else 'stdout only'}")
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()    # no rank tears down the store while another still uses it
-        torch.distributed.destroy_process_group()
+    shutdown()
 
 
 def train(args, trainer, train_iter, valid_iter, metrics, checkpoints=None):

@@ -251,3 +251,11 @@ def barrier(mesh: "ParallelMesh | None" = None) -> None:
     """Wait for every rank (no-op without a process group)."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def shutdown() -> None:
+    """Barrier, then destroy the default group: no rank tears down the store while another
+    still uses it (a rank leaving first can crash a slower rank's gloo teardown)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
