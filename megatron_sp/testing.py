@@ -67,3 +67,20 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0,
         msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
         raise AssertionError(f"distributed run failed:\n{msg}")
     return [outputs[r] for r in range(world_size)]
+
+
+def free_port() -> int:
+    """A TCP port that is free right now on the loopback (for a torchrun --master-port)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics_losses(path) -> tuple[list[float], list[float]]:
+    """(train lm_loss per logged iteration, valid_lm_loss per evaluation) of a --metrics-jsonl file."""
+    import json
+    with open(path) as f:
+        records = [json.loads(line) for line in f]
+    return ([r["lm_loss"] for r in records if "lm_loss" in r],
+            [r["valid_lm_loss"] for r in records if "valid_lm_loss" in r])

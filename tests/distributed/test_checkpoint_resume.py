@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
+
+from megatron_sp.testing import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ITERS = 8
@@ -39,17 +40,11 @@ def _losses(path):
                 if "lm_loss" in r}
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(args, tmp, name):
     env = dict(os.environ, CKPT_TEST_MARKERS=str(tmp / f"{name}-markers"), OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "--log-dir", str(tmp / f"{name}-logs"), "--redirects", "3",
            os.path.abspath(__file__)] + args
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

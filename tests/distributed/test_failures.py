@@ -19,23 +19,18 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from megatron_sp.testing import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "1",
         "--global-batch-size", "2", "--eval-iters", "0", "--log-interval", "1"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env(**extra) -> dict:

@@ -3,9 +3,7 @@ composition with tp, sp and dp, each equal to one rank (loss 1e-5 relative, grad
 several optimizer steps; every stage compares the gradients of the parameters it holds), plus
 pretrain_gpt.py under torchrun (tp 2 x sp 2 x pp 2 on 8 gloo ranks) against its one-rank loss curve.
 """
-import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -18,7 +16,7 @@ from megatron_sp.arguments import parse_args
 from megatron_sp.mesh import ParallelMesh
 from megatron_sp.pipeline import (PipelineLayoutError, check_num_microbatches, chunk_layer_ids,
                                   forward_backward_pipelining_with_interleaving, stage_layer_ids)
-from megatron_sp.testing import run_distributed
+from megatron_sp.testing import free_port, metrics_losses, run_distributed
 
 from layout_utils import build_chunks, check_layouts, global_batches, micro_batches
 
@@ -189,19 +187,6 @@ def test_eight_rank_compositions():
 
 # pretrain_gpt.py under torchrun ---------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _losses(path):
-    with open(path) as f:
-        records = [json.loads(line) for line in f]
-    return ([r["lm_loss"] for r in records if "lm_loss" in r],
-            [r["valid_lm_loss"] for r in records if "valid_lm_loss" in r])
-
-
 def test_pretrain_gpt_tp_sp_pp_matches_one_rank(tmp_path):
     common = ["--mock-data", "--vocab-size", "512", "--num-layers", "4", "--hidden-size", "32",
               "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "1",
@@ -215,7 +200,7 @@ def test_pretrain_gpt_tp_sp_pp_matches_one_rank(tmp_path):
         subprocess.Popen([sys.executable, "pretrain_gpt.py", *common, "--metrics-jsonl", str(one)],
                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
         subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8",
-                          "--master-port", str(_free_port()), "pretrain_gpt.py", *common,
+                          "--master-port", str(free_port()), "pretrain_gpt.py", *common,
                           "--tensor-model-parallel-size", "2", "--sequence-parallel-size", "2",
                           "--pipeline-model-parallel-size", "2", "--metrics-jsonl", str(eight)],
                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
@@ -223,7 +208,7 @@ def test_pretrain_gpt_tp_sp_pp_matches_one_rank(tmp_path):
     for p in procs:
         out, _ = p.communicate(timeout=240)
         assert p.returncode == 0, out[-4000:]
-    (train1, valid1), (train8, valid8) = _losses(one), _losses(eight)
+    (train1, valid1), (train8, valid8) = metrics_losses(one), metrics_losses(eight)
     assert len(train1) == len(train8) == 3 and len(valid1) == len(valid8) == 1
     for a, b in zip(train1 + valid1, train8 + valid8):
         assert abs(a - b) <= 1e-5 * abs(a), (train1, valid1, train8, valid8)

@@ -1,0 +1,47 @@
+"""pretrain_gpt.py under torchrun on gloo reproduces the one-rank loss curve of its metrics file:
+tensor parallelism (tp=2, with and without --sequence-parallel) and Ulysses (sp=4).
+Tolerance: 1e-5 relative on every logged training and validation loss."""
+import os
+import subprocess
+import sys
+
+from megatron_sp.testing import free_port, metrics_losses
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COMMON = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--hidden-size", "64",
+          "--num-attention-heads", "8", "--num-query-groups", "4", "--swiglu",
+          "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+          "--disable-bias-linear", "--seq-length", "32", "--micro-batch-size", "2",
+          "--global-batch-size", "4", "--train-iters", "4", "--log-interval", "1",
+          "--eval-iters", "1", "--eval-interval", "4", "--lr", "1e-3", "--distributed-backend", "gloo"]
+
+
+def _launch(nproc, extra, metrics):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if nproc == 1:
+        cmd = [sys.executable, "pretrain_gpt.py"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(free_port()), "pretrain_gpt.py"]
+    return subprocess.Popen(cmd + COMMON + extra + ["--metrics-jsonl", str(metrics)], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_tp2_tp2_sequence_parallel_and_sp4_match_one_rank(tmp_path):
+    runs = {"one": (1, []),
+            "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+            "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+            "sp4": (4, ["--sequence-parallel-size", "4"])}
+    # tp runs first (4 processes), then sp4 and one rank (5): at most 5 on the two cores at once.
+    for batch in (("tp2", "tp2-sp"), ("sp4", "one")):
+        procs = {name: _launch(*runs[name], tmp_path / f"{name}.jsonl") for name in batch}
+        for name, p in procs.items():
+            out, _ = p.communicate(timeout=300)
+            assert p.returncode == 0, f"{name}:\n{out[-4000:]}"
+    train1, valid1 = metrics_losses(tmp_path / "one.jsonl")
+    assert len(train1) == 4 and len(valid1) == 1
+    for name in ("tp2", "tp2-sp", "sp4"):
+        train, valid = metrics_losses(tmp_path / f"{name}.jsonl")
+        assert len(train) == 4 and len(valid) == 1, name
+        for a, b in zip(train1 + valid1, train + valid):
+            assert abs(a - b) <= 1e-5 * abs(a), (name, train1 + valid1, train + valid)
