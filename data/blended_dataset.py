@@ -12,34 +12,182 @@ def normalize(weights):
     return (w / w.sum()).tolist()
 
 
+def _greedy(weights, start, stop, taken, dataset_index, sample_index, until=None):
+    """Megatron's greedy rule, one step at a time, for steps [start, stop) from the counts `taken`.
+
+    With until=(block_start, reference counts at block_start), it stops as soon as its counts equal
+    the ones the block-parallel pass had at the same step (from there on that pass is exact) and
+    returns the step it stopped at; otherwise it returns stop. `taken` is updated in place.
+    """
+    pairs = list(enumerate(weights))[1:]
+    w0 = weights[0]
+    diff, nonzero = None, 0
+    if until is not None:
+        diff = [a - b for a, b in zip(taken, until)]
+        nonzero = sum(1 for v in diff if v)
+        if not nonzero:
+            return start
+    for i in range(start, stop):
+        x = float(i) if i > 1 else 1.0
+        best, best_err = 0, w0 * x - taken[0]
+        for k, w in pairs:
+            err = w * x - taken[k]
+            if err > best_err:
+                best, best_err = k, err
+        if diff is not None:
+            old = int(dataset_index[i])
+            if old != best:
+                for k, step in ((best, 1), (old, -1)):
+                    before = diff[k]
+                    diff[k] = before + step
+                    nonzero += (diff[k] != 0) - (before != 0)
+        dataset_index[i] = best
+        sample_index[i] = taken[best]
+        taken[best] += 1.0
+        if diff is not None and not nonzero:
+            return i + 1
+    return stop
+
+
+def _guess_counts(w, steps):
+    """Per-dataset counts near w * steps summing to steps (largest remainders), shape [n, B]."""
+    n = len(w)
+    ideal = w[:, None] * steps[None, :]
+    counts = np.floor(ideal)
+    short = steps - counts.sum(0)
+    order = np.argsort(counts - ideal, axis=0, kind="stable")      # largest remainder first
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.broadcast_to(np.arange(n)[:, None], order.shape), axis=0)
+    counts += rank < short
+    return counts
+
+
+def _blocks(w, size, L, W):
+    """Block-parallel greedy: B blocks of L steps run side by side (numpy over blocks, one Python
+    step at a time), each from guessed counts W steps before its start (the rule forgets its start
+    quickly, so the guess has almost always been corrected by the block start; block 0 starts from
+    the exact zeros). Returns the outputs and, per block, the counts at its start and at its end.
+    """
+    n = len(w)
+    B = -(-size // L)
+    first = np.arange(B, dtype=np.float64) * L - W
+    first[0] = 0.0
+    C = _guess_counts(w, first)
+    C[:, 0] = 0.0
+    T = W + L
+    K = 16                                              # steps per write-out chunk
+    picks = np.empty((K, B), np.int16)
+    taken = np.empty((K, B))
+    dataset_index = np.empty((B, L), np.int16)
+    sample_index = np.empty((B, L), np.int64)
+    head = np.empty((2, L))                             # block 0 has no warm-up: its first L steps
+    E = np.empty((n, B))
+    best = np.empty(B)
+    greater = np.empty(B, bool)
+    candidate = np.empty(B, np.int16)
+    flat = np.empty(B, np.intp)
+    plus_one = np.empty(B)
+    x = np.empty(B)
+    wc = w[:, None]
+    lanes = np.arange(B, dtype=np.intp)
+    flat_counts = C.reshape(-1)                         # counts[d, b] at d * B + b
+    errors = [E[d] for d in range(n)]
+    start = end0 = None
+    for t in range(T):
+        if t == W:
+            start = C.copy()
+        if t == L:
+            end0 = C[:, 0].copy()
+        np.add(first, t, out=x)
+        if t == 0:
+            x[0] = 1.0                                  # Megatron uses max(i, 1)
+        np.multiply(wc, x, out=E)
+        np.subtract(E, C, out=E)
+        r = t % K
+        idx, row = picks[r], taken[r]                   # the choice and its count before it
+        if n == 1:
+            idx.fill(0)
+        else:                                           # branch-free argmax, first on ties
+            np.greater(errors[1], errors[0], out=greater)   # strict: ties keep the lower index
+            np.copyto(idx, greater)
+            if n > 2:
+                np.maximum(errors[0], errors[1], out=best)
+            for d in range(2, n):
+                e = errors[d]
+                np.greater(e, best, out=greater)
+                if d < n - 1:
+                    np.maximum(best, e, out=best)
+                np.multiply(greater, d, out=candidate)
+                np.maximum(idx, candidate, out=idx)     # d exceeds every earlier index
+        np.multiply(idx, B, out=flat, dtype=np.intp)
+        np.add(flat, lanes, out=flat)
+        np.take(flat_counts, flat, out=row)
+        np.add(row, 1.0, out=plus_one)
+        flat_counts[flat] = plus_one
+        if t < L:
+            head[0, t], head[1, t] = idx[0], row[0]
+        if r == K - 1 or t == T - 1:                    # write the chunk out, block-major
+            lo = max(t - r, W)
+            if lo <= t:
+                rows = slice(lo - (t - r), r + 1)
+                dataset_index[:, lo - W:t + 1 - W] = picks[rows].T
+                sample_index[:, lo - W:t + 1 - W] = taken[rows].T
+    if start is None:
+        start = C.copy()
+    if end0 is None:
+        end0 = C[:, 0].copy()
+    start[:, 0] = 0.0
+    C[:, 0] = end0
+    dataset_index[0] = head[0]
+    sample_index[0] = head[1]
+    return dataset_index.reshape(-1)[:size], sample_index.reshape(-1)[:size], start, C
+
+
 def build_blending_indices(weights, size):
     """(dataset_index int16, dataset_sample_index int64) by Megatron's greedy rule.
 
     Sample i goes to the dataset whose weight * max(i, 1) - samples_taken is largest (the first on
-    ties). The rule is sequential by nature, so it runs as one tight loop; everything else about
-    the blend (per-dataset sample numbers) is vectorised afterwards.
+    ties), with the same float64 arithmetic as megatron-core's helper, so the result is identical.
+    The rule is sequential, but it forgets where it started within a few dozen steps: blocks of
+    steps are run side by side from guessed counts with a warm-up, and each block's counts at its
+    start are checked against the previous block's counts at its end. Blocks whose check fails
+    are redone exactly, one step at a time, until they rejoin the block-parallel result.
     """
-    weights = [float(w) for w in weights]
-    n = len(weights)
-    choice = bytearray(size) if n < 256 else None
-    dataset_index = np.empty(size, np.int16)
-    taken = [0.0] * n
-    pairs = list(enumerate(weights))
-    for i in range(size):
-        x = float(i) if i > 1 else 1.0
-        best, best_err = 0, weights[0] * x - taken[0]
-        for k, w in pairs[1:]:
-            err = w * x - taken[k]
-            if err > best_err:
-                best, best_err = k, err
-        taken[best] += 1.0
-        if choice is not None:
-            choice[i] = best
-        else:
-            dataset_index[i] = best
-    if choice is not None:
-        dataset_index[:] = np.frombuffer(bytes(choice), np.uint8)
-    return dataset_index, sample_numbers(dataset_index, n)
+    w = np.asarray(weights, np.float64).reshape(-1)
+    wl = w.tolist()
+    n = len(wl)
+    size = int(size)
+    W = int(min(256, max(16, 2 * n, np.ceil(2.0 / max(float(w.min()), 1e-9)))))
+    L = max(W + 1, 2 * W, -(-size // 10000))
+    if size < 32 * L or n >= 2 ** 15:
+        dataset_index = np.empty(size, np.int16)
+        sample_index = np.empty(size, np.int64)
+        _greedy(wl, 0, size, [0.0] * n, dataset_index, sample_index)
+        return dataset_index, sample_index
+    dataset_index, sample_index, start, end = _blocks(w, size, L, W)
+    B = start.shape[1]
+    ok = np.ones(B, bool)
+    ok[1:] = np.all(end[:, :-1] == start[:, 1:], axis=0)
+    todo = np.flatnonzero(~ok).tolist()
+    j, b, state = 0, 0, None
+    while True:
+        if state is None:                   # the previous block ended with the right counts
+            if j == len(todo):
+                break
+            b = todo[j]
+            j += 1
+            state = end[:, b - 1].tolist()
+        else:                               # carry the exact counts into the next block
+            b += 1
+            if b == B:
+                break
+            while j < len(todo) and todo[j] <= b:
+                j += 1
+        lo, hi = b * L, min(b * L + L, size)
+        stop = _greedy(wl, lo, hi, state, dataset_index, sample_index, until=start[:, b].tolist())
+        if stop < hi or state == end[:, b].tolist():
+            state = None
+    return dataset_index, sample_index
 
 
 def sample_numbers(dataset_index, n):
