@@ -57,30 +57,78 @@ def ceil_div(a, b):
     return -(-a // b)
 
 
+SAMPLE_INDEX_CHUNK = 1 << 15      # documents per step: the temporaries stay in the CPU cache
+
+
 def build_sample_index(sequence_lengths, document_index, seq_length, num_samples):
     """[num_samples + 1, 2] rows of (position in document_index, token offset in that document).
 
     Row i (i >= 1) locates token i * seq_length of the flattened stream, i.e. the document that
-    holds it (empty documents never do); row 0 is (0, 0) as in Megatron's helper.
+    holds it (empty documents never do); row 0 is (0, 0) as in Megatron's helper. One pass over
+    document_index in cache-sized chunks: the boundaries k * seq_length before each document's end
+    are ceil(end / seq_length), so each document is repeated once per boundary it holds.
     """
-    sizes = np.asarray(sequence_lengths)[document_index].astype(np.int64)
-    ends = np.cumsum(sizes)
-    first = ceil_div(ends, seq_length)        # boundaries before each document's end
-    first[1:] = first[:-1]
-    first[0] = 0                              # index of the first boundary in each document
-    counts = np.diff(first, append=ceil_div(ends[-1:], seq_length))
-    if int(first[-1] + counts[-1]) < num_samples + 1:
+    lengths = np.asarray(sequence_lengths)
+    document_index = np.asarray(document_index)
+    i32 = np.iinfo(np.int32).max
+    n_docs, rows = len(document_index), num_samples + 1
+    big = n_docs > i32 or (lengths.size and int(lengths.max()) > i32
+                           and int(lengths[document_index].max(initial=0)) > i32)
+    out = np.empty((rows, 2), np.int64 if big else np.int32)
+    if n_docs * (int(lengths.max()) if lengths.size else 0) >= 2 ** 52:
+        return _sample_index_int(lengths, document_index, seq_length, out)
+    chunk = SAMPLE_INDEX_CHUNK
+    sizes = np.empty(min(chunk, n_docs), lengths.dtype)
+    ends = np.empty(len(sizes), np.int64)
+    upto_f = np.empty(len(sizes))
+    upto = np.empty(len(sizes), np.int64)
+    counts = np.empty(len(sizes), np.int64)
+    ids = np.arange(len(sizes), dtype=out.dtype)
+    done, tokens, boundaries = 0, 0, 0          # rows written, tokens and boundaries so far
+    for lo in range(0, n_docs, chunk):
+        m = min(chunk, n_docs - lo)
+        sz, en, uf, up, ct = sizes[:m], ends[:m], upto_f[:m], upto[:m], counts[:m]
+        np.take(lengths, document_index[lo:lo + m], out=sz)
+        np.cumsum(sz, dtype=np.int64, out=en)
+        en += tokens                            # token position of each document's end
+        np.divide(en, float(seq_length), out=uf)   # exact: integers below 2**52
+        np.ceil(uf, out=uf)
+        np.copyto(up, uf, casting="unsafe")     # boundaries k * seq_length before each end
+        ct[0] = up[0] - boundaries
+        np.subtract(up[1:], up[:-1], out=ct[1:])
+        take = min(int(up[-1]) - boundaries, rows - done)
+        if take > 0:
+            held = np.repeat(ids[:m], ct)[:take]        # chunk-local document of each row
+            en -= sz                                    # now each document's start
+            block = out[done:done + take]
+            np.add(held, lo, out=block[:, 0], casting="unsafe")
+            offsets = np.arange(done * seq_length, (done + take) * seq_length, seq_length,
+                                dtype=np.int64)
+            offsets -= en.take(held)
+            block[:, 1] = offsets
+            done += take
+            en += sz
+        tokens, boundaries = int(en[-1]), int(up[-1])
+        if done == rows:
+            break
+    if done < rows:
         raise ValueError(f"the document stream holds too few tokens for {num_samples} samples")
-    holders = np.flatnonzero(counts)          # documents holding >= 1 boundary, in order
-    marks = np.zeros(num_samples + 1, np.int64)
-    keep = first[holders] <= num_samples
-    marks[first[holders][keep]] = np.diff(holders[keep], prepend=0)
-    doc_pos = np.cumsum(marks)
-    starts = ends - sizes
-    offsets = np.arange(num_samples + 1, dtype=np.int64) * seq_length - starts[doc_pos]
-    big = max(len(document_index), int(sizes.max(initial=0))) > np.iinfo(np.int32).max
-    out = np.empty((num_samples + 1, 2), np.int64 if big else np.int32)
-    out[:, 0], out[:, 1] = doc_pos, offsets
+    out[0] = 0
+    return out
+
+
+def _sample_index_int(lengths, document_index, seq_length, out):
+    """build_sample_index with integer arithmetic only (token counts of 2**52 and more)."""
+    sizes = lengths[document_index].astype(np.int64)
+    ends = np.cumsum(sizes)
+    upto = -(-ends // seq_length)
+    counts = np.diff(upto, prepend=0)
+    rows = len(out)
+    if int(upto[-1]) < rows:
+        raise ValueError(f"the document stream holds too few tokens for {rows - 1} samples")
+    held = np.repeat(np.arange(len(sizes), dtype=np.int64), counts)[:rows]
+    out[:, 0] = held
+    out[:, 1] = np.arange(rows, dtype=np.int64) * seq_length - (ends - sizes)[held]
     out[0] = 0
     return out
 
