@@ -99,6 +99,13 @@ class IndexedDataset:
             _fail(bin_path, f"{'truncated' if have < need else 'too long'}: {have} bytes, but "
                   f"{idx_path} describes {need} bytes of {self.dtype.name} tokens")
         self._bin_buf = _map(bin_path)
+        # hot-path views: Python ints straight from the index, tokens as one array to slice
+        self._lengths = memoryview(self.sequence_lengths).cast("B").cast("i")
+        self._pointers = memoryview(self.sequence_pointers).cast("B").cast("q")
+        size = self.dtype.itemsize
+        self._shift, self._misaligned = size.bit_length() - 1, size - 1
+        self._tokens = (np.frombuffer(self._bin_buf, self.dtype)
+                        if len(self._bin_buf) % size == 0 else None)
 
     def __len__(self):
         return len(self.sequence_lengths)
@@ -106,14 +113,18 @@ class IndexedDataset:
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        n = self.sequence_lengths[i]            # lean path: this is the hot loop of training
+        n = self._lengths[i]                    # lean path: this is the hot loop of training
         if n == 0:
             return np.empty(0, self.dtype)
-        return np.frombuffer(self._bin_buf, self.dtype, n, self.sequence_pointers[i])
+        ptr = self._pointers[i]
+        if ptr & self._misaligned or self._tokens is None:
+            return np.frombuffer(self._bin_buf, self.dtype, n, ptr)
+        ptr >>= self._shift
+        return self._tokens[ptr:ptr + n]
 
     def get(self, i, offset=0, length=None):
         """Tokens [offset, offset+length) of sequence i (to its end when length is None)."""
-        n = int(self.sequence_lengths[i])
+        n = self._lengths[i]
         if length is None:
             length = n - offset
         if offset < 0 or length < 0 or offset + length > n:
@@ -121,8 +132,12 @@ class IndexedDataset:
                              f"sequence {i} of length {n}")
         if length == 0:
             return np.empty(0, self.dtype)
-        ptr = int(self.sequence_pointers[i]) + offset * self.dtype.itemsize
-        return np.frombuffer(self._bin_buf, self.dtype, length, ptr)
+        ptr = self._pointers[i]
+        if ptr & self._misaligned or self._tokens is None:
+            return np.frombuffer(self._bin_buf, self.dtype, length,
+                                 ptr + offset * self.dtype.itemsize)
+        ptr = (ptr >> self._shift) + offset
+        return self._tokens[ptr:ptr + length]
 
     @property
     def num_tokens(self):
