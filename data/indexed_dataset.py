@@ -219,7 +219,7 @@ class IndexedDatasetBuilder:
         if int(lengths.sum()) != arr.size:
             raise ValueError(f"{self.bin_path}: lengths sum to {int(lengths.sum())} but "
                              f"{arr.size} tokens were given; pass lengths that cover the tokens.")
-        self._file.write(arr.tobytes())
+        self._file.write(memoryview(arr).cast("B"))
         nonempty = lengths > 0
         self._lengths.append(lengths[nonempty].astype(np.int32))
         self._documents.append(self._num_sequences + np.cumsum(nonempty, dtype=np.int64))
