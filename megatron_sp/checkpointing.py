@@ -337,9 +337,6 @@ def _dcp_save(state: dict, path: str):
                  planner=save_planner(), no_dist=not _dist())
 
 
-_async_group = None
-
-
 class _CloneStager:
     """DCP async stager: a private host copy of every Shard and tensor, so that training can go on
     changing the live ones while the background thread writes (DCP's own stager drops Shards)."""
@@ -365,17 +362,14 @@ class _CloneStager:
         pass
 
 
-def _dcp_async_save(state: dict, path: str):
-    """Write in a background thread over a dedicated gloo group, so that its collectives never
-    interleave with the training's on the default group."""
-    global _async_group
+def _dcp_async_save(state: dict, path: str, group):
+    """Write in a background thread over `group`, a dedicated gloo group (the mesh's
+    background_group), so that its collectives never interleave with the training's."""
     import torch.distributed.checkpoint as dcp
-    if _async_group is None:
-        _async_group = dist.new_group(backend="gloo")
     save_planner, _ = _planners()
     staged = _CloneStager().stage(state)
     return dcp.async_save(staged, storage_writer=dcp.FileSystemWriter(path, single_file_per_rank=True),
-                          planner=save_planner(), process_group=_async_group,
+                          planner=save_planner(), process_group=group,
                           async_stager=_CloneStager())
 
 
@@ -553,7 +547,7 @@ def save_checkpoint(root: str, iteration: int | str, chunks, mesh, *, optimizer=
         "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     if async_save and _dist():
-        future = _dcp_async_save(state, tmp)
+        future = _dcp_async_save(state, tmp, mesh.background_group())
         _pending = _PendingSave(future, root, iteration, tmp, final, meta)
         if _rank() == 0:
             print(f"> saving checkpoint {final} in the background (staged in "

@@ -173,6 +173,16 @@ class ParallelMesh:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.dims.pp - 1
 
+    def background_group(self):
+        """A gloo group over the whole world for background work (asynchronous checkpoint
+        writes), so its collectives never interleave with training's. Created on first use: every
+        rank must ask at the same point (new_group is collective). None with one rank."""
+        if self.dims.world_size == 1 or not dist.is_initialized():
+            return None
+        if getattr(self, "_background_group", None) is None:
+            self._background_group = dist.new_group(backend="gloo")
+        return self._background_group
+
     def stage_rank(self, pp_rank: int) -> int:
         """Global rank of the given pipeline stage at this rank's (tp, sp, dp) coordinates."""
         return self.dims.rank_of(self.tp_rank, self.sp_rank, self.dp_rank, pp_rank)
