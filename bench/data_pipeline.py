@@ -3,6 +3,8 @@
 python bench/data_pipeline.py [--runs 3] [--mb 8]
 Rows: preprocessing MB/s with 1 and 2 workers; random item reads/s of IndexedDataset; GPT index
 build time at 1M and 10M samples (megatron-core with its compiled helper); blending indices.
+Ours and megatron-core's runs alternate and each row reports medians, so load from other work on
+the machine hits both sides alike.
 """
 import argparse
 import json
@@ -33,6 +35,19 @@ def median_time(fn, runs):
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def paired_times(ours, theirs, runs):
+    """Median seconds of ours and theirs, run alternately (a load spike hits both alike)."""
+    a, b = [], []
+    for _ in range(runs):
+        for fn, out in ((ours, a), (theirs, b)):
+            if fn is None:
+                continue
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+    return statistics.median(a), (statistics.median(b) if b else None)
 
 
 def row(name, ours, theirs, unit, higher_is_better):
@@ -69,11 +84,9 @@ def bench_reads(d, runs, n_docs=200_000, n_reads=200_000):
     b.finalize(os.path.join(d, "r.idx"))
     ours = IndexedDataset(os.path.join(d, "r"))
     idx = rng.integers(0, n_docs, n_reads).tolist()
-    t_ours = median_time(lambda: [ours[i] for i in idx], runs)
-    t_mc = None
-    if mc_gpt is not None:
-        theirs = McIndexedDataset(os.path.join(d, "r"))
-        t_mc = median_time(lambda: [theirs[i] for i in idx], runs)
+    theirs = McIndexedDataset(os.path.join(d, "r")) if mc_gpt is not None else None
+    t_ours, t_mc = paired_times(lambda: [ours[i] for i in idx],
+                                (lambda: [theirs[i] for i in idx]) if theirs else None, runs)
     row("random item reads/s (x1000)", n_reads / t_ours / 1e3,
         n_reads / t_mc / 1e3 if t_mc else None, "k/s", True)
 
@@ -100,22 +113,19 @@ def bench_gpt_index(runs):
     documents = np.arange(len(lengths), dtype=np.int32)
     for num_samples in (1_000_000, 10_000_000):
         seq = 1024
-        ours = median_time(lambda: build_gpt_indices(lengths, documents, num_samples, seq, 1), runs)
-        theirs = None
-        if mc_gpt is not None:
-            theirs = median_time(lambda: mc_build(lengths, documents, num_samples, seq, 1), runs)
+        ours, theirs = paired_times(
+            lambda: build_gpt_indices(lengths, documents, num_samples, seq, 1),
+            (lambda: mc_build(lengths, documents, num_samples, seq, 1)) if mc_gpt else None, runs)
         row(f"GPT index build, {num_samples // 1_000_000}M samples (s)", ours, theirs, "s", False)
 
 
 def bench_blend(runs, size=1_000_000):
     w = np.array([0.5, 0.3, 0.2])
-    ours = median_time(lambda: build_blending_indices(w.tolist(), size), runs)
-    theirs = None
-    if mc_gpt is not None:
-        def mc():
-            mc_helpers.build_blending_indices(np.zeros(size, np.int16), np.zeros(size, np.int64),
-                                              w, 3, size, False)
-        theirs = median_time(mc, runs)
+    def mc():
+        mc_helpers.build_blending_indices(np.zeros(size, np.int16), np.zeros(size, np.int64),
+                                          w, 3, size, False)
+    ours, theirs = paired_times(lambda: build_blending_indices(w.tolist(), size),
+                                mc if mc_gpt is not None else None, max(runs, 5))
     row("blending indices, 1M samples (s)", ours, theirs, "s", False)
 
 
