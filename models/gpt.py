@@ -30,6 +30,7 @@ from megatron_sp.mesh import ParallelMesh
 from megatron_sp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                          VocabParallelEmbedding, vocab_parallel_cross_entropy)
 from megatron_sp.tensor_parallel import mappings
+from megatron_sp.tensor_parallel.layers import sequence_parallel_linear
 from megatron_sp.ulysses import UlyssesAttention
 
 from .config import GPTConfig
@@ -329,11 +330,11 @@ class GPTModel(nn.Module):
         if self.output_layer is not None:
             logits = self.output_layer(x)                          # [b, s/sp, V/tp]
         else:
-            if self.sequence_parallel:
-                x = mappings.gather_from_sequence_parallel_region(x, self.mesh.tp_group)
+            if self.sequence_parallel:   # gathers [b, s/(sp*tp), H]; keeps the shard for backward
+                logits = sequence_parallel_linear(x, self.output_weight(), None, self.mesh.tp_group)
             else:
                 x = mappings.copy_to_tensor_parallel_region(x, self.mesh.tp_group)
-            logits = F.linear(x, self.output_weight())             # [b, s/sp, V/tp]
+                logits = F.linear(x, self.output_weight())         # [b, s/sp, V/tp]
         if labels is None:
             if self.mesh.tp_size == 1:
                 logits = logits[..., :self.config.vocab_size]

@@ -7,22 +7,22 @@ head dim, F the ffn size, V the padded vocabulary, e the activation element size
 and "/t*" meaning "divided by t under --sequence-parallel":
 
   attention block   norm: x T*H/t* + stats (RMSNorm: rstd T/t* + x_hat T*H/t*; LayerNorm: mean, rstd 2T/t*)
-                    qkv input T*H; SDPA inputs q T*hl*d, k and v T*d*max(gl, sp) each (with sp = 1
+                    qkv input T*H/t* (under --sequence-parallel the column-parallel layers keep
+                    the shard and all-gather it again in backward); SDPA inputs q T*hl*d, k and v T*d*max(gl, sp) each (with sp = 1
                     and no RoPE and one q per group the q saved is the whole fused qkv: T*(hl+2gl)*d),
                     logsumexp T*hl (fp32), SDPA output T*hl*d (only with sp > 1: otherwise it is
                     the out-proj input), out-proj input T*hl*d
-  MLP block         norm as above, fc1 input T*H, SwiGLU: fc1 output 2T*F/t + silu(gate) T*F/t +
+  MLP block         norm as above, fc1 input T*H/t*, SwiGLU: fc1 output 2T*F/t + silu(gate) T*F/t +
                     fc2 input T*F/t (GeLU: 2T*F/t)
   weight copies     aten::linear keeps w^T (CPU) or the autocast bf16 copy (GPU) of each weight: qkv,
                     proj, fc1, fc2 (and the output layer), /t
-  output            final norm + output-layer input T*H + fp32 softmax T*V/t (4 bytes) + labels
+  output            final norm + output-layer input T*H/t* (T*H with chunked loss) + fp32 softmax T*V/t (4 bytes) + labels
   RoPE cos, sin     2*T*d, shared by all layers (counted once)
 
   full recompute    a checkpointed group keeps only its input T*H/t* (uniform: L/n groups; block: n
                     checkpointed layers + L-n full ones)
   selective         drops logsumexp and SDPA output (recomputed)
-  tiled MLP         drops the fc1/act terms and fc1/fc2 weight copies (under --sequence-parallel the
-                    fc1 input is the sharded norm output T*H/t)
+  tiled MLP         drops the fc1/act terms and fc1/fc2 weight copies
   chunked loss      drops the softmax and the output weight copy
   offload           the layers' saved bytes move to host memory (device: 0 for the layers)
 
@@ -59,7 +59,7 @@ def _layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies
         q = T * hl * d
     terms = {
         "attn_norm": norm * e,
-        "qkv_input": T * H * e,
+        "qkv_input": Ts * H * e,          # under --sequence-parallel only the shard is kept
         "sdpa_qkv": (q + 2 * kv) * e,
         "sdpa_lse": T * hl * 4,           # logsumexp is fp32
         # With sp = 1 the SDPA output already is the out-proj input (same storage); with sp > 1 the
@@ -67,7 +67,7 @@ def _layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies
         "sdpa_out": T * hl * d * e if sp > 1 else 0,
         "proj_input": T * hl * d * e,
         "mlp_norm": norm * e,
-        "fc1_input": T * H * e,
+        "fc1_input": Ts * H * e,
         "mlp_act": (4 * T * F / tp if swiglu else 2 * T * F / tp) * e,
     }
     if weight_copies:
@@ -81,7 +81,6 @@ def _layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies
         if n > 1:
             terms["mlp_act"] = 0
             terms.pop("w_mlp", None)
-            terms["fc1_input"] = Ts * H * e
     return terms
 
 
@@ -123,8 +122,9 @@ def activation_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: in
     if post_process:
         V = cfg.padded_vocab_size(tp) // tp
         rms = cfg.normalization == "RMSNorm"
-        output = ((Ts * H + Ts + Ts * H) if rms else (Ts * H + 2 * Ts)) * e + T * H * e
+        output = ((Ts * H + Ts + Ts * H) if rms else (Ts * H + 2 * Ts)) * e
         chunks = 1 if memory.loss_chunks == 1 else resolve_count(memory.loss_chunks, int(T), V, H)
+        output += (T if chunks > 1 else Ts) * H * e   # output-layer input (the shard, unchunked)
         if chunks > 1:
             output += micro_batch * seq * 8                  # label chunks: views of the [b, s] labels
         else:

@@ -9,6 +9,7 @@ from megatron_sp.tensor_parallel.layers import (
     full_shape,
     gather_full,
     gather_full_like,
+    sequence_parallel_linear,
     set_tp_attributes,
     shard_of_full,
 )
@@ -28,7 +29,7 @@ from megatron_sp.tensor_parallel.utils import check_divisible, divide
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy", "full_shape", "shard_of_full", "gather_full",
-    "gather_full_like", "set_tp_attributes",
+    "gather_full_like", "set_tp_attributes", "sequence_parallel_linear",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",

@@ -95,6 +95,54 @@ def _new_param(shape, dtype, device, partition_dim, chunks=1, sequence_parallel=
 
 # Linear layers ---------------------------------------------------------------------------------
 
+def _autocast_dtype(x: torch.Tensor):
+    """The autocast dtype active for x's device, or None."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    """y = all_gather(x) W^T + b that keeps only the sequence shard x [b, s/tp, in] for backward.
+
+    Saving the gathered input [b, s, in] would undo --sequence-parallel's memory saving; instead the
+    shard is saved and all-gathered again in backward, where the input gradient is reduce-scattered
+    (Megatron-LM does the same). Under autocast the shard is cast before the gather (16-bit on the
+    wire) and both matmuls run in the autocast dtype; gradients come back in the inputs' dtypes.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        dtype = _autocast_dtype(x)
+        ctx.x_dtype, ctx.group, ctx.has_bias = x.dtype, group, bias is not None
+        if dtype is not None:
+            x, w = x.to(dtype), weight.to(dtype)
+            b = bias.to(dtype) if bias is not None else None
+        else:
+            w, b = weight, bias
+        ctx.save_for_backward(x, weight)
+        ctx.dtype = dtype
+        x_full = mappings.gather_along_dim(x, 1, group)         # [b, s/tp, in] -> [b, s, in]
+        return F.linear(x_full, w, b)                           # [b, s, out/tp]
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        w = weight if ctx.dtype is None else weight.to(ctx.dtype)
+        grad_y = grad_y.to(w.dtype)
+        x_full = mappings.gather_along_dim(x, 1, ctx.group)     # gathered again: [b, s, in]
+        grad_x_full = grad_y.matmul(w)                          # [b, s, in]
+        grad_x = mappings.reduce_scatter_along_dim(grad_x_full, 1, ctx.group)  # [b, s/tp, in]
+        grad_y2d = grad_y.reshape(-1, grad_y.size(-1))          # [b*s, out/tp]
+        grad_w = grad_y2d.t().matmul(x_full.reshape(-1, x_full.size(-1)))     # [out/tp, in]
+        grad_b = grad_y2d.sum(0).to(weight.dtype) if ctx.has_bias else None
+        return grad_x.to(ctx.x_dtype), grad_w.to(weight.dtype), grad_b, None
+
+
+def sequence_parallel_linear(x, weight, bias, group):
+    """Column-parallel linear of a sequence-sharded input [b, s/tp, in] -> [b, s, out/tp]."""
+    return _SequenceParallelLinear.apply(x, weight, bias, group)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its output dimension (rows of the weight) over tp.
 
@@ -130,11 +178,11 @@ class ColumnParallelLinear(nn.Module):
                 p.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = mappings.gather_from_sequence_parallel_region(x, self.group)  # [b, s, in]
+        if self.sequence_parallel:   # all-gather [b, s/tp, in] -> [b, s, in], shard kept for backward
+            y = sequence_parallel_linear(x, self.weight, self.bias, self.group)  # [b, s, out/tp]
         else:
             x = mappings.copy_to_tensor_parallel_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)            # [..., out/tp]
+            y = F.linear(x, self.weight, self.bias)        # [..., out/tp]
         if self.gather_output:
             y = mappings.gather_from_tensor_parallel_region(y, self.group)  # [..., out]
             if self.chunks > 1:  # [..., (rank, part, n)] -> [..., (part, rank, n)]

@@ -72,7 +72,9 @@ def split_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if p == 1:
         return x
     check_divisible(x.size(dim), p, f"dimension {dim} of a tensor of shape {tuple(x.shape)}")
-    return x.chunk(p, dim=dim)[group_rank(group)].contiguous()
+    # A copy, never a view: a view would keep the whole unsplit tensor alive for as long as the
+    # slice is saved for backward (with micro-batch 1 every sequence chunk is contiguous).
+    return x.chunk(p, dim=dim)[group_rank(group)].clone(memory_format=torch.contiguous_format)
 
 
 def gather_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:

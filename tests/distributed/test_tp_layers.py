@@ -274,7 +274,9 @@ def _expected_bytes(key, tp):
     sp = key.endswith("/sp1")
     if key.startswith("column/"):
         gather_output = "/gather1/" in key
-        exp = ({"tp/all_gather": ag(B * S // tp * 8), "tp/reduce_scatter": ag(B * S // tp * 8)}
+        # sequence parallel: input all-gathered forward and again in backward (only the shard is
+        # saved), input gradient reduce-scattered
+        exp = ({"tp/all_gather": 2 * ag(B * S // tp * 8), "tp/reduce_scatter": ag(B * S // tp * 8)}
                if sp else {"tp/all_reduce": ar(B * S * 8)})
         if gather_output:  # output all-gathered forward (backward is a split)
             exp["tp/all_gather"] = exp.get("tp/all_gather", 0) + ag(B * S * 16 // tp)
