@@ -314,3 +314,37 @@ def test_rng_tracker_streams(results):
             assert out["rng/forked_distinct"], "forked dropout masks must differ across tp ranks"
             assert out["rng/plain_identical"], "default-stream masks must agree across tp ranks"
             assert out["rng/reproducible"], "the same seed must give the same masks"
+
+
+def _sequence_parallel_linear_bf16(rank, world):
+    """Under bf16 autocast the sequence-parallel column linear (shard saved, re-gathered in
+    backward) equals the plain column linear on the gathered input; gradients keep fp32 dtypes."""
+    mesh = ParallelMesh.from_sizes(tp=world)
+    torch.manual_seed(0)                                    # same full tensors on every rank
+    w_full, b_full = torch.randn(16, 8), torch.randn(16)
+    x_full = torch.randn(2, 12, 8)
+    outs = {}
+    for seqpar in (True, False):
+        layer = ColumnParallelLinear(8, 16, mesh=mesh, sequence_parallel=seqpar)
+        with torch.no_grad():
+            layer.weight.copy_(shard_of_full(w_full, layer.weight, mesh.tp_rank, world))
+            layer.bias.copy_(shard_of_full(b_full, layer.bias, mesh.tp_rank, world))
+        x = (x_full.chunk(world, dim=1)[mesh.tp_rank] if seqpar else x_full).clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        (y.float() ** 2).sum().backward()
+        outs[seqpar] = (y.float(), layer.weight.grad, layer.bias.grad, x.grad)
+        assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.float32
+        assert layer.weight.grad.dtype == torch.float32
+    (y1, gw1, gb1, gx1), (y0, gw0, gb0, gx0_full) = outs[True], outs[False]
+    tol = dict(rtol=2e-2, atol=2e-2)   # bf16 matmuls, summation order differs
+    torch.testing.assert_close(y1, y0, **tol)
+    torch.testing.assert_close(gw1, gw0, **tol)
+    torch.testing.assert_close(gb1, gb0, **tol)
+    # the plain layer's input gradient is all-reduced over tp: compare this rank's slice
+    torch.testing.assert_close(gx1, gx0_full.chunk(world, dim=1)[mesh.tp_rank], **tol)
+    return True
+
+
+def test_sequence_parallel_linear_under_bf16_autocast():
+    assert all(run_distributed(_sequence_parallel_linear_bf16, 2))
