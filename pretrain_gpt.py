@@ -136,15 +136,20 @@ class MockDataset:
 
 def build_datasets(args, tokenizer, data_path, mesh):
     from megatron_sp import data as msdata
+    from megatron_sp.data.builder import parse_data_path
     train_samples = args.train_iters * args.global_batch_size
     eval_runs = args.train_iters // args.eval_interval + 1
     eval_samples = eval_runs * args.eval_iters * args.global_batch_size
     if data_path is None:
         return (MockDataset(tokenizer.vocab_size, args.seq_length, args.seed, train_samples),
                 MockDataset(tokenizer.vocab_size, args.seq_length, args.seed + 1, eval_samples))
+    # Megatron-core's default index cache: next to the (first) data file.
+    first_prefix = parse_data_path(data_path)[0][0]
+    cache = args.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(first_prefix)),
+                                                 "cache", "GPTDataset_indices")
     train, valid, _ = msdata.build_gpt_datasets(
         data_path, args.split, args.seq_length, args.seed, (train_samples, eval_samples, 0),
-        tokenizer.eod, tokenizer.pad, args.data_cache_path,
+        tokenizer.eod, tokenizer.pad, cache,
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss, return_document_ids=args.reset_attention_mask,
         rank=mesh.rank, world_size=mesh.world_size, barrier=lambda: barrier(mesh))

@@ -149,7 +149,7 @@ def build_gpt_indices(sequence_lengths, documents, num_samples, seq_length, seed
     """(document_index, sample_index, shuffle_index), equal to megatron-core's GPTDataset."""
     tokens_per_epoch = int(np.asarray(sequence_lengths)[documents].sum(dtype=np.int64))
     if tokens_per_epoch < 2:
-        raise ValueError("the split holds fewer than 2 tokens; use more data or another split")
+        raise ValueError("it holds fewer than 2 tokens")
     num_epochs = num_epochs_needed(tokens_per_epoch, num_samples, seq_length)
     separate, sans_final = False, None
     if num_epochs > 1:
@@ -255,8 +255,16 @@ class GPTDataset:
         return tuple(np.load(p, mmap_mode="r") for p in paths)
 
     def _build(self):
-        return build_gpt_indices(self.indexed.sequence_lengths, self.documents, self.num_samples,
-                                 self.config.seq_length, self.config.seed)
+        try:
+            return build_gpt_indices(self.indexed.sequence_lengths, self.documents,
+                                     self.num_samples, self.config.seq_length, self.config.seed)
+        except ValueError as err:   # name the split and the file: the user picks the fix
+            lo, hi = self.description["documents"]
+            held = f"documents {lo}..{hi - 1}" if len(self.documents) else "no document"
+            raise ValueError(
+                f"the {self.split_name} split of {self.description['path']} ({held} of "
+                f"{len(self.indexed)}) cannot be built: {err}; give it documents with another "
+                f"--split (a weight of 0 skips a split, e.g. 98,2,0) or use more data.") from None
 
     def __len__(self):
         return len(self.sample_index) - 1
