@@ -10,7 +10,6 @@ models (megatron_sp.models) and the data pipeline (megatron_sp.data) together.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import sys

@@ -1,9 +1,8 @@
 """Blend of several datasets with megatron-core's BlendedDataset indices."""
-import os
 
 import numpy as np
 
-from .gpt_dataset import description_hash, save_npy, wait_for
+from .gpt_dataset import cached_indices
 
 
 def normalize(weights):
@@ -214,22 +213,10 @@ class BlendedDataset:
                                  f"{count} samples but it has {len(ds)}; raise its num_samples.")
 
     def _indices(self, cache_dir, build):
-        if cache_dir is None:
-            return build_blending_indices(self.weights, self.size)
-        text, key = description_hash(self.description)
         split = self.datasets[0].split_name
-        paths = [os.path.join(cache_dir, f"{key}-BlendedDataset-{split}-{n}.npy")
-                 for n in ("dataset_index", "dataset_sample_index")]
-        if not all(map(os.path.isfile, paths)):
-            if not build:
-                wait_for(paths)
-            else:
-                os.makedirs(cache_dir, exist_ok=True)
-                with open(os.path.join(cache_dir, f"{key}-BlendedDataset-{split}.json"), "w") as f:
-                    f.write(text)
-                for path, array in zip(paths, build_blending_indices(self.weights, self.size)):
-                    save_npy(path, array)
-        return tuple(np.load(p, mmap_mode="r") for p in paths)
+        return cached_indices(cache_dir, self.description, f"BlendedDataset-{split}",
+                              ("dataset_index", "dataset_sample_index"),
+                              lambda: build_blending_indices(self.weights, self.size), build)
 
     def __len__(self):
         return len(self.dataset_index)

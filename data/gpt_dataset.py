@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -213,6 +213,26 @@ def description_hash(description):
     return text, hashlib.md5(text.encode()).hexdigest()
 
 
+def cached_indices(cache_dir, description: dict, stem: str, names, build_fn, build: bool):
+    """Index arrays keyed by a hash of `description`: memory-mapped from `cache_dir` when cached,
+    else built by `build_fn()` and saved (build=True, one rank) or waited for (build=False).
+    Without a cache_dir they are built in memory."""
+    if cache_dir is None:
+        return build_fn()
+    text, key = description_hash(description)
+    paths = [os.path.join(cache_dir, f"{key}-{stem}-{n}.npy") for n in names]
+    if not all(map(os.path.isfile, paths)):
+        if not build:
+            wait_for(paths)
+        else:
+            os.makedirs(cache_dir, exist_ok=True)
+            with open(os.path.join(cache_dir, f"{key}-{stem}.json"), "w") as f:
+                f.write(text)
+            for path, array in zip(paths, build_fn()):
+                save_npy(path, array)
+    return tuple(np.load(p, mmap_mode="r") for p in paths)
+
+
 class GPTDataset:
     """Megatron-compatible GPT samples drawn from an IndexedDataset split.
 
@@ -236,23 +256,8 @@ class GPTDataset:
         self.document_index, self.sample_index, self.shuffle_index = self._indices(build)
 
     def _indices(self, build):
-        """Load the cached indices (memory-mapped) or build them (and cache when asked)."""
-        names = ("document_index", "sample_index", "shuffle_index")
-        cache = self.config.cache_dir
-        if cache is None:
-            return self._build()
-        text, key = description_hash(self.description)
-        paths = [os.path.join(cache, f"{key}-GPTDataset-{self.split_name}-{n}.npy") for n in names]
-        if not all(map(os.path.isfile, paths)):
-            if not build:
-                wait_for(paths)
-            else:
-                os.makedirs(cache, exist_ok=True)
-                with open(os.path.join(cache, f"{key}-GPTDataset-{self.split_name}.json"), "w") as f:
-                    f.write(text)
-                for path, array in zip(paths, self._build()):
-                    save_npy(path, array)
-        return tuple(np.load(p, mmap_mode="r") for p in paths)
+        return cached_indices(self.config.cache_dir, self.description, f"GPTDataset-{self.split_name}",
+                              ("document_index", "sample_index", "shuffle_index"), self._build, build)
 
     def _build(self):
         try:

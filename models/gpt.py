@@ -17,7 +17,6 @@ With a one-rank mesh it is a plain nn.Module: `model(input_ids) -> logits`.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.nn as nn

@@ -186,8 +186,12 @@ def comm_bytes_per_step(cfg, seq: int, global_batch: int, micro_batch: int, tp: 
     out = {}
     if tp > 1:
         msg = T * H * e
-        per = (t_frac := (tp - 1) / tp) * msg * (2 if sequence_parallel else 2)
-        out["tp"] = micro * L * 4 * per * recompute_factor / pp
+        # Per layer and micro-batch, in units of (t-1)/t * msg: without --sequence-parallel four
+        # all-reduces (2 forward, 2 backward) of 2 units each; with it 2 all-gathers + 2
+        # reduce-scatters forward, and backward 2 re-gathers + 2 reduce-scatters (column-parallel
+        # inputs kept sharded) + 2 all-gathers (row-parallel outputs).
+        units = 10 if sequence_parallel else 8
+        out["tp"] = micro * L * units * (tp - 1) / tp * msg * recompute_factor / pp
     if sp > 1:
         hl, gl = cfg.num_attention_heads // tp, cfg.num_query_groups // tp
         a2a = (sp - 1) / sp * T * d * (2 * hl + 2 * max(gl, sp)) * e

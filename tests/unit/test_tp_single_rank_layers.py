@@ -2,7 +2,6 @@
 and the layout helpers must round-trip the sharding for every tp size. Tolerances: fp32, 1e-6."""
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_sp.mesh import ParallelMesh
