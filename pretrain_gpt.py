@@ -18,7 +18,7 @@ import time
 import torch
 
 from megatron_sp.arguments import parse_args
-from megatron_sp.checkpointing import CheckpointError, CheckpointManager, consumed_valid_samples
+from megatron_sp.checkpointing import CheckpointError, CheckpointManager
 from megatron_sp.flops import flops_for_config
 from megatron_sp.mesh import ParallelMesh, barrier, init_distributed, shutdown
 from megatron_sp.optimizer import LRScheduler, build_optimizer
@@ -35,6 +35,7 @@ DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron_sp")
 EMBEDDED_DEFAULT = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=256,
                         micro_batch_size=8, global_batch_size=8, train_iters=100, lr=2e-3,
                         lr_warmup_iters=10, log_interval=10, eval_interval=50, eval_iters=2,
+                        attention_dropout=0.0, hidden_dropout=0.0,
                         save="runs/default/checkpoints", metrics_jsonl="runs/default/metrics.jsonl")
 
 
@@ -66,8 +67,8 @@ def model_config(args, vocab_size: int) -> GPTConfig:
     if args.model:
         return preset(args.model, **fields)
     fields.setdefault("max_position_embeddings", args.seq_length)
-    fields.setdefault("attention_dropout", 0.0)
-    fields.setdefault("hidden_dropout", 0.0)
+    fields.setdefault("attention_dropout", 0.1)   # Megatron-LM's defaults when no preset is named
+    fields.setdefault("hidden_dropout", 0.1)
     return GPTConfig(**fields)
 
 
@@ -107,7 +108,7 @@ def build_tokenizer_and_data(args, mesh):
         barrier(mesh)
         prefix, model_path = msdata.build_default_corpus(cache)
         args.data_path = [prefix]
-        args.tokenizer_type, args.tokenizer_model = "SentencePieceTokenizer", model_path
+        args.tokenizer_type, args.tokenizer_model = "GPTSentencePieceTokenizer", model_path
         args.data_cache_path = args.data_cache_path or os.path.join(cache, "index-cache")
     if args.tokenizer_type is None:
         raise SystemExit("error: --data-path needs --tokenizer-type (and --tokenizer-model).")
@@ -133,12 +134,17 @@ class MockDataset:
                 "position_ids": np.arange(self.seq, dtype=np.int64)}
 
 
-def build_datasets(args, tokenizer, data_path, mesh):
+def build_datasets(args, tokenizer, data_path, mesh, state):
+    """(train, valid) datasets; sample counts as Megatron-LM computes them, raised when a resumed
+    run (with another global batch size) needs more than that."""
     from megatron_sp import data as msdata
     from megatron_sp.data.builder import parse_data_path
-    train_samples = args.train_iters * args.global_batch_size
+    needed = state.consumed_train_samples + (args.train_iters - state.iteration) * args.global_batch_size
+    train_samples = max(args.train_iters * args.global_batch_size, needed)
     eval_runs = args.train_iters // args.eval_interval + 1
-    eval_samples = eval_runs * args.eval_iters * args.global_batch_size
+    runs_left = args.train_iters // args.eval_interval - state.iteration // args.eval_interval + 1
+    eval_samples = max(eval_runs * args.eval_iters * args.global_batch_size,
+                       state.consumed_valid_samples + runs_left * args.eval_iters * args.global_batch_size)
     if data_path is None:
         return (MockDataset(tokenizer.vocab_size, args.seq_length, args.seed, train_samples),
                 MockDataset(tokenizer.vocab_size, args.seq_length, args.seed + 1, eval_samples))
@@ -197,7 +203,10 @@ def main(argv=None):
     args = parse_args(argv)
     embedded = apply_embedded_default(args, argv)
     env = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
-    torch.set_num_threads(max(1, torch.get_num_threads() // max(1, (env or {}).get("world_size", 1))))
+    # Share this node's cores among its processes (LOCAL_WORLD_SIZE from torchrun, else SLURM's).
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")
+                               .split("(")[0] or 1)) if env else 1
+    torch.set_num_threads(max(1, torch.get_num_threads() // max(1, local)))
     mesh = ParallelMesh.from_sizes(tp=args.tensor_model_parallel_size, sp=args.sequence_parallel_size,
                                    pp=args.pipeline_model_parallel_size)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available()
@@ -233,9 +242,12 @@ def main(argv=None):
         checkpoints.load()
     except CheckpointError as err:
         raise SystemExit(f"error: {err}") from None
-    train_ds, valid_ds = build_datasets(args, tokenizer, data_path, mesh)
+    if args.train_samples is not None:   # resumed, maybe with another batch size: stop at the samples
+        remaining = max(0, args.train_samples - trainer.state.consumed_train_samples)
+        args.train_iters = trainer.state.iteration + remaining // args.global_batch_size
+    train_ds, valid_ds = build_datasets(args, tokenizer, data_path, mesh, trainer.state)
     train_iter = loader(train_ds, trainer.state.consumed_train_samples, args, mesh)
-    valid_iter = (loader(valid_ds, consumed_valid_samples(args, trainer.state.iteration), args, mesh)
+    valid_iter = (loader(valid_ds, trainer.state.consumed_valid_samples, args, mesh)
                   if valid_ds is not None else None)
     trainer.set_failure_policy(args.nonfinite_loss, args.distributed_timeout_minutes)
     metrics = MetricsWriter(mesh, args.metrics_jsonl, args.tensorboard_dir)
@@ -256,7 +268,13 @@ def train(args, trainer, train_iter, valid_iter, metrics, checkpoints=None):
     comm_stats.reset()
     start, last_logged = time.time(), trainer.state.iteration
     while trainer.state.iteration < args.train_iters:
-        mbs = [next(train_iter) for _ in range(trainer.num_micro_batches)]
+        try:
+            mbs = [next(train_iter) for _ in range(trainer.num_micro_batches)]
+        except StopIteration:
+            raise SystemExit(
+                f"error: the training data ran out at iteration {trainer.state.iteration} after "
+                f"{trainer.state.consumed_train_samples} samples; raise the dataset's sample count "
+                f"or lower --train-iters.") from None
         nxt = trainer.state.iteration + 1
         logging = nxt % args.log_interval == 0 or nxt == args.train_iters
         if args.report_memory and logging:   # --report-memory: account this step's saved tensors

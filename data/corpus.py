@@ -72,6 +72,6 @@ def build_default_corpus(cache_dir, vocab_size=2048):
     os.replace(tmp, jsonl)
     if not os.path.isfile(model):
         train_sentencepiece(docs, model_prefix, vocab_size)
-    preprocess(jsonl, out_prefix, "SentencePieceTokenizer", model, append_eod=True,
+    preprocess(jsonl, out_prefix, "GPTSentencePieceTokenizer", model, append_eod=True,
                workers=min(4, os.cpu_count() or 1), log_interval=0)
     return data_prefix, model

@@ -1,4 +1,5 @@
-"""Tokenizers with Megatron's names: SentencePieceTokenizer, HuggingFaceTokenizer, NullTokenizer.
+"""Tokenizers with Megatron's names and ids: SentencePieceTokenizer, GPTSentencePieceTokenizer,
+HuggingFaceTokenizer, NullTokenizer.
 
 Each exposes .vocab_size (unpadded), .eod, .pad (-1 when the tokenizer has none), .tokenize(text)
 and .detokenize(ids).
@@ -26,8 +27,9 @@ class NullTokenizer:
         return " ".join(str(int(x)) for x in ids)
 
 
-class SentencePieceTokenizer:
-    """A sentencepiece .model file; eod is its </s> (eos) id, pad its pad id (or -1)."""
+class GPTSentencePieceTokenizer:
+    """Megatron's GPTSentencePieceTokenizer: a sentencepiece .model file as it is; vocab = its
+    pieces, eod = its </s> (eos) id, pad = its pad id (or -1)."""
 
     def __init__(self, model_file):
         import sentencepiece as spm
@@ -49,35 +51,88 @@ class SentencePieceTokenizer:
         return self.sp.decode([int(i) for i in ids])
 
 
+class SentencePieceTokenizer(GPTSentencePieceTokenizer):
+    """Megatron's (legacy) SentencePieceTokenizer: the model's pieces followed by the special
+    tokens <CLS>, <SEP>, <EOD>, <MASK> and the pad/bos/eos pieces (<PAD>, <BOS>, <EOS> when the model
+    has none), each appended when not already a piece. eod = <EOD>; vocab_size counts the added
+    tokens; special-token strings in the text map to their ids. The same ids as Megatron-LM, so
+    .bin files preprocessed by either tool train in both."""
+
+    def __init__(self, model_file):
+        super().__init__(model_file)
+        self.vocab = {self.sp.id_to_piece(i): i for i in range(self.sp.get_piece_size())}
+        self.special = {}
+        for token in ("<CLS>", "<SEP>", "<EOD>", "<MASK>"):
+            self._add_special(token)
+        for piece_id, fallback in ((self.sp.pad_id(), "<PAD>"), (self.sp.bos_id(), "<BOS>"),
+                                   (self.sp.eos_id(), "<EOS>")):
+            self._add_special(self.sp.id_to_piece(piece_id) if piece_id >= 0 else fallback)
+        self.vocab_size = len(self.vocab)
+        self.eod = self.vocab["<EOD>"]
+        self.pad = self.vocab[self.sp.id_to_piece(self.sp.pad_id()) if self.sp.pad_id() >= 0
+                              else "<PAD>"]
+        self.inverse_special = {i: t for t, i in self.special.items()}
+
+    def _add_special(self, token):
+        self.vocab.setdefault(token, len(self.vocab))
+        self.special[token] = self.vocab[token]
+
+    def tokenize(self, text):
+        """Pieces of the text between special-token strings, which map to their own ids."""
+        ids, start = [], 0
+        while True:
+            found = [(text.find(t, start), t) for t in self.special if text.find(t, start) >= 0]
+            if not found:
+                break
+            at, token = min(found)
+            ids.extend(self.sp.encode(text[start:at]))
+            ids.append(self.special[token])
+            start = at + len(token)
+        ids.extend(self.sp.encode(text[start:]))
+        return ids
+
+    def detokenize(self, ids):
+        text, last = "", 0
+        ids = [int(i) for i in ids]
+        for k, i in enumerate(ids):
+            if i in self.inverse_special:
+                text += self.sp.decode(ids[last:k]) + " " + self.inverse_special[i] + " "
+                last = k + 1
+        return text + self.sp.decode(ids[last:])
+
+
 class HuggingFaceTokenizer:
-    """A Hugging Face `tokenizers` JSON file, or a folder holding tokenizer.json (else loaded with
-    transformers.AutoTokenizer)."""
+    """Megatron's HuggingFaceTokenizer: a Hugging Face tokenizer folder through
+    transformers.AutoTokenizer (eod = its eos_token_id; text encoded with its special tokens, e.g.
+    Llama's BOS, as Megatron does), or a bare `tokenizers` JSON file (eod found by name)."""
 
     def __init__(self, path):
-        from tokenizers import Tokenizer
-        if path and os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
-            path = os.path.join(path, "tokenizer.json")
-        if path and os.path.isfile(path):
-            self._tok = Tokenizer.from_file(path)
-            self._encode = lambda text: self._tok.encode(text, add_special_tokens=False).ids
-            self._decode = self._tok.decode
-            vocab = self._tok.get_vocab(with_added_tokens=True)
-            self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        elif path and os.path.isdir(path):
+        if path and os.path.isdir(path):
             from transformers import AutoTokenizer
             self._tok = AutoTokenizer.from_pretrained(path)
-            self._encode = lambda text: self._tok.encode(text, add_special_tokens=False)
-            self._decode = self._tok.decode
+            self._encode = lambda text: self._tok(text).input_ids
             vocab = self._tok.get_vocab()
             self.vocab_size = len(self._tok)
+            self.eod = self._tok.eos_token_id
+            self.pad = self._tok.pad_token_id
+        elif path and os.path.isfile(path):
+            from tokenizers import Tokenizer
+            self._tok = Tokenizer.from_file(path)
+            self._encode = lambda text: self._tok.encode(text).ids
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+            self.eod = self.pad = None
         else:
             raise ValueError(f"{path}: no tokenizer JSON file or tokenizer folder there; pass "
                              f"--tokenizer-model with a tokenizer.json or a Hugging Face folder.")
-        self.eod = next((vocab[n] for n in EOD_NAMES if n in vocab), None)
+        self._decode = self._tok.decode
         if self.eod is None:
-            raise ValueError(f"{path}: none of {EOD_NAMES} is in the vocabulary, so there is no "
-                             f"end-of-document token; add one to the tokenizer.")
-        self.pad = next((vocab[n] for n in PAD_NAMES if n in vocab), -1)
+            self.eod = next((vocab[n] for n in EOD_NAMES if n in vocab), None)
+        if self.eod is None:
+            raise ValueError(f"{path}: no eos token is configured and none of {EOD_NAMES} is in the "
+                             f"vocabulary, so there is no end-of-document token; add one.")
+        if self.pad is None:
+            self.pad = next((vocab[n] for n in PAD_NAMES if n in vocab), -1)
 
     def tokenize(self, text):
         return list(self._encode(text))
@@ -90,12 +145,14 @@ def build_tokenizer(tokenizer_type, tokenizer_model=None, vocab_size=None):
     """Megatron's --tokenizer-type / --tokenizer-model / --vocab-size to a tokenizer object."""
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
-    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+    if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "GPTSentencePieceTokenizer":
+        return GPTSentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model)
     raise ValueError(f"unknown tokenizer type {tokenizer_type!r}; use SentencePieceTokenizer, "
-                     f"HuggingFaceTokenizer or NullTokenizer.")
+                     f"GPTSentencePieceTokenizer, HuggingFaceTokenizer or NullTokenizer.")
 
 
 def _text_iterator(texts_or_files):

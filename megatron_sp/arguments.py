@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--split", default="969,30,1")
     d.add_argument("--data-cache-path", default=None)
     d.add_argument("--tokenizer-type", default=None,
-                   choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
+                   choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                            "HuggingFaceTokenizer", "NullTokenizer"])
     d.add_argument("--tokenizer-model", default=None)
     _bool_flag(d, "--reset-position-ids", "positions restart after each end-of-document token")
     _bool_flag(d, "--reset-attention-mask", "attention never crosses an end-of-document token")
@@ -145,6 +146,8 @@ def validate(args) -> None:
             raise SystemExit(f"error: {message}")
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size
+    if args.train_iters is not None and args.train_samples is not None:
+        raise SystemExit("error: give --train-iters or --train-samples, not both (as Megatron-LM).")
     if args.train_iters is None:   # Megatron: --train-samples counts samples, a constant batch
         args.train_iters = (args.train_samples // args.global_batch_size
                             if args.train_samples is not None else 100)

@@ -34,7 +34,7 @@ def sp_model(tmp_path_factory):
 
 
 def test_sentencepiece_tokenizer(sp_model):
-    tok = build_tokenizer("SentencePieceTokenizer", sp_model)
+    tok = build_tokenizer("GPTSentencePieceTokenizer", sp_model)
     assert 260 < tok.vocab_size <= 400 and tok.eod == 2 and tok.pad == 3
     ids = tok.tokenize("the quick brown fox")
     assert ids and max(ids) < tok.vocab_size and tok.detokenize(ids) == "the quick brown fox"
@@ -43,6 +43,22 @@ def test_sentencepiece_tokenizer(sp_model):
     assert null.tokenize("3 4  17") == [3, 4, 17] and null.detokenize([3, 4]) == "3 4"
     with pytest.raises(ValueError, match="unknown tokenizer type"):
         build_tokenizer("Bogus")
+
+
+def test_sentencepiece_tokenizers_have_megatrons_ids(sp_model):
+    """Megatron's SentencePieceTokenizer appends <CLS>, <SEP>, <EOD>, <MASK> after the pieces (the
+    model's pad/bos/eos pieces exist, so nothing more); GPTSentencePieceTokenizer uses the model as
+    it is (eod = </s>)."""
+    gpt = build_tokenizer("GPTSentencePieceTokenizer", sp_model)
+    legacy = build_tokenizer("SentencePieceTokenizer", sp_model)
+    n = gpt.vocab_size
+    assert (gpt.eod, gpt.pad) == (2, 3)
+    assert legacy.vocab_size == n + 4 and legacy.eod == n + 2 and legacy.pad == 3
+    assert legacy.special == {"<CLS>": n, "<SEP>": n + 1, "<EOD>": n + 2, "<MASK>": n + 3,
+                              "<pad>": 3, "<s>": 1, "</s>": 2}
+    ids = legacy.tokenize("quick fox<EOD>lazy dog")
+    assert ids == gpt.tokenize("quick fox") + [n + 2] + gpt.tokenize("lazy dog")
+    assert legacy.detokenize(ids) == "quick fox <EOD> lazy dog"
 
 
 def test_huggingface_tokenizer(tmp_path):
