@@ -60,6 +60,9 @@ ARCHITECTURE_FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
     "kv_channels", "vocab_size", "normalization", "activation", "position_embedding_type",
     "add_bias_linear", "add_qkv_bias", "tie_embeddings")
+# Fields that change the function but not the shapes (a finetune may change them on purpose,
+# e.g. a longer context's RoPE base): a difference is warned about, not refused.
+FUNCTION_FIELDS = ("rotary_base", "norm_epsilon")
 
 
 class CheckpointError(RuntimeError):
@@ -574,6 +577,12 @@ def check_config(saved: dict | None, config, where: str) -> None:
              for k in fields if k in saved and saved.get(k) != current.get(k)]
     if diffs:
         raise CheckpointError(f"checkpoint {where} does not fit the model: " + "; ".join(diffs) + ".")
+    changed = [f"{k}={saved[k]!r} in the checkpoint but {current.get(k)!r} now"
+               for k in FUNCTION_FIELDS if k in saved and saved[k] != current.get(k)]
+    if changed and _rank() == 0:
+        print(f"warning: checkpoint {where} was trained with other settings: " + "; ".join(changed)
+              + " (pass the checkpoint's values, e.g. --rotary-base, unless this is intended).",
+              file=sys.stderr, flush=True)
 
 
 def load_checkpoint(path: str, chunks, mesh, *, optimizer=None, scheduler=None, train_state=None,
@@ -742,14 +751,6 @@ class SignalHandler:
 
 
 # The training loop's side: --save/--load/--save-interval and the exit conditions -------------------
-
-def consumed_valid_samples(args, iteration: int) -> int:
-    """Validation samples used by the evaluations up to `iteration` (so a resumed run continues
-    with the same validation batches as an uninterrupted one)."""
-    if getattr(args, "eval_iters", 0) <= 0 or not getattr(args, "eval_interval", 0):
-        return 0
-    return (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
-
 
 class CheckpointManager:
     """Megatron's checkpoint and exit flags around a `Trainer` (one per run, every rank).

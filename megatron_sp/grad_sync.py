@@ -133,18 +133,19 @@ class GradientSync:
 
 def global_grad_norm(params, mesh) -> float:
     """L2 norm of the full gradient over every rank: tp shards summed, stages summed, copies once."""
-    sharded = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
-    for p in params:
+    device = _device(params)
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:   # summed on the device: no host sync per parameter
         if p.grad is None or getattr(p, "embedding_copy", False):
             continue
-        sq = p.grad.detach().double().pow(2).sum().cpu()
+        sq = p.grad.detach().double().pow(2).sum()
         if getattr(p, "tp_partition_dim", None) is not None:
             sharded += sq
         else:
             replicated += sq
     # Replicated parameters hold the same gradient on every tp rank: count them once.
-    total = torch.stack([sharded, replicated / mesh.tp_size]).to(_device(params))
+    total = torch.stack([sharded, replicated / mesh.tp_size])
     all_reduce_sum(total, mesh.tp_group, "tp/all_reduce")
     total = total.sum()
     all_reduce_sum(total, mesh.pp_group, "pp/all_reduce")

@@ -65,11 +65,11 @@ class LRScheduler:
             return self.max_lr * step / self.warmup_iters
         if self.style == "constant":
             return self.max_lr
+        if step > self.decay_iters:
+            return self.min_lr
         if self.style == "inverse-square-root":
             warm = max(self.warmup_iters, 1)
             return max(self.min_lr, self.max_lr * math.sqrt(warm) / math.sqrt(max(step, 1)))
-        if step > self.decay_iters:
-            return self.min_lr
         delta = self.max_lr - self.min_lr
         if self.style == "WSD":
             start = self.decay_iters - self.wsd_decay_iters

@@ -47,6 +47,7 @@ from megatron_sp.schedules import forward_backward_no_pipelining
 class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0     # validation position, stored so resume continues there
     skipped_iterations: int = 0
 
 
@@ -292,6 +293,7 @@ class Trainer:
             loss = reduce_loss_and_count(loss.to(self.device), self.mesh)
             total += loss.item() * num_tokens.item()
             tokens += num_tokens.item()
+            self.state.consumed_valid_samples += self.global_batch_size
         return total / max(tokens, 1.0)
 
     def log_record(self, result: StepResult, elapsed: float, iters: int) -> dict:

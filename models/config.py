@@ -56,8 +56,8 @@ class GPTConfig:
                     f"{self.num_attention_heads}: set kv_channels (--kv-channels) explicitly.")
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.ffn_hidden_size is None:
-            if self.activation == "swiglu":   # Megatron: 2/3 of 4H, rounded up to a multiple of 64
-                self.ffn_hidden_size = int(math.ceil(4 * self.hidden_size * 2 / 3 / 64) * 64)
+            if self.activation == "swiglu":   # Megatron: 2/3 of 4H, rounded down to a multiple of 64
+                self.ffn_hidden_size = int(4 * self.hidden_size * 2 / 3 / 64) * 64
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
         if self.add_qkv_bias is None:

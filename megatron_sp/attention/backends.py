@@ -117,6 +117,10 @@ class SDPAAttention(AttentionBackend):
         return out.transpose(1, 2).contiguous()                       # [b, h, s, d] -> [b, s, h, d]
 
 
+# Input dtypes the fused kernels (flash-attn, TE) accept; other dtypes fall back to SDPA per call.
+FUSED_DTYPES = (torch.float16, torch.bfloat16)
+
+
 class FlashAttention(AttentionBackend):
     """flash-attn 2: flash_attn_func on [b, s, h, d]; with documents flash_attn_varlen_func on the
     flattened [b*s, h, d] tokens with int32 cu_seqlens. GQA is native (h % g == 0). fp16/bf16 on
@@ -128,9 +132,13 @@ class FlashAttention(AttentionBackend):
         super().__init__()
         self._flash_attn = _import_optional("flash_attn", self.name)
         self._documents = _DocumentCache()
+        self._sdpa = SDPAAttention()
 
     def forward(self, q, k, v, *, causal=True, softmax_scale=None, document_ids=None, dropout_p=0.0):
         _check_shapes(q, k, v, document_ids)
+        if q.dtype not in FUSED_DTYPES:   # flash-attn has fp16/bf16 kernels only: fp32 runs use SDPA
+            return self._sdpa(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                              document_ids=document_ids, dropout_p=dropout_p)
         fa = self._flash_attn
         if document_ids is None:
             return fa.flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
@@ -158,6 +166,7 @@ class TEAttention(AttentionBackend):
         self._te = _import_optional("transformer_engine.pytorch", self.name)
         self._documents = _DocumentCache()
         self._cache = {}
+        self._sdpa = SDPAAttention()
 
     def _module(self, h, g, d, qkv_format, mask_type, dropout_p, softmax_scale):
         key = (h, g, d, qkv_format, mask_type, float(dropout_p), float(softmax_scale))
@@ -172,6 +181,9 @@ class TEAttention(AttentionBackend):
 
     def forward(self, q, k, v, *, causal=True, softmax_scale=None, document_ids=None, dropout_p=0.0):
         _check_shapes(q, k, v, document_ids)
+        if q.dtype not in FUSED_DTYPES:   # TE's fused kernels are fp16/bf16: fp32 runs use SDPA
+            return self._sdpa(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                              document_ids=document_ids, dropout_p=dropout_p)
         (b, s, h, d), g = q.shape, k.shape[2]
         scale = softmax_scale if softmax_scale is not None else d ** -0.5
         if document_ids is None:

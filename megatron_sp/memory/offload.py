@@ -15,34 +15,36 @@ import torch
 from megatron_sp.memory import accounting
 
 
-# A tensor saved by several ops (a norm's input, ...) is copied once: (device tensor, host copy) by
-# address, layout and version; the weak reference tells a live tensor from a freed one whose address
-# was reused.
-_COPIES: dict = {}
+def offload_saved_tensors():
+    """Context manager: tensors saved for backward in the body live on the host until backward.
 
+    A tensor saved by several ops in the body (a norm's input, ...) is copied once. The map of
+    copies belongs to this context only: once the body has run, the host copies are held by the
+    autograd graph alone and are freed with it after backward.
+    """
+    copies: dict = {}   # (address, layout, version) -> (weak ref to the device tensor, host copy)
 
-def _pack(t: torch.Tensor):
-    if accounting.is_parameter(t):
-        return (None, t)
-    if accounting.derived_from_parameters(t):   # a weight copy: as cheap to keep as to move
-        accounting.record_weight_copy(t)
-        return (None, t)
-    key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
-           t.dtype, t._version)
-    hit = _COPIES.get(key)
-    if hit is not None and hit[0]() is t:
-        return (t.device, hit[1])
-    if len(_COPIES) > 4096:
-        for k in [k for k, (ref, _) in _COPIES.items() if ref() is None]:
-            del _COPIES[k]
-    # Same strides as the saved tensor (a checkpoint's recompute checks the layout of what it gets
-    # back: a sequence tile is a strided view, and a contiguous copy would take another kernel path).
-    host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype,
-                               pin_memory=t.device.type != "cpu")
-    host.copy_(t, non_blocking=t.device.type != "cpu")
-    accounting.record_host(host, t)
-    _COPIES[key] = (weakref.ref(t), host)
-    return (t.device, host)
+    def pack(t: torch.Tensor):
+        if accounting.is_parameter(t):
+            return (None, t)
+        if accounting.derived_from_parameters(t):   # a weight copy: as cheap to keep as to move
+            accounting.record_weight_copy(t)
+            return (None, t)
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+               t.stride(), t.dtype, t._version)
+        hit = copies.get(key)
+        if hit is not None and hit[0]() is t:   # the weak ref tells a reused address apart
+            return (t.device, hit[1])
+        # Same strides as the saved tensor (a checkpoint's recompute checks the layout of what it
+        # gets back: a sequence tile is a strided view; a contiguous copy takes another kernel path).
+        host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype,
+                                   pin_memory=t.device.type != "cpu")
+        host.copy_(t, non_blocking=t.device.type != "cpu")
+        accounting.record_host(host, t)
+        copies[key] = (weakref.ref(t), host)
+        return (t.device, host)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
 
 
 def _unpack(packed):
@@ -51,8 +53,3 @@ def _unpack(packed):
         return t
     out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
     return out.copy_(t, non_blocking=True)
-
-
-def offload_saved_tensors():
-    """Context manager: tensors saved for backward in the body live on the host until backward."""
-    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)

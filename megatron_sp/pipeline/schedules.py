@@ -79,7 +79,7 @@ def forward_backward_pipelining_without_interleaving(model_chunks, micro_batches
     check_num_microbatches(m, p)
     comm = _communicator(model_chunks, micro_batches, mesh)
     first, last = mesh.is_first_stage, mesh.is_last_stage
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=num_tokens.device)   # no host sync per micro-batch
     grad_ctx = torch.no_grad if forward_only else contextlib.nullcontext
 
     def run_forward(i, inp):
@@ -88,7 +88,7 @@ def forward_backward_pipelining_without_interleaving(model_chunks, micro_batches
             out = forward_step(model, micro_batches[i], _as_input(inp) if not forward_only else inp,
                                num_tokens, autocast)
         if last:
-            total += out.detach().double().cpu()
+            total += out.detach().double()
         return out
 
     def run_backward(i, inp, out, out_grad):
@@ -141,7 +141,7 @@ def forward_backward_pipelining_with_interleaving(model_chunks, micro_batches, m
     comm = _communicator(chunks, micro_batches, mesh)
     first_stage, last_stage = mesh.is_first_stage, mesh.is_last_stage
     total_k = m * v
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=num_tokens.device)   # no host sync per micro-batch
     grad_ctx = torch.no_grad if forward_only else contextlib.nullcontext
 
     def chunk_id(k, forward=True):
@@ -172,7 +172,7 @@ def forward_backward_pipelining_with_interleaving(model_chunks, micro_batches, m
                                inp if forward_only else _as_input(inp), num_tokens, autocast)
         outputs[c].append(out)
         if post(c):
-            total += out.detach().double().cpu()
+            total += out.detach().double()
         if forward_only:         # nothing to keep for backward
             inputs[c].pop()
             outputs[c].pop()

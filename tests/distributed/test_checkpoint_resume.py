@@ -25,7 +25,7 @@ TINY = ("--mock-data --vocab-size 300 --num-layers 2 --hidden-size 64 --num-atte
         "--disable-bias-linear --untie-embeddings-and-output-weights "
         "--seq-length 32 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --lr-warmup-iters 2 "
         f"--lr-decay-iters {ITERS} --lr-decay-style cosine --min-lr 1e-4 --log-interval 1 "
-        "--eval-iters 0 --attention-backend sdpa --seed 5").split()
+        "--eval-iters 0 --attention-backend sdpa --seed 5 --attention-dropout 0 --hidden-dropout 0").split()
 
 
 def _main(argv):

@@ -192,7 +192,8 @@ def test_pretrain_gpt_tp_sp_pp_matches_one_rank(tmp_path):
               "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "1",
               "--global-batch-size", "4", "--train-iters", "3", "--log-interval", "1",
               "--eval-iters", "1", "--eval-interval", "3", "--lr", "1e-3",
-              "--attention-backend", "sdpa", "--distributed-backend", "gloo"]
+              "--attention-backend", "sdpa", "--distributed-backend", "gloo",
+              "--attention-dropout", "0", "--hidden-dropout", "0"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     one = tmp_path / "one.jsonl"
     eight = tmp_path / "eight.jsonl"

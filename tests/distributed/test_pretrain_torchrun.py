@@ -13,7 +13,8 @@ COMMON = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--hidden-s
           "--position-embedding-type", "rope", "--normalization", "RMSNorm",
           "--disable-bias-linear", "--seq-length", "32", "--micro-batch-size", "2",
           "--global-batch-size", "4", "--train-iters", "4", "--log-interval", "1",
-          "--eval-iters", "1", "--eval-interval", "4", "--lr", "1e-3", "--distributed-backend", "gloo"]
+          "--eval-iters", "1", "--eval-interval", "4", "--lr", "1e-3", "--distributed-backend", "gloo",
+          "--attention-dropout", "0", "--hidden-dropout", "0"]
 
 
 def _launch(nproc, extra, metrics):

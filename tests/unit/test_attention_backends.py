@@ -77,6 +77,19 @@ def assert_matches_reference(backend, q, k, v, grad, **kwargs):
         torch.testing.assert_close(got, want, atol=GRAD_TOL, rtol=0, msg=f"grad of {name}")
 
 
+def assert_matches_reference_bf16(backend, q, k, v, grad, **kwargs):
+    """The fused backends take 16-bit inputs: run them in bf16 and compare against the fp32
+    reference on the same (bf16-rounded) values; tolerances cover bf16 rounding (~3 digits)."""
+    q, k, v, grad = (t.to(torch.bfloat16) for t in (q, k, v, grad))
+    out, *grads = forward_backward(backend, q, k, v, grad, **kwargs)
+    ref, *ref_grads = forward_backward(reference_attention, *(t.float() for t in (q, k, v, grad)),
+                                       **kwargs)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=0)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(got.float(), want, atol=6e-2, rtol=0, msg=f"grad of {name}")
+
+
 # SDPA ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("h,g", [(4, 4), (8, 2), (6, 1)])
@@ -252,13 +265,16 @@ def test_flash_glue(flash_stub):
     backend = get_attention_backend("flash")
     assert isinstance(backend, FlashAttention) and backend.name == "flash"
     q, k, v, grad, gen = make_inputs(b=2, s=20, h=8, g=2, d=16, seed=5)
-    assert_matches_reference(backend, q, k, v, grad, softmax_scale=0.3)
+    backend(q, k, v)                      # fp32: flash-attn has no fp32 kernel, SDPA runs instead
+    assert flash_stub == []
+    assert_matches_reference_bf16(backend, q, k, v, grad, softmax_scale=0.3)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
     call = flash_stub[-1]
     assert call == dict(fn="func", q=(2, 20, 8, 16), k=(2, 20, 2, 16), dropout_p=0.0,
                         softmax_scale=0.3, causal=True)
 
     docs = torch.tensor([[0] * 5 + [1] * 15, [4] * 12 + [5] * 3 + [6] * 5])
-    assert_matches_reference(backend, q, k, v, grad, document_ids=docs)
+    assert_matches_reference_bf16(backend, q, k, v, grad, document_ids=docs)
     call = flash_stub[-1]
     assert call["fn"] == "varlen" and call["q"] == (40, 8, 16) and call["k"] == (40, 2, 16)
     assert call["cu_q"] == call["cu_k"] == [0, 5, 20, 32, 35, 40]
@@ -273,7 +289,10 @@ def test_te_glue(te_stub):
     backend = get_attention_backend("te")
     assert isinstance(backend, TEAttention) and backend.name == "te"
     q, k, v, grad, gen = make_inputs(b=2, s=20, h=8, g=2, d=16, seed=6)
-    assert_matches_reference(backend, q, k, v, grad)
+    backend(q, k, v)                      # fp32: TE's fused kernels are 16-bit, SDPA runs instead
+    assert calls == []
+    assert_matches_reference_bf16(backend, q, k, v, grad)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
     call = calls[-1]
     assert call["fmt"] == "bshd" and call["mask"] == "causal" and call["q"] == (2, 20, 8, 16)
     assert call["scale"] == pytest.approx(16 ** -0.5) and call["cu_q"] is None
@@ -282,7 +301,7 @@ def test_te_glue(te_stub):
     assert built == [(8, 2, 16, "bshd", "causal")]  # cached per shape, not rebuilt
 
     docs = torch.tensor([[0] * 5 + [1] * 15, [4] * 12 + [5] * 3 + [6] * 5])
-    assert_matches_reference(backend, q, k, v, grad, document_ids=docs, softmax_scale=0.2)
+    assert_matches_reference_bf16(backend, q, k, v, grad, document_ids=docs, softmax_scale=0.2)
     call = calls[-1]
     assert call["fmt"] == "thd" and call["mask"] == "padding_causal" and call["q"] == (40, 8, 16)
     assert call["cu_q"] == call["cu_kv"] == [0, 5, 20, 32, 35, 40]

@@ -8,7 +8,8 @@
 #   GPUS_PER_NODE  processes per node (one per GPU)
 #   MODEL_ARGS DATA_ARGS LAYOUT_ARGS TRAIN_ARGS EXTRA_ARGS    pretrain_gpt.py flags
 #   RUN_NAME       results under runs/$RUN_NAME/: checkpoints/, tensorboard/, metrics.jsonl
-#                  (default: the job name, so a resubmitted job resumes too)
+#                  (default: the job name, so a resubmitted job resumes too: give each
+#                  experiment its own RUN_NAME or job name, or two runs share checkpoints)
 #   SAVE_INTERVAL  iterations between checkpoints (also saved on exit)
 #   LOG_INTERVAL   iterations between log lines / metrics records / straggler reports
 #   REQUEUE        1: after a USR1/TERM (time limit near, pre-emption) the training saves, exits,
@@ -87,7 +88,12 @@ RC=$?
 set -e
 echo "[$(date +%FT%T)] training step ended with exit code $RC"
 
-if [[ -n "$SIGNALLED" && "$REQUEUE" == 1 && -n "${SLURM_JOB_ID:-}" ]]; then
+# A run that already reached --train-iters is not requeued, even if a signal came at its end.
+TRAIN_ITERS=$(printf '%s\n' "${ARGS[@]}" | grep -A1 -x -e --train-iters | tail -n1)
+LATEST=$(cat "$CKPT_DIR/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0)
+FINISHED=0
+[[ -n "$TRAIN_ITERS" && "$LATEST" =~ ^[0-9]+$ && "$LATEST" -ge "$TRAIN_ITERS" ]] && FINISHED=1
+if [[ -n "$SIGNALLED" && "$REQUEUE" == 1 && -n "${SLURM_JOB_ID:-}" && "$FINISHED" == 0 ]]; then
     echo "[$(date +%FT%T)] requeueing job $SLURM_JOB_ID: it resumes from $CKPT_DIR"
     scontrol requeue "$SLURM_JOB_ID" || echo "warning: scontrol requeue failed (is --requeue set?)"
 fi
