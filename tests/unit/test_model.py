@@ -114,3 +114,13 @@ def test_lr_schedule_shapes():
     assert w.lr_at(80) == 1.0 and w.lr_at(90) == pytest.approx(0.5) and w.lr_at(100) == 0.0
     lin = LRScheduler(opt, 1.0, 0.0, 0, 100, style="linear")
     assert lin.lr_at(25) == pytest.approx(0.75)
+    isr = LRScheduler(opt, 1.0, 0.1, 10, 100, style="inverse-square-root")
+    assert isr.lr_at(40) == pytest.approx(0.5) and isr.lr_at(400) == 0.1   # min_lr past decay
+
+
+def test_swiglu_default_ffn_is_megatrons():
+    """Megatron: int(4H*2/3 / 64) * 64 (rounded down) when --ffn-hidden-size is not given."""
+    for hidden, ffn in ((256, 640), (2048, 5440), (4096, 10880)):
+        cfg = GPTConfig(num_layers=1, hidden_size=hidden, num_attention_heads=8, vocab_size=10,
+                        activation="swiglu")
+        assert cfg.ffn_hidden_size == ffn
