@@ -24,19 +24,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron_sp.flops import device_peak_tflops, flops_for_config  # noqa: E402
+from megatron_sp.memory import TECHNIQUES as ALL_TECHNIQUES  # noqa: E402
 from megatron_sp.memory import MemoryOptions, SavedTensorAccountant  # noqa: E402
 from megatron_sp.models import GPTModel, preset  # noqa: E402
 
-TECHNIQUES = {
-    "plain": {},
-    "chunked loss": dict(loss_chunks="auto"),
-    "tiled mlp": dict(mlp_tiles="auto"),
-    "selective": dict(recompute_granularity="selective"),
-    "full recompute": dict(recompute_granularity="full"),
-    "all": dict(recompute_granularity="full", mlp_tiles="auto", loss_chunks="auto"),
-    "all+offload": dict(recompute_granularity="full", mlp_tiles="auto", loss_chunks="auto",
-                        offload_activations=True),
-}
+TECHNIQUES = {name: ALL_TECHNIQUES[name] for name in (
+    "plain", "chunked loss", "tiled mlp", "selective", "full recompute", "all", "all+offload")}
 
 
 def build(cfg, mem, device):

@@ -18,22 +18,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron_sp.memory import MemoryOptions, SavedTensorAccountant  # noqa: E402
+from megatron_sp.memory import TECHNIQUES as ALL_TECHNIQUES  # noqa: E402
+from megatron_sp.memory import MemoryOptions, measure_saved_bytes  # noqa: E402
 from megatron_sp.memory.planner import activation_bytes  # noqa: E402
 from megatron_sp.mesh import ParallelMesh  # noqa: E402
 from megatron_sp.models import GPTModel, preset  # noqa: E402
 from megatron_sp.models.init import init_parameters  # noqa: E402
 from megatron_sp.testing import run_distributed  # noqa: E402
 
-TECHNIQUES = {
-    "plain": {},
-    "full recompute": dict(recompute_granularity="full"),
-    "selective": dict(recompute_granularity="selective"),
-    "tiled mlp": dict(mlp_tiles="auto"),
-    "chunked loss": dict(loss_chunks="auto"),
-    "offload+full": dict(recompute_granularity="full", offload_activations=True),
-    "all": dict(recompute_granularity="full", mlp_tiles="auto", loss_chunks="auto"),
-}
+TECHNIQUES = {name: ALL_TECHNIQUES[name] for name in (
+    "plain", "full recompute", "selective", "tiled mlp", "chunked loss", "offload+full", "all")}
 
 
 def _measure(rank, world, cfg_kwargs, seqs, sps):
@@ -50,10 +44,7 @@ def _measure(rank, world, cfg_kwargs, seqs, sps):
                 init_parameters(model, seed=1)
                 g = torch.Generator().manual_seed(0)
                 ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=g)
-                acct = SavedTensorAccountant().attach(model)
-                with acct.recording():
-                    model(input_ids=ids, labels=ids.roll(1, 1)).sum().backward()
-                rep = acct.report()
+                rep = measure_saved_bytes(model, ids, ids.roll(1, 1))[1]
                 pred = activation_bytes(cfg, seq, 1, sp=sp, memory=mem)
                 rows.append((sp, seq, name, rep["device_bytes"], rep["host_bytes"],
                              pred["total"] / max(rep["device_bytes"], 1)))

@@ -99,6 +99,7 @@ class SelfAttention(nn.Module):
     def forward(self, x, rope=None, document_ids=None):
         qkv = self.qkv(x)                                         # [b, s/sp, (h+2g)/tp * d]
         b, s_l = qkv.shape[:2]
+        # [b, s/sp, (h+2g)/tp * d] -> [b, s/sp, g/tp, q_per_group + 2, d]: per group its q heads, k, v
         qkv = qkv.view(b, s_l, self.groups_local, self.q_per_group + 2, self.head_dim)
         # One split (its backward is one concatenation, not three zero-filled scatters).
         q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)

@@ -214,3 +214,15 @@ def format_report(report: dict, peak: int | None = None) -> str:
     if peak is not None:
         parts.append(f"peak device memory (GB): {peak / 2**30:.2f}")
     return " | ".join(parts)
+
+
+def measure_saved_bytes(model, input_ids, labels, reduce: str = "sum") -> tuple[torch.Tensor, dict]:
+    """One forward + backward of `model` (per-token loss, summed or averaged) under a fresh
+    accountant; returns (the loss, the accountant's report). Used by the tests and benches."""
+    acct = SavedTensorAccountant().attach(model)
+    with acct.recording():
+        per_token = model(input_ids=input_ids, labels=labels)
+        loss = per_token.sum() if reduce == "sum" else per_token.mean()
+        loss.backward()
+    acct.detach()
+    return loss.detach(), acct.report()

@@ -75,3 +75,17 @@ def resolve_count(value: int | str, length: int, width: int, hidden: int) -> int
     no wider than the [length, hidden] residual stream (ceil(width / hidden)); never above length."""
     n = math.ceil(width / hidden) if value == "auto" else int(value)
     return max(1, min(n, length))
+
+
+# Named settings of the techniques, for benchmarks and examples (MemoryOptions keyword arguments).
+TECHNIQUES: dict[str, dict] = {
+    "plain": {},
+    "full recompute": dict(recompute_granularity="full"),
+    "selective": dict(recompute_granularity="selective"),
+    "tiled mlp": dict(mlp_tiles="auto"),
+    "chunked loss": dict(loss_chunks="auto"),
+    "offload+full": dict(recompute_granularity="full", offload_activations=True),
+    "all": dict(recompute_granularity="full", mlp_tiles="auto", loss_chunks="auto"),
+    "all+offload": dict(recompute_granularity="full", mlp_tiles="auto", loss_chunks="auto",
+                        offload_activations=True),
+}

@@ -9,7 +9,7 @@
 """
 import torch
 
-from megatron_sp.memory import MemoryOptions, SavedTensorAccountant
+from megatron_sp.memory import MemoryOptions, measure_saved_bytes
 from megatron_sp.memory.planner import activation_bytes
 from megatron_sp.mesh import ParallelMesh
 from megatron_sp.models import GPTModel, preset
@@ -84,10 +84,7 @@ def _measure(mesh, cfg, mem, seq, b, seqpar=False):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (b, seq), generator=g)
     labels = torch.randint(0, cfg.vocab_size, (b, seq), generator=g)
-    acct = SavedTensorAccountant().attach(model)
-    with acct.recording():
-        model(input_ids=ids, labels=labels).sum().backward()
-    return acct.report()
+    return measure_saved_bytes(model, ids, labels)[1]
 
 
 def _bytes(rank):

@@ -4,7 +4,7 @@ to the plain model (with dropout too)."""
 import pytest
 import torch
 
-from megatron_sp.memory import MemoryOptions, SavedTensorAccountant, recompute_plan
+from megatron_sp.memory import MemoryOptions, measure_saved_bytes, recompute_plan
 from megatron_sp.memory.planner import activation_bytes, korthikanti_layer_bytes, plan
 from megatron_sp.models import GPTModel, preset
 from megatron_sp.models.init import init_parameters
@@ -28,12 +28,9 @@ def _run(cfg, mem, b=2, s=96, tracker=None):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (b, s), generator=g)
     labels = torch.randint(0, cfg.vocab_size, (b, s), generator=g)
-    acct = SavedTensorAccountant().attach(model)
-    with acct.recording():
-        loss = model(input_ids=ids, labels=labels).mean()
-        loss.backward()
+    loss, report = measure_saved_bytes(model, ids, labels, reduce="mean")
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return loss.item(), grads, acct.report()
+    return loss.item(), grads, report
 
 
 MEMS = [MemoryOptions(), MemoryOptions(recompute_granularity="full"),
