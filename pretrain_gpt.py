@@ -34,9 +34,9 @@ DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron_sp")
 # The embedded default: a tiny GPT that trains on CPU in a few minutes.
 EMBEDDED_DEFAULT = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=256,
                         micro_batch_size=8, global_batch_size=8, train_iters=100, lr=2e-3,
-                        lr_warmup_iters=10, log_interval=10, eval_interval=50, eval_iters=2,
-                        attention_dropout=0.0, hidden_dropout=0.0,
-                        save="runs/default/checkpoints", metrics_jsonl="runs/default/metrics.jsonl")
+                        log_interval=10, eval_interval=50, eval_iters=2,
+                        attention_dropout=0.0, hidden_dropout=0.0)
+EMBEDDED_RUN_DIR = os.path.join("runs", "default")   # checkpoints/ and metrics.jsonl
 
 
 def model_config(args, vocab_size: int) -> GPTConfig:
@@ -72,6 +72,57 @@ def model_config(args, vocab_size: int) -> GPTConfig:
     return GPTConfig(**fields)
 
 
+def explicit_flags(argv=None) -> set[str]:
+    """Destinations of the flags given on the command line (e.g. {"train_iters"})."""
+    argv = sys.argv[1:] if argv is None else argv
+    return {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+
+
+def apply_checkpoint_args(args, argv=None) -> int | None:
+    """--use-checkpoint-args (Megatron's flag): the model flags come from the --load checkpoint's
+    stored config, so a converted or earlier checkpoint needs only data and training flags.
+
+    Returns the checkpoint's vocabulary size (None without the flag). An explicit model flag that
+    disagrees with the checkpoint is named in a warning and replaced by the checkpoint's value.
+    """
+    if not args.use_checkpoint_args:
+        return None
+    from megatron_sp.arguments import build_parser
+    from megatron_sp.checkpointing import read_meta, resolve_checkpoint
+    from megatron_sp.models.config import config_to_flags
+    if not args.load:
+        raise SystemExit("error: --use-checkpoint-args reads the model from a checkpoint: pass it "
+                         "with --load DIR.")
+    try:
+        folder = resolve_checkpoint(args.load)
+        saved = read_meta(folder).get("config") if folder else None
+    except CheckpointError as err:
+        raise SystemExit(f"error: {err}") from None
+    if not saved:
+        raise SystemExit(f"error: --use-checkpoint-args found no checkpoint with a stored model "
+                         f"config under --load {args.load}; give the model flags instead.")
+    config = GPTConfig.from_dict(saved)
+    parser = build_parser()
+    stored = parser.parse_args(config_to_flags(config))
+    model_group = next(g for g in parser._action_groups if g.title == "model")
+    explicit = explicit_flags(argv)
+    for action in model_group._group_actions:
+        if action.dest in ("model", "vocab_size", "seq_length"):   # not part of the stored model
+            continue
+        value = getattr(stored, action.dest)
+        if action.dest in explicit and getattr(args, action.dest) != value:
+            print_warning(f"warning: {action.option_strings[0]} {getattr(args, action.dest)} is "
+                          f"replaced by the checkpoint's {value} (--use-checkpoint-args).")
+        setattr(args, action.dest, value)
+    args.model = None
+    return config.vocab_size
+
+
+def print_warning(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
 def apply_embedded_default(args, argv=None) -> bool:
     """No data and no model given: the embedded default run (returns True if applied).
 
@@ -79,12 +130,16 @@ def apply_embedded_default(args, argv=None) -> bool:
     """
     if args.data_path or args.mock_data or args.model or args.num_layers:
         return False
-    argv = sys.argv[1:] if argv is None else argv
-    explicit = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    explicit = explicit_flags(argv)
     for key, value in EMBEDDED_DEFAULT.items():
         if key not in explicit:
             setattr(args, key, value)
-    args.lr_decay_iters = args.train_iters
+    if "train_samples" in explicit:      # --train-samples given: iterations follow from it
+        args.train_iters = args.train_samples // args.global_batch_size
+    _embedded_run_dir(args, explicit)
+    if "lr_warmup_iters" not in explicit and "lr_warmup_fraction" not in explicit:
+        args.lr_warmup_iters = args.train_iters // 10      # 10 of the default 100
+    args.lr_decay_iters = args.lr_decay_iters if "lr_decay_iters" in explicit else args.train_iters
     args.lr_decay_style = "cosine" if "lr_decay_style" not in explicit else args.lr_decay_style
     args.min_lr = args.lr / 10 if "min_lr" not in explicit else args.min_lr
     args.position_embedding_type = args.position_embedding_type or "rope"
@@ -92,6 +147,52 @@ def apply_embedded_default(args, argv=None) -> bool:
     args.swiglu = True
     args.disable_bias_linear = True
     return True
+
+
+def _embedded_run_dir(args, explicit: set[str]) -> None:
+    """One run folder holds the checkpoints and the metrics: --save DIR puts the metrics beside it,
+    --metrics-jsonl FILE puts the checkpoints beside it; --load defaults to --save (resume)."""
+    if "save" in explicit and args.save:
+        run_dir = os.path.dirname(os.path.abspath(args.save))
+    elif "metrics_jsonl" in explicit and args.metrics_jsonl:
+        run_dir = os.path.dirname(os.path.abspath(args.metrics_jsonl))
+    else:
+        run_dir = EMBEDDED_RUN_DIR
+    if "save" not in explicit:
+        args.save = os.path.join(run_dir, "checkpoints")
+    if "metrics_jsonl" not in explicit:
+        args.metrics_jsonl = os.path.join(run_dir, "metrics.jsonl")
+    if "load" not in explicit:
+        args.load = args.save
+
+
+def embedded_run_done(args) -> bool:
+    """The embedded default's checkpoint under --save: True (after saying so) when that run has
+    finished; None-safe resume otherwise. A checkpoint of a run with another --train-iters is
+    refused rather than trained over."""
+    from megatron_sp.checkpointing import read_meta, resolve_checkpoint
+    if not args.save or args.load != args.save:
+        return False
+    try:
+        folder = resolve_checkpoint(args.save)
+        meta = read_meta(folder) if folder else None
+    except CheckpointError:
+        return False                      # the load reports a damaged checkpoint properly
+    if meta is None:
+        return False
+    iteration = meta.get("iteration")
+    planned = (meta.get("args") or {}).get("train_iters")
+    if planned is not None and planned != args.train_iters:
+        raise SystemExit(f"error: {args.save} holds an embedded-default run of {planned} iterations "
+                         f"(at iteration {iteration}), not {args.train_iters}; pass another --save "
+                         f"folder or delete that one to train again.")
+    if isinstance(iteration, int) and iteration >= args.train_iters:
+        print_warning(f"> the embedded default has already finished: {folder} (iteration "
+                      f"{iteration} of {args.train_iters}); metrics in {args.metrics_jsonl}. "
+                      f"Delete {os.path.dirname(os.path.abspath(args.save))} or pass "
+                      f"--save DIR to train again.")
+        return True
+    return False
 
 
 def build_tokenizer_and_data(args, mesh):
@@ -103,7 +204,8 @@ def build_tokenizer_and_data(args, mesh):
     if not args.data_path:
         cache = args.cache_dir or DEFAULT_CACHE
         if mesh.rank == 0:
-            print_rank0(mesh, f"> building the embedded default corpus under {cache} (once) ...")
+            if not msdata.default_corpus_ready(cache):
+                print_rank0(mesh, f"> building the embedded default corpus under {cache} (once) ...")
             prefix, model_path = msdata.build_default_corpus(cache)
         barrier(mesh)
         prefix, model_path = msdata.build_default_corpus(cache)
@@ -202,6 +304,8 @@ def build_schedule(chunks, mesh, args):
 def main(argv=None):
     args = parse_args(argv)
     embedded = apply_embedded_default(args, argv)
+    if embedded and embedded_run_done(args):
+        return
     env = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     # Share this node's cores among its processes (LOCAL_WORLD_SIZE from torchrun, else SLURM's).
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")
@@ -215,7 +319,12 @@ def main(argv=None):
     tokenizer, data_path = build_tokenizer_and_data(args, mesh)
     if args.seq_length is None:
         raise SystemExit("error: --seq-length is required.")
-    config = model_config(args, tokenizer.vocab_size)
+    checkpoint_vocab = apply_checkpoint_args(args, argv)
+    config = model_config(args, checkpoint_vocab or tokenizer.vocab_size)
+    if tokenizer.vocab_size > config.padded_vocab_size(mesh.tp_size):
+        raise SystemExit(f"error: the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint's "
+                         f"model only {config.padded_vocab_size(mesh.tp_size)} embeddings; use the "
+                         f"tokenizer the checkpoint was trained with.")
     if args.seq_length > config.max_position_embeddings and config.position_embedding_type == "learned_absolute":
         raise SystemExit(f"error: --seq-length {args.seq_length} exceeds --max-position-embeddings "
                          f"{config.max_position_embeddings} of learned position embeddings.")
@@ -250,7 +359,8 @@ def main(argv=None):
     valid_iter = (loader(valid_ds, trainer.state.consumed_valid_samples, args, mesh)
                   if valid_ds is not None else None)
     trainer.set_failure_policy(args.nonfinite_loss, args.distributed_timeout_minutes)
-    metrics = MetricsWriter(mesh, args.metrics_jsonl, args.tensorboard_dir)
+    metrics = MetricsWriter(mesh, args.metrics_jsonl, args.tensorboard_dir,
+                            resume_iteration=trainer.state.iteration)
     train(args, trainer, train_iter, valid_iter, metrics, checkpoints)
     checkpoints.finish()
     metrics.close()

@@ -51,17 +51,27 @@ def default_documents(max_bytes=MAX_BYTES):
     return docs
 
 
+def _default_corpus_paths(cache_dir, vocab_size):
+    """(output prefix, data prefix, tokenizer model) of the default corpus under cache_dir."""
+    out_prefix = os.path.join(cache_dir, f"stdlib_docs_sp{vocab_size}")
+    return out_prefix, out_prefix + "_text_document", out_prefix + ".model"
+
+
+def default_corpus_ready(cache_dir, vocab_size=2048) -> bool:
+    """True when the default corpus under cache_dir is complete (nothing to build)."""
+    _, data_prefix, model = _default_corpus_paths(cache_dir, vocab_size)
+    return all(os.path.isfile(p) for p in (model, data_prefix + ".bin", data_prefix + ".idx"))
+
+
 def build_default_corpus(cache_dir, vocab_size=2048):
     """(data_prefix, tokenizer_model_path) of the default corpus under cache_dir, built once.
 
     Every file is written under a temporary name and renamed, so an interrupted build is redone.
     """
     os.makedirs(cache_dir, exist_ok=True)
-    model_prefix = os.path.join(cache_dir, f"stdlib_docs_sp{vocab_size}")
-    out_prefix = os.path.join(cache_dir, f"stdlib_docs_sp{vocab_size}")
-    data_prefix = out_prefix + "_text_document"
-    model = model_prefix + ".model"
-    if all(os.path.isfile(p) for p in (model, data_prefix + ".bin", data_prefix + ".idx")):
+    out_prefix, data_prefix, model = _default_corpus_paths(cache_dir, vocab_size)
+    model_prefix = out_prefix
+    if default_corpus_ready(cache_dir, vocab_size):
         return data_prefix, model
     docs = default_documents()
     jsonl = os.path.join(cache_dir, "stdlib_docs.jsonl")

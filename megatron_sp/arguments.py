@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(c, "--no-load-optim", "do not load optimizer state")
     _bool_flag(c, "--no-load-rng", "do not load RNG state")
     _bool_flag(c, "--finetune", "load weights only, reset iteration")
+    _bool_flag(c, "--use-checkpoint-args", "take the model flags from the --load checkpoint's stored "
+               "config (explicit model flags that differ are replaced, with a warning)")
     _bool_flag(c, "--exit-signal-handler", "save and exit on SIGTERM/SIGUSR1")
     c.add_argument("--exit-interval", type=int, default=None)
     c.add_argument("--exit-duration-in-mins", type=float, default=None)

@@ -130,16 +130,35 @@ def memory_report(device: torch.device) -> dict:
     return {"host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
+def _records_up_to(path: str, iteration: int) -> list[str]:
+    """The lines of a metrics jsonl whose iteration is <= `iteration` (all others dropped)."""
+    if not os.path.isfile(path):
+        return []
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line).get("iteration", 0) <= iteration:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            except (json.JSONDecodeError, AttributeError):
+                continue                  # a line cut short by a crash
+    return kept
+
+
 class MetricsWriter:
     """--metrics-jsonl (one JSON object per logged iteration) and TensorBoard, on rank 0 only."""
 
-    def __init__(self, mesh, jsonl_path=None, tensorboard_dir=None):
+    def __init__(self, mesh, jsonl_path=None, tensorboard_dir=None, resume_iteration: int = 0):
+        """A fresh run (resume_iteration 0) starts the jsonl anew; a resumed run continues its own
+        file from the checkpoint's iteration (records written after that checkpoint are dropped)."""
         self.file = self.tb = None
         if not is_logging_rank(mesh):
             return
         if jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
-            self.file = open(jsonl_path, "a", buffering=1)
+            kept = _records_up_to(jsonl_path, resume_iteration) if resume_iteration > 0 else []
+            self.file = open(jsonl_path, "w", buffering=1)
+            self.file.writelines(kept)
         if tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -159,3 +159,32 @@ def preset(name: str, **overrides) -> GPTConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}.")
     return GPTConfig(**{**PRESETS[name], **overrides})
+
+
+def config_to_flags(config: GPTConfig) -> list[str]:
+    """The pretrain_gpt.py / Megatron-LM flags that rebuild `config` (the vocabulary comes from the
+    tokenizer). `convert.py` prints them; `--use-checkpoint-args` applies them from a checkpoint."""
+    c = config
+    flags = ["--num-layers", str(c.num_layers), "--hidden-size", str(c.hidden_size),
+             "--num-attention-heads", str(c.num_attention_heads),
+             "--ffn-hidden-size", str(c.ffn_hidden_size)]
+    if c.num_query_groups != c.num_attention_heads:
+        flags += ["--group-query-attention", "--num-query-groups", str(c.num_query_groups)]
+    if c.kv_channels * c.num_attention_heads != c.hidden_size:
+        flags += ["--kv-channels", str(c.kv_channels)]
+    flags += ["--max-position-embeddings", str(c.max_position_embeddings),
+              "--position-embedding-type", c.position_embedding_type]
+    if c.position_embedding_type != "learned_absolute":
+        flags += ["--rotary-base", f"{c.rotary_base:g}"]
+    flags += ["--normalization", c.normalization, "--norm-epsilon", f"{c.norm_epsilon:g}"]
+    flags += {"swiglu": ["--swiglu"], "gelu_tanh": ["--openai-gelu"]}.get(c.activation, [])
+    if not c.add_bias_linear:
+        flags.append("--disable-bias-linear")
+        if c.add_qkv_bias:
+            flags.append("--add-qkv-bias")
+    if not c.tie_embeddings:
+        flags.append("--untie-embeddings-and-output-weights")
+    flags += ["--make-vocab-size-divisible-by", str(c.make_vocab_size_divisible_by),
+              "--attention-dropout", f"{c.attention_dropout:g}",
+              "--hidden-dropout", f"{c.hidden_dropout:g}", "--init-method-std", f"{c.init_method_std:g}"]
+    return flags

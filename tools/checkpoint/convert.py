@@ -311,8 +311,11 @@ def main(argv=None):
             raise ConversionError(f"--loader {a.loader} --saver {a.saver} is not a supported pair.")
     except (ConversionError, CheckpointError) as err:
         raise SystemExit(f"error: {err}") from None
-    print(f"> converted {a.load_dir} ({a.loader}) -> {a.save_dir} ({a.saver})"
-          + (f"; model flags: {config.to_dict()}" if config is not None else ""))
+    print(f"> converted {a.load_dir} ({a.loader}) -> {a.save_dir} ({a.saver})")
+    if config is not None:
+        from megatron_sp.models.config import config_to_flags
+        print(f"> fine-tune it with: --load {a.save_dir} --finetune --use-checkpoint-args "
+              f"(model flags, stored in the checkpoint: {' '.join(config_to_flags(config))})")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,31 @@
+"""config_to_flags: the printed flags rebuild the same GPTConfig through pretrain_gpt's parser
+(what `convert.py` prints and `--use-checkpoint-args` applies)."""
+import importlib.util
+import os
+
+import pytest
+
+from megatron_sp.arguments import parse_args
+from megatron_sp.models.config import PRESETS, GPTConfig, config_to_flags, preset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(ROOT, "pretrain_gpt.py"))
+pretrain_gpt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pretrain_gpt)
+
+
+def _odd_config():
+    return GPTConfig(num_layers=3, hidden_size=96, num_attention_heads=4, vocab_size=500,
+                     num_query_groups=2, kv_channels=32, ffn_hidden_size=200, normalization="RMSNorm",
+                     norm_epsilon=1e-6, activation="swiglu", position_embedding_type="rope",
+                     rotary_base=1e6, add_bias_linear=False, add_qkv_bias=True, tie_embeddings=False,
+                     attention_dropout=0.1, hidden_dropout=0.05, init_method_std=0.006,
+                     make_vocab_size_divisible_by=64, max_position_embeddings=4096)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS) + ["odd"])
+def test_flags_rebuild_the_config(name):
+    config = _odd_config() if name == "odd" else preset(name)
+    args = parse_args(config_to_flags(config) + ["--seq-length", "128"])
+    rebuilt = pretrain_gpt.model_config(args, config.vocab_size)
+    assert rebuilt.to_dict() == config.to_dict()

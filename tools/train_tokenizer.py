@@ -1,0 +1,88 @@
+"""Train a sentencepiece tokenizer on the same jsonl that tools/preprocess_data.py reads.
+
+python tools/train_tokenizer.py --input corpus.jsonl --json-keys text --vocab-size 32000 \
+    --output-prefix tok --tokenizer-type GPTSentencePieceTokenizer
+writes tok.model (and tok.vocab), then prints the preprocessing command that uses it.
+
+Megatron-friendly defaults: byte fallback (no <unk> for unseen characters), ids unk 0, bos 1,
+eos 2 (the end-of-document token of GPTSentencePieceTokenizer), pad 3. SentencePieceTokenizer
+appends Megatron's <CLS> <SEP> <EOD> <MASK> when it loads the model, as Megatron-LM does, so the same
+.model serves both types. The vocabulary may come out smaller than asked on a small corpus.
+"""
+import argparse
+import json
+import os
+import sys
+
+try:
+    from megatron_sp.data.tokenizers import train_sentencepiece
+except ImportError:  # running from a checkout that is not installed
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from data.tokenizers import train_sentencepiece
+
+TYPES = ("GPTSentencePieceTokenizer", "SentencePieceTokenizer")
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--input", required=True, nargs="+", help="jsonl file(s), one JSON object per line")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="keys whose text is trained on")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    p.add_argument("--vocab-size", type=int, default=32000, help="pieces in the vocabulary")
+    p.add_argument("--model-type", choices=["unigram", "bpe"], default="unigram",
+                   help="sentencepiece algorithm")
+    p.add_argument("--tokenizer-type", choices=TYPES, default="GPTSentencePieceTokenizer",
+                   help="the --tokenizer-type you will preprocess and train with")
+    return p.parse_args(argv)
+
+
+def jsonl_texts(paths, keys):
+    """The text under each of `keys` in every line of every jsonl file; bad lines name file:line."""
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{number} is not valid JSON ({err.msg}); fix or "
+                                     f"remove that line.") from None
+                for key in keys:
+                    if key not in record:
+                        raise ValueError(f"{path}:{number} has no key {key!r}; pass the keys your "
+                                         f"records have with --json-keys.")
+                    yield str(record[key])
+
+
+def main(argv=None):
+    args = get_args(argv)
+    for path in args.input:
+        if not os.path.isfile(path):
+            print(f"error: --input {path} does not exist.", file=sys.stderr)
+            return 1
+    folder = os.path.dirname(os.path.abspath(args.output_prefix))
+    if not os.path.isdir(folder):
+        print(f"error: the folder of --output-prefix ({folder}) does not exist; create it first.",
+              file=sys.stderr)
+        return 1
+    try:
+        documents = sum(1 for _ in jsonl_texts(args.input, args.json_keys))   # validates every line
+        model = train_sentencepiece(jsonl_texts(args.input, args.json_keys), args.output_prefix,
+                                    args.vocab_size, model_type=args.model_type)
+    except (ValueError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    import sentencepiece as spm
+    size = spm.SentencePieceProcessor(model_file=model).get_piece_size()
+    print(f"wrote {model} ({size} pieces, trained on {documents} texts)")
+    corpus = os.path.splitext(args.input[0])[0]
+    print("next: python tools/preprocess_data.py --input " + " ".join(args.input)
+          + f" --output-prefix {corpus} --json-keys {' '.join(args.json_keys)} "
+          f"--append-eod --tokenizer-type {args.tokenizer_type} --tokenizer-model {model}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
