@@ -61,6 +61,7 @@ def model_config(args, vocab_size: int) -> GPTConfig:
         fields["add_qkv_bias"] = True
     if args.untie_embeddings_and_output_weights:
         fields["tie_embeddings"] = False
+    fields.update(family_fields(args))
     fields = {k: v for k, v in fields.items() if v is not None}
     fields["vocab_size"] = vocab_size
     fields["make_vocab_size_divisible_by"] = args.make_vocab_size_divisible_by
@@ -70,6 +71,20 @@ def model_config(args, vocab_size: int) -> GPTConfig:
     fields.setdefault("attention_dropout", 0.1)   # Megatron-LM's defaults when no preset is named
     fields.setdefault("hidden_dropout", 0.1)
     return GPTConfig(**fields)
+
+
+def family_fields(args) -> dict:
+    """GPTConfig fields of --qk-layernorm, --use-rope-scaling and the --yarn-* flags (issue 14)."""
+    fields = {}
+    if args.qk_layernorm:
+        fields["qk_layernorm"] = True
+    if args.use_rope_scaling:
+        fields["use_rope_scaling"] = True
+    names = ("rope_scaling_factor", "yarn_rotary_scaling_factor",
+             "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
+             "yarn_mscale", "yarn_mscale_all_dim")
+    fields.update({n: getattr(args, n) for n in names if getattr(args, n) is not None})
+    return fields
 
 
 def apply_embedded_default(args, argv=None) -> bool:
@@ -112,7 +127,8 @@ def build_tokenizer_and_data(args, mesh):
         args.data_cache_path = args.data_cache_path or os.path.join(cache, "index-cache")
     if args.tokenizer_type is None:
         raise SystemExit("error: --data-path needs --tokenizer-type (and --tokenizer-model).")
-    tok = msdata.build_tokenizer(args.tokenizer_type, args.tokenizer_model, vocab_size=args.vocab_size)
+    tok = msdata.build_tokenizer(args.tokenizer_type, args.tokenizer_model, vocab_size=args.vocab_size,
+                                 vocab_file=args.vocab_file, merge_file=args.merge_file)
     return tok, args.data_path
 
 

@@ -33,6 +33,7 @@ from megatron_sp.tensor_parallel.layers import sequence_parallel_linear
 from megatron_sp.ulysses import UlyssesAttention
 
 from .config import GPTConfig
+from .rope import rope_frequencies
 
 
 def _mark_sequence_parallel(module: nn.Module) -> None:
@@ -44,24 +45,33 @@ def _mark_sequence_parallel(module: nn.Module) -> None:
         p.sequence_parallel = True
 
 
-def make_norm(config: GPTConfig) -> nn.Module:
+def make_norm(config: GPTConfig, size: int | None = None) -> nn.Module:
+    size = size or config.hidden_size
     if config.normalization == "RMSNorm":
-        return nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon)
-    return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon)
+        return nn.RMSNorm(size, eps=config.norm_epsilon)
+    return nn.LayerNorm(size, eps=config.norm_epsilon)
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE (Su et al.) with the half-split (rotate_half) convention of Llama / Megatron."""
+    """RoPE (Su et al.) with the half-split (rotate_half) convention of Llama / Megatron.
 
-    def __init__(self, head_dim: int, base: float):
+    config: its Llama-3.1 scaling or YaRN frequencies and cos/sin scaling (models/rope.py).
+    """
+
+    def __init__(self, head_dim: int, base: float, config: GPTConfig | None = None):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.attention_scaling = 1.0
+        if config is not None:
+            inv_freq, self.attention_scaling = rope_frequencies(config)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [b, s_l] (global positions) -> cos, sin [b, s_l, 1, d]."""
         angles = position_ids.float()[..., None] * self.inv_freq  # [b, s_l, d/2]
         emb = torch.cat([angles, angles], dim=-1)[:, :, None, :]    # [b, s_l, 1, d]
+        if self.attention_scaling != 1.0:                           # YaRN's mscale
+            return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
         return emb.cos(), emb.sin()
 
 
@@ -92,6 +102,14 @@ class SelfAttention(nn.Module):
         self.qkv = ColumnParallelLinear(config.hidden_size, qkv_out, mesh=mesh,
                                         bias=config.add_qkv_bias, sequence_parallel=sequence_parallel)
         self.core = UlyssesAttention(backend, mesh.sp_group)
+        # --qk-layernorm (Qwen3): one norm over d shared by every head; each tp rank normalises its
+        # own heads, so the weights' gradients are partial over tp and summed there (grad_sync).
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm = make_norm(config, self.head_dim)
+            self.k_layernorm = make_norm(config, self.head_dim)
+            for module in (self.q_layernorm, self.k_layernorm):
+                _mark_sequence_parallel(module)
         self.proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                       mesh=mesh, bias=config.add_bias_linear,
                                       sequence_parallel=sequence_parallel)
@@ -105,6 +123,8 @@ class SelfAttention(nn.Module):
         q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)
         q = q.reshape(b, s_l, self.heads_local, self.head_dim)    # [b, s/sp, h/tp, d]
         k, v = k.squeeze(3), v.squeeze(3)                         # [b, s/sp, g/tp, d] each
+        if self.q_layernorm is not None:   # per head, before RoPE and the seq->head exchange
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         dropout = self.dropout if self.training else 0.0
@@ -257,8 +277,8 @@ class GPTModel(nn.Module):
             weight = self.embedding.word_embeddings.weight
             weight.embedding_tied = True                 # gradient summed over the embedding group
             weight.embedding_copy = not self.pre_process  # counted once in the gradient norm
-        self.rope = (RotaryEmbedding(config.kv_channels, config.rotary_base)
-                     if config.position_embedding_type == "rope" else None)
+        self.rope = (RotaryEmbedding(config.kv_channels, config.rotary_base, config)
+                     if config.uses_rope else None)
         # Keys are global layer indices, so parameter names are layout-independent.
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(config, mesh, backend, self.sequence_parallel, rng_tracker,
