@@ -87,6 +87,18 @@ def family_fields(args) -> dict:
     return fields
 
 
+def model_vocab_size(args, tokenizer) -> int:
+    """The tokenizer's vocabulary, or --vocab-size when larger (a converted checkpoint's embedding
+    rows, e.g. Qwen's 151936 for a tokenizer of 151669 ids)."""
+    if args.vocab_size is None or args.tokenizer_type in (None, "NullTokenizer") or args.mock_data:
+        return tokenizer.vocab_size
+    if args.vocab_size < tokenizer.vocab_size:
+        raise SystemExit(f"error: --vocab-size {args.vocab_size} is smaller than the "
+                         f"{args.tokenizer_type}'s {tokenizer.vocab_size} ids; leave it out or pass "
+                         f"the checkpoint's vocabulary size.")
+    return args.vocab_size
+
+
 def apply_embedded_default(args, argv=None) -> bool:
     """No data and no model given: the embedded default run (returns True if applied).
 
@@ -231,10 +243,14 @@ def main(argv=None):
     tokenizer, data_path = build_tokenizer_and_data(args, mesh)
     if args.seq_length is None:
         raise SystemExit("error: --seq-length is required.")
-    config = model_config(args, tokenizer.vocab_size)
+    config = model_config(args, model_vocab_size(args, tokenizer))
     if args.seq_length > config.max_position_embeddings and config.position_embedding_type == "learned_absolute":
         raise SystemExit(f"error: --seq-length {args.seq_length} exceeds --max-position-embeddings "
                          f"{config.max_position_embeddings} of learned position embeddings.")
+    if config.sliding_window and args.seq_length > config.sliding_window:
+        raise SystemExit(f"error: --seq-length {args.seq_length} exceeds the model's sliding window "
+                         f"{config.sliding_window}; sliding-window attention is not implemented, so "
+                         f"use --seq-length <= {config.sliding_window}.")
     if args.seq_length % (mesh.sp_size * (mesh.tp_size if args.sequence_parallel else 1)):
         raise SystemExit(f"error: --seq-length {args.seq_length} is not divisible by the sequence "
                          f"shards (sp={mesh.sp_size}" + (f" x tp={mesh.tp_size}" if args.sequence_parallel

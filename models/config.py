@@ -46,6 +46,8 @@ class GPTConfig:
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
     yarn_correction_range_round_to_int: bool = True
+    sliding_window: int | None = None        # a converted model's window (Mistral v0.1): attention
+                                             # is full, so sequences longer than it are refused
 
     def __post_init__(self):
         def positive(name):

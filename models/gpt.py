@@ -324,6 +324,11 @@ class GPTModel(nn.Module):
             position_ids = torch.arange(s, device=(ref if ref is not None else hidden_states).device)
             position_ids = position_ids.unsqueeze(0).expand(
                 (ref if ref is not None else hidden_states).shape[0], -1)
+        window = self.config.sliding_window
+        if window and position_ids.shape[1] > window:
+            raise ValueError(f"sequence length {position_ids.shape[1]} exceeds the model's sliding "
+                             f"window {window}: sliding-window attention is not implemented, so "
+                             f"train with --seq-length <= {window}.")
         positions = self.shard_sequence(position_ids)             # [b, s/sp] global positions
         if self.pre_process:
             x = self.embedding(self.shard_sequence(input_ids), positions, self.rng_tracker)
