@@ -59,6 +59,7 @@ def read_hf_folder(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
         raise ConversionError(f"{path} has no config.json: not a Hugging Face model folder.")
     with open(cfg_path) as f:
         config = json.load(f)
+    _refuse_unsupported(config, {})     # before reading gigabytes of weights
     state: dict[str, torch.Tensor] = {}
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
@@ -389,6 +390,13 @@ def _ours_to_llama_like(c: GPTConfig, full, family: str):
     s["model.norm.weight"] = full["final_norm.weight"]
     if not c.tie_embeddings:
         s["lm_head.weight"] = full["output_layer.weight"]
+    return llama_like_config(c, family), s
+
+
+def llama_like_config(c: GPTConfig, family: str) -> dict:
+    """config.json of a llama / mistral / qwen2 / qwen3 export."""
+    H, L, h, g, d, F = (c.hidden_size, c.num_layers, c.num_attention_heads, c.num_query_groups,
+                        c.kv_channels, c.ffn_hidden_size)
     rope = _rope_parameters(c)
     hf = {"architectures": [ARCHITECTURES[family]], "model_type": family, "vocab_size": c.vocab_size,
           "hidden_size": H, "intermediate_size": F, "num_hidden_layers": L,
@@ -404,7 +412,7 @@ def _ours_to_llama_like(c: GPTConfig, full, family: str):
         hf.update(use_sliding_window=False, sliding_window=None)
     if family == "mistral":
         hf.update(sliding_window=c.sliding_window)
-    return hf, s
+    return hf
 
 
 def model_from_full(config: GPTConfig, full: dict[str, torch.Tensor], attention_backend="sdpa"):

@@ -38,12 +38,20 @@ def load_pretrained(path: str, *, device="cpu", dtype: torch.dtype | None = None
                     attention_backend: str = "sdpa"):
     """A one-rank GPTModel (eval mode) from a checkpoint of any layout or a consolidated export.
 
-    `path`: a --save root (newest checkpoint), an iter_XXXXXXX / release folder, or a
-    model.safetensors written by `export_safetensors` / convert.py --saver safetensors. Reads only
+    `path`: a --save root (newest checkpoint), an iter_XXXXXXX / release folder, a
+    model.safetensors written by `export_safetensors` / convert.py --saver safetensors, or a Hugging
+    Face model folder of a supported family (megatron_sp.models.families). Reads only
     this process's files (no process group needed, none used even when one exists).
     """
     from megatron_sp.mesh import ParallelMesh
     from megatron_sp.models import GPTConfig, GPTModel
+    from megatron_sp.models import families
+    if os.path.isdir(path) and families.is_hf_folder(path):
+        try:
+            model = families.load_hf_folder(path, attention_backend)
+        except families.ConversionError as err:
+            raise CheckpointError(str(err)) from None
+        return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     if os.path.isfile(path) and path.endswith(".safetensors"):
         from safetensors import safe_open
         with safe_open(path, framework="pt") as f:
