@@ -287,3 +287,58 @@ def test_gpt2_bpe_in_preprocessing_and_its_errors(bpe_files, tmp_path):
     assert tokens == [i for t in BPE_TEXTS for i in tok.tokenize(t) + [tok.eod]]
     with pytest.raises(ValueError, match="GPT2BPETokenizer needs --merge-file"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=None)
+
+    # ... and trains in pretrain_gpt.py with the families' flags (qk-norm, head_dim, yarn).
+    sys.path.insert(0, ROOT)
+    import pretrain_gpt
+    flags = ("--num-layers 1 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 "
+             "--kv-channels 16 --ffn-hidden-size 64 --swiglu --normalization RMSNorm "
+             "--disable-bias-linear --qk-layernorm --position-embedding-type yarn "
+             "--yarn-rotary-scaling-factor 4 --yarn-original-max-position-embeddings 8 "
+             "--seq-length 16 --max-position-embeddings 32 --micro-batch-size 2 "
+             "--global-batch-size 2 --train-iters 2 --eval-iters 0 --attention-backend sdpa "
+             "--log-interval 1 --split 100,0,0 --tokenizer-type GPT2BPETokenizer").split()
+    metrics = tmp_path / "m.jsonl"
+    pretrain_gpt.main(flags + ["--vocab-file", vocab, "--merge-file", merges, "--data-path",
+                               str(tmp_path / "out_text_document"), "--data-cache-path",
+                               str(tmp_path / "cache"), "--metrics-jsonl", str(metrics)])
+    assert len(metrics.read_text().splitlines()) == 2
+
+
+def _family_tokenizer_folders(bpe_files, tmp_path):
+    """A Qwen-style folder (byte-level BPE, eos <|endoftext|>, chat tokens, no BOS) and a
+    Llama-3-style one (BOS <|begin_of_text|> prepended by its post-processor, eos <|end_of_text|>),
+    built from the BPE files trained above."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    vocab, merges = bpe_files
+    folders = {}
+    for name, specials, bos, eos in (
+            ("qwen", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|endoftext|>"),
+            ("llama3", ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"], "<|begin_of_text|>",
+             "<|end_of_text|>")):
+        tok = Tokenizer(models.BPE.from_file(vocab, merges))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(specials)
+        if bos:
+            bos_id = tok.token_to_id(bos)
+            tok.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+        PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos).save_pretrained(
+            tmp_path / name)
+        folders[name] = (str(tmp_path / name), eos, bos)
+    return folders
+
+
+def test_family_tokenizer_folders_with_megatrons_eod(bpe_files, tmp_path):
+    from megatron_sp.data import build_tokenizer
+    for name, (folder, eos, bos) in _family_tokenizer_folders(bpe_files, tmp_path).items():
+        ref = transformers.AutoTokenizer.from_pretrained(folder)
+        ours = build_tokenizer("HuggingFaceTokenizer", folder)
+        assert ours.eod == ref.convert_tokens_to_ids(eos) == ref.eos_token_id, name
+        assert ours.vocab_size == len(ref)
+        text = "Hello world, über 🙂<|im_end|>"
+        ids = ours.tokenize(text)
+        assert ids == ref(text).input_ids, name
+        assert (ids[0] == ref.convert_tokens_to_ids(bos)) if bos else ids[0] != ours.eod
