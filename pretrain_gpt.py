@@ -247,10 +247,6 @@ def main(argv=None):
     if args.seq_length > config.max_position_embeddings and config.position_embedding_type == "learned_absolute":
         raise SystemExit(f"error: --seq-length {args.seq_length} exceeds --max-position-embeddings "
                          f"{config.max_position_embeddings} of learned position embeddings.")
-    if config.sliding_window and args.seq_length > config.sliding_window:
-        raise SystemExit(f"error: --seq-length {args.seq_length} exceeds the model's sliding window "
-                         f"{config.sliding_window}; sliding-window attention is not implemented, so "
-                         f"use --seq-length <= {config.sliding_window}.")
     if args.seq_length % (mesh.sp_size * (mesh.tp_size if args.sequence_parallel else 1)):
         raise SystemExit(f"error: --seq-length {args.seq_length} is not divisible by the sequence "
                          f"shards (sp={mesh.sp_size}" + (f" x tp={mesh.tp_size}" if args.sequence_parallel
@@ -271,9 +267,14 @@ def main(argv=None):
                       schedule=build_schedule(chunks, mesh, args))
     checkpoints = CheckpointManager(args, trainer, config)   # --load, --save, exit conditions
     try:
-        checkpoints.load()
+        meta = checkpoints.load()
     except CheckpointError as err:
         raise SystemExit(f"error: {err}") from None
+    window = ((meta or {}).get("config") or {}).get("sliding_window")   # a converted Mistral v0.1
+    if window and args.seq_length > window:
+        raise SystemExit(f"error: --seq-length {args.seq_length} exceeds the sliding window {window} "
+                         f"of the checkpoint in --load {args.load}; sliding-window attention is not "
+                         f"implemented, so use --seq-length <= {window}.")
     if args.train_samples is not None:   # resumed, maybe with another batch size: stop at the samples
         remaining = max(0, args.train_samples - trainer.state.consumed_train_samples)
         args.train_iters = trainer.state.iteration + remaining // args.global_batch_size

@@ -116,6 +116,20 @@ def test_mistral_exports_as_mistral_and_sliding_window_is_refused_when_it_matter
     assert hf_config["model_type"] == "mistral" and hf_config["sliding_window"] == 16
     with pytest.raises(families.ConversionError, match="export it as mistral"):
         families.megatron_sp_to_hf(config, full, family="llama")
+    # pretrain_gpt.py refuses a --seq-length beyond the converted checkpoint's window.
+    import sys
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    convert.main(["--loader", "hf", "--saver", "megatron_sp", "--load-dir", str(tmp_path / "hf"),
+                  "--save-dir", str(tmp_path / "ours")])
+    sys.path.insert(0, ROOT)
+    import pretrain_gpt
+    flags = ("--mock-data --vocab-size 300 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+             "--num-query-groups 2 --ffn-hidden-size 96 --swiglu --position-embedding-type rope "
+             "--normalization RMSNorm --disable-bias-linear --untie-embeddings-and-output-weights "
+             "--max-position-embeddings 64 --seq-length 32 --train-iters 1 --eval-iters 0 "
+             "--attention-backend sdpa --finetune").split()
+    with pytest.raises(SystemExit, match="exceeds the sliding window 16 of the checkpoint"):
+        pretrain_gpt.main(flags + ["--load", str(tmp_path / "ours")])
 
 
 def test_export_writes_tokenizer_ids(tmp_path):
