@@ -3,7 +3,9 @@ embeddings, head_dim 32 != hidden 64 / 4 heads; also with YaRN) and a Llama-3.1-
 RoPE scaling that changes the frequencies at these lengths) train like one rank in tp2, sp2, sp4,
 tp2 x sp2, pp2 (losses 1e-5 relative, full gradients 1e-4, three optimizer steps; layout_utils). A
 Hugging Face Qwen3 converted by tools/checkpoint/convert.py loads into tp2 x sp2 and pp2 x tp2 and
-its first training loss equals transformers' loss on the same batch (1e-5 relative).
+its first training loss equals transformers' loss on the same batch (1e-5 relative). The
+Qwen3-style model under selective recompute and under full recompute + tiled MLP + chunked loss
+(tp2 x sp2) equals one rank without them.
 
 One 4-rank spawn for everything (dp fills the ranks a layout leaves)."""
 from __future__ import annotations
@@ -46,12 +48,31 @@ CASES = [
     dict(LLAMA31, name="llama3.1 pp2 x sp2", sp=2, pp=2, micro_batch=2, **COMMON),
 ]
 CONVERTED_LAYOUTS = [dict(tp=2, sp=2), dict(tp=2, pp=2)]
+MEMORY_TECHNIQUES = ["selective", "all"]   # all: full recompute, tiled MLP, chunked loss
 
 
 def _rank_main(rank, world, cases, converted, batch, hf_loss):
     results = check_layouts(rank, world, cases)
+    results += [_memory_techniques(technique) for technique in MEMORY_TECHNIQUES]
     return results, [_converted_loss(path_layout, converted, batch) for path_layout in
                      CONVERTED_LAYOUTS], hf_loss
+
+
+def _memory_techniques(technique):
+    """The Qwen3-style model under a memory technique in tp2 x sp2 equals one rank without it."""
+    from megatron_sp.memory import TECHNIQUES, MemoryOptions
+    from megatron_sp.mesh import ParallelMesh
+    from megatron_sp.models import preset
+    from layout_utils import compare, train_layout
+    cfg = preset(QWEN3["model"], **QWEN3["overrides"])
+    batches = global_batches(cfg.vocab_size, COMMON["seq"], COMMON["global_batch"], COMMON["steps"],
+                             seed=13)
+    reference = train_layout(ParallelMesh.single(), cfg, batches, COMMON["global_batch"])
+    candidate = train_layout(ParallelMesh.from_sizes(tp=2, sp=2), cfg, batches, 2,
+                             sequence_parallel=True,
+                             model_kwargs={"memory": MemoryOptions(**TECHNIQUES[technique])})
+    name = f"qwen3 tp2 x sp2 {technique}"
+    return (name,) + compare(reference, candidate, name)
 
 
 def _converted_loss(layout, path, batch):
@@ -107,7 +128,8 @@ def test_families_layouts_and_converted_checkpoint(tmp_path):
     path, batch, hf_loss = _convert_tiny_qwen3(str(tmp_path))
     results = run_distributed(_rank_main, 4, CASES, path, batch, hf_loss, timeout_s=400)
     layouts, converted, _ = results[0]
-    assert [r[0] for r in layouts] == [c["name"] for c in CASES]
+    assert [r[0] for r in layouts] == [c["name"] for c in CASES] + [
+        f"qwen3 tp2 x sp2 {t}" for t in MEMORY_TECHNIQUES]
     for rank_result in results:
         for layout, loss in zip(CONVERTED_LAYOUTS, rank_result[1]):
             rel = abs(loss - hf_loss) / hf_loss
