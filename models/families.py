@@ -452,42 +452,19 @@ def load_hf_folder(path: str, attention_backend="sdpa"):
     return model_from_full(config, full, attention_backend).eval()
 
 
-def megatron_flags(config: GPTConfig) -> list[str]:
-    """pretrain_gpt.py flags that build this model (for --load of a converted checkpoint)."""
+def family_flags(config: GPTConfig) -> list[str]:
+    """The flags of the families' features (--qk-layernorm, --use-rope-scaling, --yarn-*) that
+    rebuild `config` on top of its shape flags (models.config's flags of the plain model)."""
     c, flags = config, []
-    def add(flag, value=None):
-        flags.extend([flag] if value is None else [flag, str(value)])
-    add("--num-layers", c.num_layers), add("--hidden-size", c.hidden_size)
-    add("--num-attention-heads", c.num_attention_heads), add("--ffn-hidden-size", c.ffn_hidden_size)
-    if c.num_query_groups != c.num_attention_heads:
-        add("--group-query-attention"), add("--num-query-groups", c.num_query_groups)
-    if c.kv_channels * c.num_attention_heads != c.hidden_size:
-        add("--kv-channels", c.kv_channels)
-    add("--max-position-embeddings", c.max_position_embeddings)
-    add("--position-embedding-type", c.position_embedding_type)
-    add("--normalization", c.normalization), add("--norm-epsilon", c.norm_epsilon)
-    if c.uses_rope:
-        add("--rotary-base", c.rotary_base)
-    if c.activation == "swiglu":
-        add("--swiglu")
-    elif c.activation == "gelu_tanh":
-        add("--openai-gelu")
-    if not c.add_bias_linear:
-        add("--disable-bias-linear")
-    if c.add_qkv_bias and not c.add_bias_linear:
-        add("--add-qkv-bias")
-    if not c.tie_embeddings:
-        add("--untie-embeddings-and-output-weights")
     if c.qk_layernorm:
-        add("--qk-layernorm")
+        flags.append("--qk-layernorm")
     if c.use_rope_scaling:
-        add("--use-rope-scaling"), add("--rope-scaling-factor", c.rope_scaling_factor)
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", f"{c.rope_scaling_factor:g}"]
     if c.position_embedding_type == "yarn":
         for name in ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings",
                      "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"):
             if getattr(c, name) is not None:
-                add("--" + name.replace("_", "-"), getattr(c, name))
-    add("--vocab-size", c.vocab_size)
+                flags += ["--" + name.replace("_", "-"), f"{getattr(c, name):g}"]
     return flags
 
 

@@ -1,7 +1,7 @@
 """The families' features in every layout (issue 14): a tiny Qwen3-style model (qk-norm, tied
 embeddings, head_dim 32 != hidden 64 / 4 heads; also with YaRN) and a Llama-3.1-style one (llama3
 RoPE scaling that changes the frequencies at these lengths) train like one rank in tp2, sp2, sp4,
-tp2 x sp2, pp2 (losses 1e-5 relative, full gradients 1e-4, three optimizer steps; layout_utils). A
+tp2 x sp2, pp2, and a Qwen2.5-style one (bias in q/k/v only) in tp2 x sp2 (losses 1e-5 relative, full gradients 1e-4, three optimizer steps; layout_utils). A
 Hugging Face Qwen3 converted by tools/checkpoint/convert.py loads into tp2 x sp2 and pp2 x tp2 and
 its first training loss equals transformers' loss on the same batch (1e-5 relative). The
 Qwen3-style model under selective recompute and under full recompute + tiled MLP + chunked loss
@@ -32,6 +32,9 @@ LLAMA31 = dict(model="llama3.1-8b", overrides=dict(num_layers=2, hidden_size=64,
                                                    ffn_hidden_size=128, vocab_size=300,
                                                    max_position_embeddings=64,
                                                    rope_original_max_position_embeddings=16))
+QWEN25 = dict(model="qwen2.5-7b", overrides=dict(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                                num_query_groups=2, ffn_hidden_size=128,
+                                                vocab_size=300, max_position_embeddings=64))
 COMMON = dict(seq=32, global_batch=4, steps=3)
 CASES = [
     dict(QWEN3, name="qwen3 tp2 (x dp2)", tp=2, micro_batch=2, **COMMON),
@@ -46,6 +49,8 @@ CASES = [
     dict(LLAMA31, name="llama3.1 sp4", sp=4, micro_batch=2, **COMMON),
     dict(LLAMA31, name="llama3.1 tp2 x sp2", tp=2, sp=2, micro_batch=4, **COMMON),
     dict(LLAMA31, name="llama3.1 pp2 x sp2", sp=2, pp=2, micro_batch=2, **COMMON),
+    dict(QWEN25, name="qwen2.5 (q/k/v bias only) tp2 x sp2 sequence-parallel", tp=2, sp=2,
+         micro_batch=2, sequence_parallel=True, **COMMON),
 ]
 CONVERTED_LAYOUTS = [dict(tp=2, sp=2), dict(tp=2, pp=2)]
 MEMORY_TECHNIQUES = ["selective", "all"]   # all: full recompute, tiled MLP, chunked loss

@@ -242,6 +242,29 @@ def test_family_presets_have_published_sizes(name):
     assert sum(p.numel() for p in model.parameters()) == PUBLISHED[name]
 
 
+@pytest.mark.parametrize("name", ["qwen3-4b", "llama3.1-8b", "qwen2.5-7b"])
+def test_family_flags_rebuild_the_config(name):
+    """pretrain_gpt.py's flags (--qk-layernorm, --use-rope-scaling, --yarn-*) give the same model."""
+    import sys
+    sys.path.insert(0, ROOT)
+    import pretrain_gpt
+    from megatron_sp.arguments import parse_args
+    cfg = preset(name, position_embedding_type="yarn", use_rope_scaling=False,
+                 yarn_rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=32768,
+                 yarn_beta_fast=16.0) if name == "qwen3-4b" else preset(name)
+    shape = (f"--num-layers {cfg.num_layers} --hidden-size {cfg.hidden_size} --num-attention-heads "
+             f"{cfg.num_attention_heads} --num-query-groups {cfg.num_query_groups} --kv-channels "
+             f"{cfg.kv_channels} --ffn-hidden-size {cfg.ffn_hidden_size} --max-position-embeddings "
+             f"{cfg.max_position_embeddings} --position-embedding-type {cfg.position_embedding_type} "
+             f"--rotary-base {cfg.rotary_base} --normalization RMSNorm --norm-epsilon "
+             f"{cfg.norm_epsilon} --swiglu --disable-bias-linear --attention-dropout 0 "
+             f"--hidden-dropout 0 --seq-length 128").split()
+    shape += ["--add-qkv-bias"] if cfg.add_qkv_bias else []
+    shape += [] if cfg.tie_embeddings else ["--untie-embeddings-and-output-weights"]
+    args = parse_args(shape + families.family_flags(cfg))
+    assert pretrain_gpt.model_config(args, cfg.vocab_size) == cfg
+
+
 def test_family_presets_shapes():
     assert preset("qwen3-4b").kv_channels * preset("qwen3-4b").num_attention_heads == 4096 != 2560
     assert preset("qwen3-4b").tie_embeddings and preset("qwen3-4b").qk_layernorm

@@ -32,7 +32,7 @@ import torch
 
 
 from megatron_sp.models.families import (ConversionError, FAMILIES, full_tensors,  # noqa: F401
-                                        hf_to_megatron_sp, megatron_flags, megatron_sp_to_hf,
+                                        family_flags, hf_to_megatron_sp, megatron_sp_to_hf,
                                         model_from_full,
                                         read_hf_folder, token_ids_of, write_hf_folder)
 
@@ -104,7 +104,7 @@ def main(argv=None):
     except (ConversionError, CheckpointError) as err:
         raise SystemExit(f"error: {err}") from None
     print(f"> converted {a.load_dir} ({a.loader}) -> {a.save_dir} ({a.saver})"
-          + (f"; train it with: {' '.join(megatron_flags(config))}" if config is not None else ""))
+          + (f"; model flags: {config.to_dict()}" if config is not None else ""))
 
 
 if __name__ == "__main__":
