@@ -63,7 +63,7 @@ def model_config(args, vocab_size: int) -> GPTConfig:
         fields["tie_embeddings"] = False
     fields.update(family_fields(args))
     fields = {k: v for k, v in fields.items() if v is not None}
-    fields["vocab_size"] = vocab_size
+    fields["vocab_size"] = model_vocab_size(args, vocab_size)
     fields["make_vocab_size_divisible_by"] = args.make_vocab_size_divisible_by
     if args.model:
         return preset(args.model, **fields)
@@ -87,14 +87,14 @@ def family_fields(args) -> dict:
     return fields
 
 
-def model_vocab_size(args, tokenizer) -> int:
+def model_vocab_size(args, vocab_size: int) -> int:
     """The tokenizer's vocabulary, or --vocab-size when larger (a converted checkpoint's embedding
     rows, e.g. Qwen's 151936 for a tokenizer of 151669 ids)."""
     if args.vocab_size is None or args.tokenizer_type in (None, "NullTokenizer") or args.mock_data:
-        return tokenizer.vocab_size
-    if args.vocab_size < tokenizer.vocab_size:
+        return vocab_size
+    if args.vocab_size < vocab_size:
         raise SystemExit(f"error: --vocab-size {args.vocab_size} is smaller than the "
-                         f"{args.tokenizer_type}'s {tokenizer.vocab_size} ids; leave it out or pass "
+                         f"{args.tokenizer_type}'s {vocab_size} ids; leave it out or pass "
                          f"the checkpoint's vocabulary size.")
     return args.vocab_size
 
@@ -243,7 +243,7 @@ def main(argv=None):
     tokenizer, data_path = build_tokenizer_and_data(args, mesh)
     if args.seq_length is None:
         raise SystemExit("error: --seq-length is required.")
-    config = model_config(args, model_vocab_size(args, tokenizer))
+    config = model_config(args, tokenizer.vocab_size)
     if args.seq_length > config.max_position_embeddings and config.position_embedding_type == "learned_absolute":
         raise SystemExit(f"error: --seq-length {args.seq_length} exceeds --max-position-embeddings "
                          f"{config.max_position_embeddings} of learned position embeddings.")

@@ -379,3 +379,17 @@ def test_family_tokenizer_folders_with_megatrons_eod(bpe_files, tmp_path):
         ids = ours.tokenize(text)
         assert ids == ref(text).input_ids, name
         assert (ids[0] == ref.convert_tokens_to_ids(bos)) if bos else ids[0] != ours.eod
+
+
+def test_vocab_size_pads_a_real_tokenizer_to_the_checkpoint_rows():
+    """Qwen's checkpoints hold 151936 embedding rows for a tokenizer of 151669 ids: --vocab-size."""
+    import sys
+    sys.path.insert(0, ROOT)
+    import pretrain_gpt
+    from megatron_sp.arguments import parse_args
+    base = "--model qwen3-0.6b --seq-length 128 --tokenizer-type HuggingFaceTokenizer".split()
+    assert pretrain_gpt.model_config(parse_args(base), 151669).vocab_size == 151669
+    args = parse_args(base + ["--vocab-size", "151936"])
+    assert pretrain_gpt.model_config(args, 151669).vocab_size == 151936
+    with pytest.raises(SystemExit, match="--vocab-size 1000 is smaller than the HuggingFaceTokenizer"):
+        pretrain_gpt.model_config(parse_args(base + ["--vocab-size", "1000"]), 151669)
