@@ -45,11 +45,32 @@ def _mark_sequence_parallel(module: nn.Module) -> None:
         p.sequence_parallel = True
 
 
-def make_norm(config: GPTConfig, size: int | None = None) -> nn.Module:
-    size = size or config.hidden_size
+def make_norm(config: GPTConfig) -> nn.Module:
     if config.normalization == "RMSNorm":
-        return nn.RMSNorm(size, eps=config.norm_epsilon)
-    return nn.LayerNorm(size, eps=config.norm_epsilon)
+        return nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon)
+    return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon)
+
+
+class HeadRMSNorm(nn.RMSNorm):
+    """--qk-layernorm's RMSNorm over head_dim, its weight cast to the input's dtype: under bf16
+    autocast q and k come out of the QKV linear in bf16, and one dtype lets PyTorch run its fused
+    kernel (fp32 accumulation inside) instead of the decomposed ops that save three copies."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+
+
+class HeadLayerNorm(nn.LayerNorm):
+    """The LayerNorm variant of HeadRMSNorm (--qk-layernorm with --normalization LayerNorm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype),
+                            self.bias.to(x.dtype), self.eps)
+
+
+def make_head_norm(config: GPTConfig) -> nn.Module:
+    norm = HeadRMSNorm if config.normalization == "RMSNorm" else HeadLayerNorm
+    return norm(config.kv_channels, eps=config.norm_epsilon)
 
 
 class RotaryEmbedding(nn.Module):
@@ -106,8 +127,7 @@ class SelfAttention(nn.Module):
         # own heads, so the weights' gradients are partial over tp and summed there (grad_sync).
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:
-            self.q_layernorm = make_norm(config, self.head_dim)
-            self.k_layernorm = make_norm(config, self.head_dim)
+            self.q_layernorm, self.k_layernorm = make_head_norm(config), make_head_norm(config)
             for module in (self.q_layernorm, self.k_layernorm):
                 _mark_sequence_parallel(module)
         self.proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
