@@ -114,6 +114,9 @@ def test_mistral_exports_as_mistral_and_sliding_window_is_refused_when_it_matter
         model(torch.zeros(1, 17, dtype=torch.long))
     hf_config, state = families.megatron_sp_to_hf(config, families.full_tensors(model))
     assert hf_config["model_type"] == "mistral" and hf_config["sliding_window"] == 16
+    back = transformers.MistralForCausalLM(transformers.AutoConfig.for_model(**hf_config)).eval()
+    back.load_state_dict(state)
+    assert (_logits(back, short) - _logits(hf, short)).abs().max().item() <= LOGITS_ATOL
     with pytest.raises(families.ConversionError, match="export it as mistral"):
         families.megatron_sp_to_hf(config, full, family="llama")
     # pretrain_gpt.py refuses a --seq-length beyond the converted checkpoint's window.
