@@ -1,11 +1,11 @@
 """The families' features in every layout (issue 14): a tiny Qwen3-style model (qk-norm, tied
 embeddings, head_dim 32 != hidden 64 / 4 heads; also with YaRN) and a Llama-3.1-style one (llama3
 RoPE scaling that changes the frequencies at these lengths) train like one rank in tp2, sp2, sp4,
-tp2 x sp2, pp2, and a Qwen2.5-style one (bias in q/k/v only) in tp2 x sp2 (losses 1e-5 relative, full gradients 1e-4, three optimizer steps; layout_utils). A
-Hugging Face Qwen3 converted by tools/checkpoint/convert.py loads into tp2 x sp2 and pp2 x tp2 and
-its first training loss equals transformers' loss on the same batch (1e-5 relative). The
-Qwen3-style model under selective recompute and under full recompute + tiled MLP + chunked loss
-(tp2 x sp2) equals one rank without them.
+tp2 x sp2, pp2, and a Qwen2.5-style one (bias in q/k/v only) in tp2 x sp2: losses 1e-5 relative,
+full gradients 1e-4, three optimizer steps (layout_utils). The Qwen3-style model under selective
+recompute and under full recompute + tiled MLP + chunked loss (tp2 x sp2) equals one rank without
+them. A Hugging Face Qwen3 converted by tools/checkpoint/convert.py loads into tp2 x sp2 and
+pp2 x tp2 and its first training loss equals transformers' loss on the same batch (1e-5 relative).
 
 One 4-rank spawn for everything (dp fills the ranks a layout leaves)."""
 from __future__ import annotations
