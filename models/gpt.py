@@ -23,8 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_sp.attention import get_attention_backend
-from megatron_sp.memory import (MemoryOptions, RecomputedAttention, chunked_output_loss,
-                                forward_layers, tiled_mlp)
+from megatron_sp.memory import (MemoryOptions, RecomputedAttention, checkpoint,
+                                chunked_output_loss, forward_layers, tiled_mlp)
 from megatron_sp.mesh import ParallelMesh
 from megatron_sp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                          VocabParallelEmbedding, vocab_parallel_cross_entropy)
@@ -49,28 +49,6 @@ def make_norm(config: GPTConfig) -> nn.Module:
     if config.normalization == "RMSNorm":
         return nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon)
     return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon)
-
-
-class HeadRMSNorm(nn.RMSNorm):
-    """--qk-layernorm's RMSNorm over head_dim, its weight cast to the input's dtype: under bf16
-    autocast q and k come out of the QKV linear in bf16, and one dtype lets PyTorch run its fused
-    kernel (fp32 accumulation inside) instead of the decomposed ops that save three copies."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
-
-
-class HeadLayerNorm(nn.LayerNorm):
-    """The LayerNorm variant of HeadRMSNorm (--qk-layernorm with --normalization LayerNorm)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype),
-                            self.bias.to(x.dtype), self.eps)
-
-
-def make_head_norm(config: GPTConfig) -> nn.Module:
-    norm = HeadRMSNorm if config.normalization == "RMSNorm" else HeadLayerNorm
-    return norm(config.kv_channels, eps=config.norm_epsilon)
 
 
 class RotaryEmbedding(nn.Module):
@@ -104,6 +82,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+class HeadRMSNorm(nn.RMSNorm):
+    """--qk-layernorm's RMSNorm over head_dim, its weight cast to the input's dtype: under bf16
+    autocast q and k come out of the QKV linear in bf16, and one dtype lets PyTorch run its fused
+    kernel (fp32 accumulation inside) instead of the decomposed ops that save three copies."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+
+
+class HeadLayerNorm(nn.LayerNorm):
+    """The LayerNorm variant of HeadRMSNorm (--qk-layernorm with --normalization LayerNorm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype),
+                            self.bias.to(x.dtype), self.eps)
+
+
+def make_head_norm(config: GPTConfig) -> nn.Module:
+    norm = HeadRMSNorm if config.normalization == "RMSNorm" else HeadLayerNorm
+    return norm(config.kv_channels, eps=config.norm_epsilon)
+
+
 class SelfAttention(nn.Module):
     """Causal self-attention: column-parallel QKV, Ulysses attention, row-parallel output."""
 
@@ -134,6 +134,26 @@ class SelfAttention(nn.Module):
                                       mesh=mesh, bias=config.add_bias_linear,
                                       sequence_parallel=sequence_parallel)
 
+    def _qk_norm_rope(self, qkv, rope):
+        """--qk-layernorm then RoPE on the grouped QKV output, recomputed in backward: the only
+        tensor kept is that output (one copy of q, k, v), instead of q, k and the norms' own saves.
+
+        qkv [b, s/sp, g/tp, q_per_group + 2, d] -> q [b, s/sp, h/tp, d], k [b, s/sp, g/tp, d].
+        """
+        b, s_l = qkv.shape[:2]
+
+        def run(qkv, *cos_sin):
+            q, k, _ = qkv.split([self.q_per_group, 1, 1], dim=3)
+            # The norm's output is contiguous: [b, s/sp, g/tp, q_per_group, d] -> [b, s/sp, h/tp, d]
+            q = self.q_layernorm(q).reshape(b, s_l, self.heads_local, self.head_dim)
+            k = self.k_layernorm(k.squeeze(3))                    # [b, s/sp, g/tp, d]
+            if cos_sin:
+                q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+            return q, k
+        if not torch.is_grad_enabled():
+            return run(qkv, *(rope or ()))
+        return checkpoint(run, qkv, *(rope or ()))
+
     def forward(self, x, rope=None, document_ids=None):
         qkv = self.qkv(x)                                         # [b, s/sp, (h+2g)/tp * d]
         b, s_l = qkv.shape[:2]
@@ -141,12 +161,13 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(b, s_l, self.groups_local, self.q_per_group + 2, self.head_dim)
         # One split (its backward is one concatenation, not three zero-filled scatters).
         q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)
-        q = q.reshape(b, s_l, self.heads_local, self.head_dim)    # [b, s/sp, h/tp, d]
-        k, v = k.squeeze(3), v.squeeze(3)                         # [b, s/sp, g/tp, d] each
         if self.q_layernorm is not None:   # per head, before RoPE and the seq->head exchange
-            q, k = self.q_layernorm(q), self.k_layernorm(k)
-        if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            (q, k), v = self._qk_norm_rope(qkv, rope), v.squeeze(3)
+        else:
+            q = q.reshape(b, s_l, self.heads_local, self.head_dim)    # [b, s/sp, h/tp, d]
+            k, v = k.squeeze(3), v.squeeze(3)                         # [b, s/sp, g/tp, d] each
+            if rope is not None:
+                q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         dropout = self.dropout if self.training else 0.0
         fork = self.rng_tracker.fork() if (self.rng_tracker and dropout) else contextlib.nullcontext()
         with fork:

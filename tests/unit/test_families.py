@@ -225,6 +225,26 @@ def test_qk_layernorm_equals_transformers_qwen3_attention_norm():
     assert attn.q_layernorm.weight.sequence_parallel       # gradient summed over tp (grad_sync)
 
 
+def test_qk_layernorm_keeps_only_the_qkv_output_for_backward():
+    """qk-norm + RoPE are recomputed in backward: the layer keeps exactly one more tensor, the QKV
+    output, (h + 2g) * d values per token (the planner's term for --qk-layernorm)."""
+    from megatron_sp.memory import measure_saved_bytes
+    from megatron_sp.memory.accounting import layer_bytes
+    from megatron_sp.models.init import init_parameters
+    b, s, saved = 2, 32, {}
+    for qk in (False, True):
+        cfg = preset("qwen3-0.6b", num_layers=1, hidden_size=64, num_attention_heads=4,
+                     num_query_groups=2, kv_channels=32, ffn_hidden_size=128, vocab_size=300,
+                     max_position_embeddings=64, qk_layernorm=qk)
+        model = GPTModel(cfg)
+        init_parameters(model, seed=1)
+        ids = torch.randint(0, 300, (b, s), generator=torch.Generator().manual_seed(0))
+        loss, report = measure_saved_bytes(model, ids, ids)
+        saved[qk] = (loss.item(), layer_bytes(report)["layer 0"])
+    assert saved[True][0] != saved[False][0]                 # the norm is there
+    assert saved[True][1] - saved[False][1] == b * s * (4 + 2 * 2) * 32 * 4    # fp32 bytes
+
+
 # Presets ----------------------------------------------------------------------------------------
 
 PUBLISHED = {   # parameters of the Hugging Face checkpoints (safetensors totals)
