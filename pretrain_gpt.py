@@ -61,9 +61,11 @@ def model_config(args, vocab_size: int) -> GPTConfig:
         fields["add_qkv_bias"] = True
     if args.untie_embeddings_and_output_weights:
         fields["tie_embeddings"] = False
-    fields.update(family_fields(args))
+    from megatron_sp.models import families   # --qk-layernorm, RoPE scaling, a checkpoint's window
+    fields.update(families.family_fields(args))
+    families.check_sliding_window(args)
     fields = {k: v for k, v in fields.items() if v is not None}
-    fields["vocab_size"] = model_vocab_size(args, vocab_size)
+    fields["vocab_size"] = families.model_vocab_size(args, vocab_size)
     fields["make_vocab_size_divisible_by"] = args.make_vocab_size_divisible_by
     if args.model:
         return preset(args.model, **fields)
@@ -71,32 +73,6 @@ def model_config(args, vocab_size: int) -> GPTConfig:
     fields.setdefault("attention_dropout", 0.1)   # Megatron-LM's defaults when no preset is named
     fields.setdefault("hidden_dropout", 0.1)
     return GPTConfig(**fields)
-
-
-def family_fields(args) -> dict:
-    """GPTConfig fields of --qk-layernorm, --use-rope-scaling and the --yarn-* flags (issue 14)."""
-    fields = {}
-    if args.qk_layernorm:
-        fields["qk_layernorm"] = True
-    if args.use_rope_scaling:
-        fields["use_rope_scaling"] = True
-    names = ("rope_scaling_factor", "yarn_rotary_scaling_factor",
-             "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
-             "yarn_mscale", "yarn_mscale_all_dim")
-    fields.update({n: getattr(args, n) for n in names if getattr(args, n) is not None})
-    return fields
-
-
-def model_vocab_size(args, vocab_size: int) -> int:
-    """The tokenizer's vocabulary, or --vocab-size when larger (a converted checkpoint's embedding
-    rows, e.g. Qwen's 151936 for a tokenizer of 151669 ids)."""
-    if args.vocab_size is None or args.tokenizer_type in (None, "NullTokenizer") or args.mock_data:
-        return vocab_size
-    if args.vocab_size < vocab_size:
-        raise SystemExit(f"error: --vocab-size {args.vocab_size} is smaller than the "
-                         f"{args.tokenizer_type}'s {vocab_size} ids; leave it out or pass "
-                         f"the checkpoint's vocabulary size.")
-    return args.vocab_size
 
 
 def apply_embedded_default(args, argv=None) -> bool:
@@ -267,14 +243,9 @@ def main(argv=None):
                       schedule=build_schedule(chunks, mesh, args))
     checkpoints = CheckpointManager(args, trainer, config)   # --load, --save, exit conditions
     try:
-        meta = checkpoints.load()
+        checkpoints.load()
     except CheckpointError as err:
         raise SystemExit(f"error: {err}") from None
-    window = ((meta or {}).get("config") or {}).get("sliding_window")   # a converted Mistral v0.1
-    if window and args.seq_length > window:
-        raise SystemExit(f"error: --seq-length {args.seq_length} exceeds the sliding window {window} "
-                         f"of the checkpoint in --load {args.load}; sliding-window attention is not "
-                         f"implemented, so use --seq-length <= {window}.")
     if args.train_samples is not None:   # resumed, maybe with another batch size: stop at the samples
         remaining = max(0, args.train_samples - trainer.state.consumed_train_samples)
         args.train_iters = trainer.state.iteration + remaining // args.global_batch_size
