@@ -61,8 +61,11 @@ def model_config(args, vocab_size: int) -> GPTConfig:
         fields["add_qkv_bias"] = True
     if args.untie_embeddings_and_output_weights:
         fields["tie_embeddings"] = False
+    from megatron_sp.models import families   # --qk-layernorm, RoPE scaling, a checkpoint's window
+    fields.update(families.family_fields(args))
+    families.check_sliding_window(args)
     fields = {k: v for k, v in fields.items() if v is not None}
-    fields["vocab_size"] = vocab_size
+    fields["vocab_size"] = families.model_vocab_size(args, vocab_size)
     fields["make_vocab_size_divisible_by"] = args.make_vocab_size_divisible_by
     if args.model:
         return preset(args.model, **fields)
@@ -214,7 +217,8 @@ def build_tokenizer_and_data(args, mesh):
         args.data_cache_path = args.data_cache_path or os.path.join(cache, "index-cache")
     if args.tokenizer_type is None:
         raise SystemExit("error: --data-path needs --tokenizer-type (and --tokenizer-model).")
-    tok = msdata.build_tokenizer(args.tokenizer_type, args.tokenizer_model, vocab_size=args.vocab_size)
+    tok = msdata.build_tokenizer(args.tokenizer_type, args.tokenizer_model, vocab_size=args.vocab_size,
+                                 vocab_file=args.vocab_file, merge_file=args.merge_file)
     return tok, args.data_path
 
 

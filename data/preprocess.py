@@ -98,14 +98,15 @@ def _tasks(path):
 
 
 def preprocess(input, output_prefix, tokenizer_type, tokenizer_model=None, json_keys=("text",),
-               append_eod=False, workers=1, log_interval=10000, vocab_size=None, log=sys.stderr):
+               append_eod=False, workers=1, log_interval=10000, vocab_size=None, log=sys.stderr,
+               vocab_file=None, merge_file=None):
     """Tokenise a jsonl file into {output_prefix}_{key}_document.bin/.idx; returns the prefixes.
 
     Nothing appears under the final names unless the whole file was processed.
     """
     if not os.path.isfile(input):
         raise ValueError(f"{input}: input file not found; pass --input with a jsonl file.")
-    args = (tokenizer_type, tokenizer_model, vocab_size)
+    args = (tokenizer_type, tokenizer_model, vocab_size, vocab_file, merge_file)
     dtype = optimal_dtype(build_tokenizer(*args).vocab_size)
     prefixes = {k: f"{output_prefix}_{k}_document" for k in json_keys}
     builders = {k: IndexedDatasetBuilder(p + ".bin", dtype) for k, p in prefixes.items()}

@@ -1,5 +1,5 @@
 """Tokenizers with Megatron's names and ids: SentencePieceTokenizer, GPTSentencePieceTokenizer,
-HuggingFaceTokenizer, NullTokenizer.
+HuggingFaceTokenizer, GPT2BPETokenizer, NullTokenizer.
 
 Each exposes .vocab_size (unpadded), .eod, .pad (-1 when the tokenizer has none), .tokenize(text)
 and .detokenize(ids).
@@ -141,10 +141,46 @@ class HuggingFaceTokenizer:
         return self._decode([int(i) for i in ids])
 
 
-def build_tokenizer(tokenizer_type, tokenizer_model=None, vocab_size=None):
-    """Megatron's --tokenizer-type / --tokenizer-model / --vocab-size to a tokenizer object."""
+class GPT2BPETokenizer:
+    """Megatron's GPT2BPETokenizer: GPT-2's byte-level BPE from --vocab-file (vocab.json) and
+    --merge-file (merges.txt), run by the `tokenizers` library. The same ids as transformers'
+    GPT-2 tokenizer built from the two files (Megatron-core wraps that one): no prefix space, and the
+    text "<|endoftext|>" is one token, the eod; vocab_size = the vocabulary's entries; no pad."""
+
+    EOD = "<|endoftext|>"
+
+    def __init__(self, vocab_file, merge_file):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not path or not os.path.isfile(path):
+                raise ValueError(f"GPT2BPETokenizer needs {flag} with an existing file, got {path!r}.")
+        self._tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self._tok.decoder = decoders.ByteLevel()
+        vocab = self._tok.get_vocab()
+        if self.EOD not in vocab:
+            raise ValueError(f"{vocab_file} has no {self.EOD} entry, GPT2BPETokenizer's end-of-document "
+                             f"token; is it a GPT-2 vocab.json?")
+        self._tok.add_special_tokens([self.EOD])   # already in the vocabulary: keeps its id
+        self.vocab_size = len(vocab)
+        self.eod = vocab[self.EOD]
+        self.pad = -1
+
+    def tokenize(self, text):
+        return self._tok.encode(text).ids
+
+    def detokenize(self, ids):
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def build_tokenizer(tokenizer_type, tokenizer_model=None, vocab_size=None, vocab_file=None,
+                    merge_file=None):
+    """Megatron's --tokenizer-type / --tokenizer-model / --vocab-size / --vocab-file / --merge-file
+    to a tokenizer object."""
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "GPTSentencePieceTokenizer":
@@ -152,7 +188,8 @@ def build_tokenizer(tokenizer_type, tokenizer_model=None, vocab_size=None):
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model)
     raise ValueError(f"unknown tokenizer type {tokenizer_type!r}; use SentencePieceTokenizer, "
-                     f"GPTSentencePieceTokenizer, HuggingFaceTokenizer or NullTokenizer.")
+                     f"GPTSentencePieceTokenizer, HuggingFaceTokenizer, GPT2BPETokenizer or "
+                     f"NullTokenizer.")
 
 
 def _text_iterator(texts_or_files):

@@ -17,7 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 allow_abbrev=False)
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None, help="preset: gpt2-tiny, gpt2-small, gpt2-medium, "
-                   "llama-tiny, llama-1b, llama-8b (flags below override its fields)")
+                   "llama-tiny, llama-1b, llama-8b, llama3.1-8b, llama3.2-1b, qwen3-0.6b, qwen3-4b, "
+                   "qwen3-8b, qwen2.5-7b, mistral-7b (flags below override its fields)")
     m.add_argument("--num-layers", type=int)
     m.add_argument("--hidden-size", type=int)
     m.add_argument("--ffn-hidden-size", type=int)
@@ -27,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-channels", type=int)
     m.add_argument("--seq-length", type=int, default=None)
     m.add_argument("--max-position-embeddings", type=int)
-    m.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"])
+    m.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "yarn"])
     m.add_argument("--rotary-base", type=float)
     m.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
     m.add_argument("--norm-epsilon", type=float)
@@ -41,6 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--attention-dropout", type=float)
     m.add_argument("--hidden-dropout", type=float)
     m.add_argument("--init-method-std", type=float)
+    # Families (issue 14), Megatron-LM's names.
+    _bool_flag(m, "--qk-layernorm", "normalise every query and key head over head_dim (Qwen3)")
+    _bool_flag(m, "--use-rope-scaling", "Llama-3.1 RoPE frequency scaling (low/high frequency "
+               "factors 1/4, original context 8192)")
+    m.add_argument("--rope-scaling-factor", type=float, help="Llama-3.1 RoPE scaling factor (8)")
+    m.add_argument("--yarn-rotary-scaling-factor", type=float, help="YaRN factor")
+    m.add_argument("--yarn-original-max-position-embeddings", type=int,
+                   help="YaRN: the context before extension (default --max-position-embeddings)")
+    m.add_argument("--yarn-beta-fast", type=float, help="YaRN beta_fast (32)")
+    m.add_argument("--yarn-beta-slow", type=float, help="YaRN beta_slow (1)")
+    m.add_argument("--yarn-mscale", type=float, help="YaRN mscale (1)")
+    m.add_argument("--yarn-mscale-all-dim", type=float, help="YaRN mscale_all_dim (0)")
 
     t = p.add_argument_group("training")
     t.add_argument("--micro-batch-size", type=int, default=1)
@@ -88,8 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--data-cache-path", default=None)
     d.add_argument("--tokenizer-type", default=None,
                    choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                            "HuggingFaceTokenizer", "NullTokenizer"])
+                            "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"])
     d.add_argument("--tokenizer-model", default=None)
+    d.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    d.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     _bool_flag(d, "--reset-position-ids", "positions restart after each end-of-document token")
     _bool_flag(d, "--reset-attention-mask", "attention never crosses an end-of-document token")
     _bool_flag(d, "--eod-mask-loss", "no loss on end-of-document tokens")

@@ -23,7 +23,7 @@ class GPTConfig:
     normalization: str = "LayerNorm"         # LayerNorm | RMSNorm
     norm_epsilon: float = 1e-5
     activation: str = "gelu"                 # gelu (exact) | gelu_tanh (GPT-2, --openai-gelu) | swiglu
-    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope
+    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | yarn
     rotary_base: float = 10000.0
     add_bias_linear: bool = True
     add_qkv_bias: bool | None = None         # None: same as add_bias_linear
@@ -32,6 +32,22 @@ class GPTConfig:
     hidden_dropout: float = 0.0
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
+    # Families (issue 14); Megatron's names. See models/rope.py for the frequency rules.
+    qk_layernorm: bool = False               # RMSNorm over head_dim on every q and k head (Qwen3)
+    use_rope_scaling: bool = False           # Llama-3.1 rule (transformers' rope_type "llama3")
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    yarn_rotary_scaling_factor: float = 1.0  # position_embedding_type "yarn" (rope_type "yarn")
+    yarn_original_max_position_embeddings: int | None = None   # None: max_position_embeddings
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
+    sliding_window: int | None = None        # a converted model's window (Mistral v0.1): attention
+                                             # is full, so sequences longer than it are refused
 
     def __post_init__(self):
         def positive(name):
@@ -64,18 +80,37 @@ class GPTConfig:
             self.add_qkv_bias = self.add_bias_linear
         choices = {"normalization": ("LayerNorm", "RMSNorm"),
                    "activation": ("gelu", "gelu_tanh", "swiglu"),
-                   "position_embedding_type": ("learned_absolute", "rope")}
+                   "position_embedding_type": ("learned_absolute", "rope", "yarn")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r} is not one of {allowed}.")
         for name in ("attention_dropout", "hidden_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {getattr(self, name)}.")
+        self._check_rope_scaling()
+
+    def _check_rope_scaling(self):
+        if self.use_rope_scaling and self.position_embedding_type != "rope":
+            raise ValueError(f"use_rope_scaling (--use-rope-scaling) needs position_embedding_type "
+                             f"'rope', got {self.position_embedding_type!r}.")
+        if self.use_rope_scaling and not (self.rope_scaling_factor >= 1.0
+                                          and self.rope_high_freq_factor > self.rope_low_freq_factor):
+            raise ValueError(f"RoPE scaling needs rope_scaling_factor >= 1 and high_freq_factor > "
+                             f"low_freq_factor, got {self.rope_scaling_factor}, "
+                             f"{self.rope_high_freq_factor}, {self.rope_low_freq_factor}.")
+        if self.position_embedding_type == "yarn" and self.yarn_rotary_scaling_factor <= 0:
+            raise ValueError(f"yarn_rotary_scaling_factor (--yarn-rotary-scaling-factor) must be "
+                             f"positive, got {self.yarn_rotary_scaling_factor}.")
 
     # Derived sizes -----------------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
         return self.kv_channels
+
+    @property
+    def uses_rope(self) -> bool:
+        """Rotary positions (plain, Llama-3.1-scaled or YaRN)."""
+        return self.position_embedding_type in ("rope", "yarn")
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Vocabulary padded to a multiple of make_vocab_size_divisible_by * tp (Megatron)."""
@@ -89,6 +124,7 @@ class GPTConfig:
         proj = self.num_attention_heads * d * H
         mlp = H * F * (3 if self.activation == "swiglu" else 2)
         norms = 2 * H * (2 if self.normalization == "LayerNorm" else 1)
+        norms += 2 * d if self.qk_layernorm else 0
         biases = 0
         if self.add_bias_linear:
             biases += H + (2 * F if self.activation == "swiglu" else F) + H
@@ -152,6 +188,29 @@ PRESETS: dict[str, dict] = {
     "llama-1b": _llama(16, 2048, 32, 8, 8192, tied=True, max_pos=131072),   # Llama-3.2-1B shapes
     "llama-8b": _llama(32, 4096, 32, 8, 14336, max_pos=131072),            # Llama-3.1-8B shapes
 }
+
+
+def _qwen(layers, hidden, heads, groups, ffn, *, tied, qk_norm=True, qkv_bias=False, vocab=151936,
+          max_pos=40960, head_dim=128):
+    """Qwen3 (qk-norm, head_dim 128) and Qwen2.5 (qkv bias) shapes, as their config.json."""
+    return dict(_llama(layers, hidden, heads, groups, ffn, vocab=vocab, theta=1000000.0, tied=tied,
+                       max_pos=max_pos), norm_epsilon=1e-6, kv_channels=head_dim,
+                qk_layernorm=qk_norm, add_qkv_bias=qkv_bias)
+
+
+# The families users arrive with (issue 14): published shapes of the Hugging Face checkpoints.
+LLAMA31_ROPE = dict(use_rope_scaling=True, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+                    rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192)
+PRESETS.update({
+    "qwen3-0.6b": _qwen(28, 1024, 16, 8, 3072, tied=True),
+    "qwen3-4b": _qwen(36, 2560, 32, 8, 9728, tied=True),
+    "qwen3-8b": _qwen(36, 4096, 32, 8, 12288, tied=False),
+    "qwen2.5-7b": _qwen(28, 3584, 28, 4, 18944, tied=False, qk_norm=False, qkv_bias=True,
+                        vocab=152064, max_pos=131072, head_dim=None),
+    "llama3.1-8b": dict(PRESETS["llama-8b"], **LLAMA31_ROPE),
+    "llama3.2-1b": dict(PRESETS["llama-1b"], **dict(LLAMA31_ROPE, rope_scaling_factor=32.0)),
+    "mistral-7b": _llama(32, 4096, 32, 8, 14336, vocab=32768, theta=1000000.0, max_pos=32768),  # v0.3
+})
 
 
 def preset(name: str, **overrides) -> GPTConfig:

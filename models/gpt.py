@@ -23,8 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_sp.attention import get_attention_backend
-from megatron_sp.memory import (MemoryOptions, RecomputedAttention, chunked_output_loss,
-                                forward_layers, tiled_mlp)
+from megatron_sp.memory import (MemoryOptions, RecomputedAttention, checkpoint,
+                                chunked_output_loss, forward_layers, tiled_mlp)
 from megatron_sp.mesh import ParallelMesh
 from megatron_sp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                          VocabParallelEmbedding, vocab_parallel_cross_entropy)
@@ -33,6 +33,7 @@ from megatron_sp.tensor_parallel.layers import sequence_parallel_linear
 from megatron_sp.ulysses import UlyssesAttention
 
 from .config import GPTConfig
+from .rope import rope_frequencies
 
 
 def _mark_sequence_parallel(module: nn.Module) -> None:
@@ -51,17 +52,25 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE (Su et al.) with the half-split (rotate_half) convention of Llama / Megatron."""
+    """RoPE (Su et al.) with the half-split (rotate_half) convention of Llama / Megatron.
 
-    def __init__(self, head_dim: int, base: float):
+    config: its Llama-3.1 scaling or YaRN frequencies and cos/sin scaling (models/rope.py).
+    """
+
+    def __init__(self, head_dim: int, base: float, config: GPTConfig | None = None):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.attention_scaling = 1.0
+        if config is not None:
+            inv_freq, self.attention_scaling = rope_frequencies(config)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [b, s_l] (global positions) -> cos, sin [b, s_l, 1, d]."""
         angles = position_ids.float()[..., None] * self.inv_freq  # [b, s_l, d/2]
         emb = torch.cat([angles, angles], dim=-1)[:, :, None, :]    # [b, s_l, 1, d]
+        if self.attention_scaling != 1.0:                           # YaRN's mscale
+            return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
         return emb.cos(), emb.sin()
 
 
@@ -71,6 +80,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = xf.chunk(2, dim=-1)                        # each [b, s_l, heads, d/2]
     rotated = torch.cat([-x2, x1], dim=-1)              # [b, s_l, heads, d]
     return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class HeadRMSNorm(nn.RMSNorm):
+    """--qk-layernorm's RMSNorm over head_dim, its weight cast to the input's dtype: under bf16
+    autocast q and k come out of the QKV linear in bf16, and one dtype lets PyTorch run its fused
+    kernel (fp32 accumulation inside) instead of the decomposed ops that save three copies."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+
+
+class HeadLayerNorm(nn.LayerNorm):
+    """The LayerNorm variant of HeadRMSNorm (--qk-layernorm with --normalization LayerNorm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype),
+                            self.bias.to(x.dtype), self.eps)
+
+
+def make_head_norm(config: GPTConfig) -> nn.Module:
+    norm = HeadRMSNorm if config.normalization == "RMSNorm" else HeadLayerNorm
+    return norm(config.kv_channels, eps=config.norm_epsilon)
 
 
 class SelfAttention(nn.Module):
@@ -92,9 +123,36 @@ class SelfAttention(nn.Module):
         self.qkv = ColumnParallelLinear(config.hidden_size, qkv_out, mesh=mesh,
                                         bias=config.add_qkv_bias, sequence_parallel=sequence_parallel)
         self.core = UlyssesAttention(backend, mesh.sp_group)
+        # --qk-layernorm (Qwen3): one norm over d shared by every head; each tp rank normalises its
+        # own heads, so the weights' gradients are partial over tp and summed there (grad_sync).
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm, self.k_layernorm = make_head_norm(config), make_head_norm(config)
+            for module in (self.q_layernorm, self.k_layernorm):
+                _mark_sequence_parallel(module)
         self.proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                       mesh=mesh, bias=config.add_bias_linear,
                                       sequence_parallel=sequence_parallel)
+
+    def _qk_norm_rope(self, qkv, rope):
+        """--qk-layernorm then RoPE on the grouped QKV output, recomputed in backward: the only
+        tensor kept is that output (one copy of q, k, v), instead of q, k and the norms' own saves.
+
+        qkv [b, s/sp, g/tp, q_per_group + 2, d] -> q [b, s/sp, h/tp, d], k [b, s/sp, g/tp, d].
+        """
+        b, s_l = qkv.shape[:2]
+
+        def run(qkv, *cos_sin):
+            q, k, _ = qkv.split([self.q_per_group, 1, 1], dim=3)
+            # The norm's output is contiguous: [b, s/sp, g/tp, q_per_group, d] -> [b, s/sp, h/tp, d]
+            q = self.q_layernorm(q).reshape(b, s_l, self.heads_local, self.head_dim)
+            k = self.k_layernorm(k.squeeze(3))                    # [b, s/sp, g/tp, d]
+            if cos_sin:
+                q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+            return q, k
+        if not torch.is_grad_enabled():
+            return run(qkv, *(rope or ()))
+        return checkpoint(run, qkv, *(rope or ()))
 
     def forward(self, x, rope=None, document_ids=None):
         qkv = self.qkv(x)                                         # [b, s/sp, (h+2g)/tp * d]
@@ -103,10 +161,13 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(b, s_l, self.groups_local, self.q_per_group + 2, self.head_dim)
         # One split (its backward is one concatenation, not three zero-filled scatters).
         q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)
-        q = q.reshape(b, s_l, self.heads_local, self.head_dim)    # [b, s/sp, h/tp, d]
-        k, v = k.squeeze(3), v.squeeze(3)                         # [b, s/sp, g/tp, d] each
-        if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if self.q_layernorm is not None:   # per head, before RoPE and the seq->head exchange
+            (q, k), v = self._qk_norm_rope(qkv, rope), v.squeeze(3)
+        else:
+            q = q.reshape(b, s_l, self.heads_local, self.head_dim)    # [b, s/sp, h/tp, d]
+            k, v = k.squeeze(3), v.squeeze(3)                         # [b, s/sp, g/tp, d] each
+            if rope is not None:
+                q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         dropout = self.dropout if self.training else 0.0
         fork = self.rng_tracker.fork() if (self.rng_tracker and dropout) else contextlib.nullcontext()
         with fork:
@@ -257,8 +318,8 @@ class GPTModel(nn.Module):
             weight = self.embedding.word_embeddings.weight
             weight.embedding_tied = True                 # gradient summed over the embedding group
             weight.embedding_copy = not self.pre_process  # counted once in the gradient norm
-        self.rope = (RotaryEmbedding(config.kv_channels, config.rotary_base)
-                     if config.position_embedding_type == "rope" else None)
+        self.rope = (RotaryEmbedding(config.kv_channels, config.rotary_base, config)
+                     if config.uses_rope else None)
         # Keys are global layer indices, so parameter names are layout-independent.
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(config, mesh, backend, self.sequence_parallel, rng_tracker,
@@ -304,6 +365,11 @@ class GPTModel(nn.Module):
             position_ids = torch.arange(s, device=(ref if ref is not None else hidden_states).device)
             position_ids = position_ids.unsqueeze(0).expand(
                 (ref if ref is not None else hidden_states).shape[0], -1)
+        window = self.config.sliding_window
+        if window and position_ids.shape[1] > window:
+            raise ValueError(f"sequence length {position_ids.shape[1]} exceeds the model's sliding "
+                             f"window {window}: sliding-window attention is not implemented, so "
+                             f"train with --seq-length <= {window}.")
         positions = self.shard_sequence(position_ids)             # [b, s/sp] global positions
         if self.pre_process:
             x = self.embedding(self.shard_sequence(input_ids), positions, self.rng_tracker)

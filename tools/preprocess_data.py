@@ -23,8 +23,10 @@ def get_args(argv=None):
     p.add_argument("--append-eod", action="store_true")
     p.add_argument("--tokenizer-type", required=True,
                    choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                            "HuggingFaceTokenizer", "NullTokenizer"])
+                            "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"])
     p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    p.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer only")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--log-interval", type=int, default=10000)
@@ -36,7 +38,8 @@ def main(argv=None):
     try:
         prefixes = preprocess(args.input, args.output_prefix, args.tokenizer_type,
                               args.tokenizer_model, args.json_keys, args.append_eod, args.workers,
-                              args.log_interval, args.vocab_size)
+                              args.log_interval, args.vocab_size, vocab_file=args.vocab_file,
+                              merge_file=args.merge_file)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -106,3 +106,28 @@ def test_pretrain_gpt_resume_on_cuda_is_exact(tmp_path):
                                 "--metrics-jsonl", str(resumed)])
     read = lambda p: [json.loads(l)["lm_loss"] for l in p.read_text().splitlines() if "lm_loss" in l]
     assert read(straight) == read(resumed)
+
+
+@pytest.mark.parametrize("family", ["qwen3 qk-norm yarn", "llama3.1 rope scaling"])
+def test_bf16_cuda_families_match_fp32_cpu_reference(family):
+    """The families' features (qk-norm with its fused bf16 norm, YaRN's cos/sin scaling, llama3
+    frequencies) in bf16 on the device against fp32 on CPU."""
+    shape = dict(num_layers=2, hidden_size=256, num_query_groups=2, ffn_hidden_size=512,
+                 vocab_size=1000, max_position_embeddings=1024)
+    if family.startswith("qwen3"):
+        cfg = preset("qwen3-0.6b", num_attention_heads=4, kv_channels=128,
+                     position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0,
+                     yarn_original_max_position_embeddings=128, **shape)
+    else:
+        cfg = preset("llama3.1-8b", num_attention_heads=8, rope_original_max_position_embeddings=128,
+                     **shape)
+    ids = torch.randint(0, cfg.vocab_size, (2, 513), generator=torch.Generator().manual_seed(0))
+    ref, gpu = GPTModel(cfg), GPTModel(cfg, attention_backend="sdpa")
+    init_parameters(ref, seed=3)
+    init_parameters(gpu, seed=3)
+    loss_ref, grads_ref = _loss_and_grads(ref, ids, "cpu", bf16=False)
+    loss_gpu, grads_gpu = _loss_and_grads(gpu, ids, "cuda", bf16=True)
+    assert abs(loss_gpu - loss_ref) / loss_ref < 2e-2           # bf16 tolerance
+    for name, g in grads_gpu.items():
+        rel = (g - grads_ref[name]).norm() / grads_ref[name].norm().clamp(min=1e-12)
+        assert rel < 0.1, f"{family}: {name}: relative gradient error {rel:.3f} in bf16"

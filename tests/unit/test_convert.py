@@ -100,10 +100,8 @@ def test_unsupported_models_refused():
     from megatron_sp.models import preset
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
                                    num_hidden_layers=1, num_attention_heads=4,
-                                   rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                 "original_max_position_embeddings": 64})
-    with pytest.raises(convert.ConversionError, match="RoPE scaling"):
+                                   rope_scaling={"rope_type": "dynamic", "factor": 8.0})
+    with pytest.raises(convert.ConversionError, match="rope_type='dynamic' is not supported"):
         convert.hf_to_megatron_sp(cfg.to_dict(), {})
     with pytest.raises(convert.ConversionError, match="model_type='bert'"):
         convert.hf_to_megatron_sp({"model_type": "bert"}, {})

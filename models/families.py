@@ -1,0 +1,520 @@
+"""The Hugging Face families we convert both ways: gpt2, llama (plain, Llama-3.1 RoPE scaling, YaRN),
+mistral, qwen2 (Qwen2/2.5), qwen3.
+
+One mapping between a HF `config.json` + state dict and a GPTConfig + {our name: full tensor}
+(vocabulary unpadded), used by tools/checkpoint/convert.py and by `megatron_sp.load_pretrained` on a
+HF folder. Everything else is refused with one sentence (ConversionError): sliding-window attention
+when the window is shorter than the sequence (checked by the model, which records the window),
+mixture-of-experts, attention sinks, other RoPE rules, biases we do not have.
+
+Layouts (full tensors):
+  GPT-2  wte/wpe -> embedding.{word,position}_embeddings; Conv1D weights are [in, out]: transposed;
+         c_attn's [q | k | v] columns -> our grouped qkv rows (per head: q, k, v); gelu_new = gelu_tanh;
+         lm_head is tied to wte.
+  Llama, Mistral, Qwen2, Qwen3
+         q/k/v_proj -> grouped qkv rows [g x (h/g q, k, v) x d] (Qwen2's q/k/v biases the same way);
+         q_norm/k_norm (Qwen3) -> attention.q_layernorm/k_layernorm; gate/up_proj -> fc1 = cat(gate,
+         up); o_proj -> proj, down_proj -> fc2. HF's q/k weights are already in the rotate_half RoPE
+         convention that our RotaryEmbedding uses, so no permutation.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .config import GPTConfig
+from .rope import yarn_mscale
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("gpt2",) + LLAMA_LIKE
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                 "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "dbrx",
+             "jamba", "granitemoe", "phimoe")
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+class ConversionError(ValueError):
+    """A model that cannot be converted, with the reason."""
+
+
+# Reading and writing HF folders ----------------------------------------------------------------------
+
+def is_hf_folder(path: str) -> bool:
+    """A folder with a config.json that names a model_type (a Hugging Face model folder)."""
+    cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
+        return False
+    with open(cfg) as f:
+        return "model_type" in json.load(f)
+
+
+def read_hf_folder(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json as a dict, state dict) of a HF model folder; safetensors or weights_only .bin."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ConversionError(f"{path} has no config.json: not a Hugging Face model folder.")
+    with open(cfg_path) as f:
+        config = json.load(f)
+    _refuse_unsupported(config, {})     # before reading gigabytes of weights
+    state: dict[str, torch.Tensor] = {}
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single) or os.path.isfile(index):
+        from safetensors.torch import load_file
+        if os.path.isfile(single):
+            files = [single]
+        else:
+            with open(index) as f:
+                files = sorted({os.path.join(path, n) for n in json.load(f)["weight_map"].values()})
+        for file in files:
+            state.update(load_file(file))
+    elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+        state = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu",
+                           weights_only=True)
+    else:
+        raise ConversionError(f"{path} has neither model.safetensors(.index.json) nor pytorch_model.bin.")
+    return config, state
+
+
+def write_hf_folder(path: str, config: dict, state: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def _get(state, key):
+    if key not in state:
+        raise ConversionError(f"the Hugging Face checkpoint has no tensor {key!r}.")
+    return state[key]
+
+
+# HF -> ours ---------------------------------------------------------------------------------------------
+
+def hf_to_megatron_sp(hf_config: dict, state: dict[str, torch.Tensor]):
+    """(GPTConfig, {our name: full tensor, vocabulary unpadded}) from a HF model of a family above."""
+    kind = hf_config.get("model_type")
+    _refuse_unsupported(hf_config, state)
+    if kind == "gpt2":
+        return _gpt2_to_ours(hf_config, state)
+    if kind in LLAMA_LIKE:
+        return _llama_like_to_ours(hf_config, state)
+    raise ConversionError(f"Hugging Face model_type={kind!r} is not supported "
+                          f"({', '.join(FAMILIES)}).")
+
+
+def _refuse_unsupported(hf_config: dict, state) -> None:
+    kind = hf_config.get("model_type")
+    if kind == "gpt_oss" or any(k.endswith(".sinks") for k in state):
+        raise ConversionError(f"model_type={kind!r} uses attention sinks, which megatron_sp does not "
+                              f"implement.")
+    if kind in MOE_TYPES or any((hf_config.get(k) or 0) > 0 for k in MOE_KEYS):
+        raise ConversionError(f"model_type={kind!r} is a mixture-of-experts model; megatron_sp "
+                              f"trains dense models only.")
+
+
+def _gpt2_to_ours(hf_config, state):
+    act = hf_config.get("activation_function", "gelu_new")
+    acts = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+    if act not in acts:
+        raise ConversionError(f"GPT-2 activation_function={act!r} is not supported "
+                              f"(gelu_new, gelu_pytorch_tanh or gelu).")
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if hf_config.get(flag):
+            raise ConversionError(f"GPT-2 with {flag}=True is not supported.")
+    H, L, h = hf_config["n_embd"], hf_config["n_layer"], hf_config["n_head"]
+    config = GPTConfig(
+        num_layers=L, hidden_size=H, num_attention_heads=h, vocab_size=hf_config["vocab_size"],
+        ffn_hidden_size=hf_config.get("n_inner") or 4 * H,
+        max_position_embeddings=hf_config["n_positions"], normalization="LayerNorm",
+        norm_epsilon=hf_config.get("layer_norm_epsilon", 1e-5), activation=acts[act],
+        position_embedding_type="learned_absolute", add_bias_linear=True, tie_embeddings=True)
+    d = H // h
+    pre = "transformer." if any(k.startswith("transformer.") for k in state) else ""
+    g = lambda k: _get(state, pre + k).float()
+    out = {"embedding.word_embeddings.weight": g("wte.weight"),
+           "embedding.position_embeddings.weight": g("wpe.weight")}
+    for i in range(L):
+        p, o = f"h.{i}.", f"layers.{i}."
+        out[o + "input_norm.weight"], out[o + "input_norm.bias"] = g(p + "ln_1.weight"), g(p + "ln_1.bias")
+        w = g(p + "attn.c_attn.weight").t()                      # [3H, H]: [q | k | v]
+        # [3, h, d, H] -> [h, 3, d, H]: per head its q, k, v rows
+        out[o + "attention.qkv.weight"] = w.reshape(3, h, d, H).transpose(0, 1).reshape(3 * H, H)
+        b = g(p + "attn.c_attn.bias")
+        out[o + "attention.qkv.bias"] = b.reshape(3, h, d).transpose(0, 1).reshape(3 * H)
+        out[o + "attention.proj.weight"] = g(p + "attn.c_proj.weight").t()
+        out[o + "attention.proj.bias"] = g(p + "attn.c_proj.bias")
+        out[o + "post_attention_norm.weight"] = g(p + "ln_2.weight")
+        out[o + "post_attention_norm.bias"] = g(p + "ln_2.bias")
+        out[o + "mlp.fc1.weight"], out[o + "mlp.fc1.bias"] = g(p + "mlp.c_fc.weight").t(), g(p + "mlp.c_fc.bias")
+        out[o + "mlp.fc2.weight"], out[o + "mlp.fc2.bias"] = g(p + "mlp.c_proj.weight").t(), g(p + "mlp.c_proj.bias")
+    out["final_norm.weight"], out["final_norm.bias"] = g("ln_f.weight"), g("ln_f.bias")
+    return config, out
+
+
+def _rope_fields(hf_config: dict) -> dict:
+    """GPTConfig RoPE fields from rope_parameters (transformers 5) or rope_theta + rope_scaling (4.x)."""
+    rope = dict(hf_config.get("rope_scaling") or {})
+    rope.update(hf_config.get("rope_parameters") or {})
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    theta = rope.get("rope_theta", hf_config.get("rope_theta", 10000.0))
+    if rope.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConversionError("partial rotary embeddings (partial_rotary_factor != 1) are not "
+                              "supported.")
+    fields = dict(position_embedding_type="rope", rotary_base=float(theta))
+    if kind == "default":
+        return fields
+    if kind == "llama3":
+        return dict(fields, use_rope_scaling=True, rope_scaling_factor=float(rope["factor"]),
+                    rope_low_freq_factor=float(rope["low_freq_factor"]),
+                    rope_high_freq_factor=float(rope["high_freq_factor"]),
+                    rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+    if kind == "yarn":
+        max_pos = hf_config.get("max_position_embeddings", 2048)
+        original = int(rope.get("original_max_position_embeddings") or max_pos)
+        factor = float(rope.get("factor") or max_pos / original)
+        mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if not (mscale and all_dim):       # transformers' rule: the plain 0.1 ln(factor) + 1
+            mscale, all_dim = 1.0, 0.0
+        explicit = rope.get("attention_factor")
+        if explicit is not None and abs(explicit - yarn_mscale(factor, mscale, all_dim)) > 1e-9:
+            raise ConversionError(f"YaRN attention_factor={explicit} differs from the mscale rule "
+                                  f"({yarn_mscale(factor, mscale, all_dim)}); not supported.")
+        return dict(fields, position_embedding_type="yarn", yarn_rotary_scaling_factor=factor,
+                    yarn_original_max_position_embeddings=original,
+                    yarn_beta_fast=float(rope.get("beta_fast") or 32.0),
+                    yarn_beta_slow=float(rope.get("beta_slow") or 1.0),
+                    yarn_mscale=float(mscale), yarn_mscale_all_dim=float(all_dim),
+                    yarn_correction_range_round_to_int=bool(rope.get("truncate", True)))
+    raise ConversionError(f"rope_type={kind!r} is not supported (default, llama3, yarn).")
+
+
+def _sliding_window(hf_config: dict) -> int | None:
+    """The attention window when some layer uses one (the model then refuses longer sequences)."""
+    kind = hf_config.get("model_type")
+    if kind in ("qwen2", "qwen3") and not hf_config.get("use_sliding_window", False):
+        return None
+    layer_types = hf_config.get("layer_types")
+    if layer_types and all(t == "full_attention" for t in layer_types):
+        return None
+    return hf_config.get("sliding_window")
+
+
+def _llama_like_to_ours(hf_config, state):
+    kind = hf_config["model_type"]
+    if hf_config.get("hidden_act", "silu") != "silu":
+        raise ConversionError(f"{kind} hidden_act={hf_config['hidden_act']!r} is not supported (silu).")
+    if hf_config.get("attention_bias") or hf_config.get("mlp_bias"):
+        raise ConversionError(f"{kind} with attention_bias or mlp_bias is not supported (only "
+                              f"Qwen2's bias in q/k/v).")
+    H, L = hf_config["hidden_size"], hf_config["num_hidden_layers"]
+    h = hf_config["num_attention_heads"]
+    gq = hf_config.get("num_key_value_heads") or h
+    d = hf_config.get("head_dim") or H // h
+    tied = bool(hf_config.get("tie_word_embeddings", False))
+    qkv_bias, qk_norm = kind == "qwen2", kind == "qwen3"
+    config = GPTConfig(
+        num_layers=L, hidden_size=H, num_attention_heads=h, num_query_groups=gq, kv_channels=d,
+        ffn_hidden_size=hf_config["intermediate_size"], vocab_size=hf_config["vocab_size"],
+        max_position_embeddings=hf_config.get("max_position_embeddings", 2048),
+        normalization="RMSNorm", norm_epsilon=hf_config.get("rms_norm_eps", 1e-6),
+        activation="swiglu", add_bias_linear=False, add_qkv_bias=qkv_bias, tie_embeddings=tied,
+        qk_layernorm=qk_norm, sliding_window=_sliding_window(hf_config), **_rope_fields(hf_config))
+    g = lambda k: _get(state, k).float()
+    out = {"embedding.word_embeddings.weight": g("model.embed_tokens.weight")}
+    for i in range(L):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        out[o + "input_norm.weight"] = g(p + "input_layernorm.weight")
+        q = g(p + "self_attn.q_proj.weight").reshape(gq, h // gq, d, H)   # [g, h/g, d, H]
+        k = g(p + "self_attn.k_proj.weight").reshape(gq, 1, d, H)         # [g, 1, d, H]
+        v = g(p + "self_attn.v_proj.weight").reshape(gq, 1, d, H)
+        out[o + "attention.qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, H)  # [g*(h/g+2)*d, H]
+        if qkv_bias:
+            bq = g(p + "self_attn.q_proj.bias").reshape(gq, h // gq, d)      # [g, h/g, d]
+            bk = g(p + "self_attn.k_proj.bias").reshape(gq, 1, d)
+            bv = g(p + "self_attn.v_proj.bias").reshape(gq, 1, d)
+            out[o + "attention.qkv.bias"] = torch.cat([bq, bk, bv], dim=1).reshape(-1)
+        if qk_norm:
+            out[o + "attention.q_layernorm.weight"] = g(p + "self_attn.q_norm.weight")
+            out[o + "attention.k_layernorm.weight"] = g(p + "self_attn.k_norm.weight")
+        out[o + "attention.proj.weight"] = g(p + "self_attn.o_proj.weight")
+        out[o + "post_attention_norm.weight"] = g(p + "post_attention_layernorm.weight")
+        out[o + "mlp.fc1.weight"] = torch.cat([g(p + "mlp.gate_proj.weight"),
+                                               g(p + "mlp.up_proj.weight")], dim=0)
+        out[o + "mlp.fc2.weight"] = g(p + "mlp.down_proj.weight")
+    out["final_norm.weight"] = g("model.norm.weight")
+    if not tied:
+        out["output_layer.weight"] = g("lm_head.weight")
+    return config, out
+
+
+# Ours -> HF ---------------------------------------------------------------------------------------------
+
+def infer_family(config: GPTConfig) -> str:
+    """The HF family a GPTConfig exports to: gpt2, qwen3 (qk-norm), qwen2 (q/k/v bias only),
+    mistral (a sliding window) or llama."""
+    c = config
+    if (c.normalization == "LayerNorm" and c.activation in ("gelu_tanh", "gelu")
+            and c.position_embedding_type == "learned_absolute"):
+        return "gpt2"
+    if not (c.normalization == "RMSNorm" and c.activation == "swiglu" and c.uses_rope):
+        raise ConversionError(
+            f"no Hugging Face architecture matches normalization={c.normalization}, activation="
+            f"{c.activation}, position_embedding_type={c.position_embedding_type} (GPT-2: "
+            f"LayerNorm, gelu_tanh, learned_absolute; Llama/Mistral/Qwen: RMSNorm, swiglu, rope).")
+    if c.qk_layernorm:
+        return "qwen3"
+    if c.add_qkv_bias and not c.add_bias_linear:
+        return "qwen2"
+    return "mistral" if c.sliding_window else "llama"
+
+
+def _check_family(c: GPTConfig, family: str) -> None:
+    """Refuse an export the family cannot represent, with the reason."""
+    needs = {"llama": (False, False), "mistral": (False, False), "qwen2": (True, False),
+             "qwen3": (False, True)}      # (q/k/v bias, qk-norm)
+    bias, norm = needs[family]
+    if c.add_bias_linear or bool(c.add_qkv_bias) != bias or bool(c.qk_layernorm) != norm:
+        raise ConversionError(
+            f"{family} needs " + ("a bias in q/k/v only" if bias else "no biases")
+            + (" and qk-norm" if norm else " and no qk-norm")
+            + f"; this model has add_bias_linear={c.add_bias_linear}, add_qkv_bias={c.add_qkv_bias},"
+              f" qk_layernorm={c.qk_layernorm}.")
+    if c.sliding_window and family in ("llama",):
+        raise ConversionError(f"llama has no sliding window; this model records "
+                              f"sliding_window={c.sliding_window}: export it as mistral.")
+
+
+def _rope_parameters(c: GPTConfig) -> dict:
+    rope = {"rope_type": "default", "rope_theta": c.rotary_base}
+    if c.use_rope_scaling:
+        rope.update(rope_type="llama3", factor=c.rope_scaling_factor,
+                    low_freq_factor=c.rope_low_freq_factor, high_freq_factor=c.rope_high_freq_factor,
+                    original_max_position_embeddings=c.rope_original_max_position_embeddings)
+    if c.position_embedding_type == "yarn":
+        rope.update(rope_type="yarn", factor=c.yarn_rotary_scaling_factor,
+                    original_max_position_embeddings=(c.yarn_original_max_position_embeddings
+                                                      or c.max_position_embeddings),
+                    beta_fast=c.yarn_beta_fast, beta_slow=c.yarn_beta_slow,
+                    truncate=c.yarn_correction_range_round_to_int)
+        if c.yarn_mscale and c.yarn_mscale_all_dim:
+            rope.update(mscale=c.yarn_mscale, mscale_all_dim=c.yarn_mscale_all_dim)
+    return rope
+
+
+def megatron_sp_to_hf(config: GPTConfig, full: dict[str, torch.Tensor], family: str = "auto",
+                      token_ids: dict | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(HF config.json dict, HF state dict) of the family (auto: `infer_family`).
+
+    token_ids: {"bos_token_id": ..., "eos_token_id": ..., "pad_token_id": ...} from the tokenizer,
+    written into the config when given.
+    """
+    family = infer_family(config) if family == "auto" else family
+    if family == "gpt2":
+        hf, state = _ours_to_gpt2(config, full)
+    elif family in LLAMA_LIKE:
+        if infer_family(config) == "gpt2":
+            raise ConversionError(f"a GPT-2-style model (LayerNorm, gelu, learned positions) cannot "
+                                  f"be exported as {family}.")
+        _check_family(config, family)
+        hf, state = _ours_to_llama_like(config, full, family)
+    else:
+        raise ConversionError(f"unknown family {family!r}; choose one of {FAMILIES} or auto.")
+    hf.update({k: v for k, v in (token_ids or {}).items() if v is not None and v >= 0})
+    return hf, state
+
+
+def _ours_to_gpt2(c: GPTConfig, full):
+    H, L, h, g, d, F = (c.hidden_size, c.num_layers, c.num_attention_heads, c.num_query_groups,
+                        c.kv_channels, c.ffn_hidden_size)
+    if not (c.add_bias_linear and c.add_qkv_bias and c.tie_embeddings and g == h and d * h == H
+            and not c.qk_layernorm):
+        raise ConversionError("GPT-2 export needs biases, tied embeddings, no GQA, no qk-norm and "
+                              "kv_channels = hidden/heads; this model differs.")
+    s = {"transformer.wte.weight": full["embedding.word_embeddings.weight"],
+         "transformer.wpe.weight": full["embedding.position_embeddings.weight"]}
+    for i in range(L):
+        o, p = f"layers.{i}.", f"transformer.h.{i}."
+        s[p + "ln_1.weight"], s[p + "ln_1.bias"] = full[o + "input_norm.weight"], full[o + "input_norm.bias"]
+        # [h, 3, d, H] -> [3, h, d, H]: back to [q | k | v]
+        w = full[o + "attention.qkv.weight"].reshape(h, 3, d, H).transpose(0, 1).reshape(3 * H, H)
+        s[p + "attn.c_attn.weight"] = w.t().contiguous()
+        s[p + "attn.c_attn.bias"] = full[o + "attention.qkv.bias"].reshape(h, 3, d).transpose(0, 1).reshape(3 * H).contiguous()
+        s[p + "attn.c_proj.weight"] = full[o + "attention.proj.weight"].t().contiguous()
+        s[p + "attn.c_proj.bias"] = full[o + "attention.proj.bias"]
+        s[p + "ln_2.weight"] = full[o + "post_attention_norm.weight"]
+        s[p + "ln_2.bias"] = full[o + "post_attention_norm.bias"]
+        s[p + "mlp.c_fc.weight"] = full[o + "mlp.fc1.weight"].t().contiguous()
+        s[p + "mlp.c_fc.bias"] = full[o + "mlp.fc1.bias"]
+        s[p + "mlp.c_proj.weight"] = full[o + "mlp.fc2.weight"].t().contiguous()
+        s[p + "mlp.c_proj.bias"] = full[o + "mlp.fc2.bias"]
+    s["transformer.ln_f.weight"], s["transformer.ln_f.bias"] = full["final_norm.weight"], full["final_norm.bias"]
+    hf = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c.vocab_size,
+          "n_positions": c.max_position_embeddings, "n_embd": H, "n_layer": L, "n_head": h,
+          "n_inner": F, "activation_function": "gelu_new" if c.activation == "gelu_tanh" else "gelu",
+          "layer_norm_epsilon": c.norm_epsilon, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+          "attn_pdrop": 0.0, "tie_word_embeddings": True, "torch_dtype": "float32"}
+    return hf, s
+
+
+def _ours_to_llama_like(c: GPTConfig, full, family: str):
+    H, L, h, g, d, F = (c.hidden_size, c.num_layers, c.num_attention_heads, c.num_query_groups,
+                        c.kv_channels, c.ffn_hidden_size)
+    s = {"model.embed_tokens.weight": full["embedding.word_embeddings.weight"]}
+    for i in range(L):
+        o, p = f"layers.{i}.", f"model.layers.{i}."
+        s[p + "input_layernorm.weight"] = full[o + "input_norm.weight"]
+        qkv = full[o + "attention.qkv.weight"].reshape(g, h // g + 2, d, H)   # [g, h/g + 2, d, H]
+        s[p + "self_attn.q_proj.weight"] = qkv[:, :h // g].reshape(h * d, H).contiguous()
+        s[p + "self_attn.k_proj.weight"] = qkv[:, h // g].reshape(g * d, H).contiguous()
+        s[p + "self_attn.v_proj.weight"] = qkv[:, h // g + 1].reshape(g * d, H).contiguous()
+        if c.add_qkv_bias:
+            b = full[o + "attention.qkv.bias"].reshape(g, h // g + 2, d)          # [g, h/g + 2, d]
+            s[p + "self_attn.q_proj.bias"] = b[:, :h // g].reshape(h * d).contiguous()
+            s[p + "self_attn.k_proj.bias"] = b[:, h // g].reshape(g * d).contiguous()
+            s[p + "self_attn.v_proj.bias"] = b[:, h // g + 1].reshape(g * d).contiguous()
+        if c.qk_layernorm:
+            s[p + "self_attn.q_norm.weight"] = full[o + "attention.q_layernorm.weight"]
+            s[p + "self_attn.k_norm.weight"] = full[o + "attention.k_layernorm.weight"]
+        s[p + "self_attn.o_proj.weight"] = full[o + "attention.proj.weight"]
+        s[p + "post_attention_layernorm.weight"] = full[o + "post_attention_norm.weight"]
+        gate, up = full[o + "mlp.fc1.weight"].chunk(2, dim=0)
+        s[p + "mlp.gate_proj.weight"], s[p + "mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
+        s[p + "mlp.down_proj.weight"] = full[o + "mlp.fc2.weight"]
+    s["model.norm.weight"] = full["final_norm.weight"]
+    if not c.tie_embeddings:
+        s["lm_head.weight"] = full["output_layer.weight"]
+    return llama_like_config(c, family), s
+
+
+def llama_like_config(c: GPTConfig, family: str) -> dict:
+    """config.json of a llama / mistral / qwen2 / qwen3 export."""
+    H, L, h, g, d, F = (c.hidden_size, c.num_layers, c.num_attention_heads, c.num_query_groups,
+                        c.kv_channels, c.ffn_hidden_size)
+    rope = _rope_parameters(c)
+    hf = {"architectures": [ARCHITECTURES[family]], "model_type": family, "vocab_size": c.vocab_size,
+          "hidden_size": H, "intermediate_size": F, "num_hidden_layers": L,
+          "num_attention_heads": h, "num_key_value_heads": g, "head_dim": d,
+          "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.norm_epsilon,
+          "rope_theta": c.rotary_base, "rope_parameters": rope, "hidden_act": "silu",
+          "tie_word_embeddings": bool(c.tie_embeddings), "torch_dtype": "float32"}
+    if family == "llama":
+        hf.update(attention_bias=False, mlp_bias=False)
+    if family == "qwen3":
+        hf.update(attention_bias=False)
+    if family in ("qwen2", "qwen3"):
+        hf.update(use_sliding_window=False, sliding_window=None)
+    if family == "mistral":
+        hf.update(sliding_window=c.sliding_window)
+    return hf
+
+
+def model_from_full(config: GPTConfig, full: dict[str, torch.Tensor], attention_backend="sdpa"):
+    """A one-rank GPTModel holding `full` (vocabulary rows padded with zeros)."""
+    from .gpt import GPTModel
+    model = GPTModel(config, attention_backend=attention_backend)
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(full))
+    extra = sorted(set(full) - set(params))
+    if missing or extra:
+        raise ConversionError(f"tensors missing: {missing}; unexpected: {extra}.")
+    with torch.no_grad():
+        for name, p in params.items():
+            t = full[name]
+            rows = getattr(p, "real_rows", None)
+            want = (rows,) + tuple(p.shape[1:]) if rows else tuple(p.shape)
+            if tuple(t.shape) != want:
+                raise ConversionError(f"tensor {name!r} has shape {tuple(t.shape)} but the model "
+                                      f"expects {want}.")
+            p.zero_()
+            (p[:rows] if rows else p).copy_(t)
+    return model
+
+
+def full_tensors(model) -> dict[str, torch.Tensor]:
+    """{our name: full tensor} of a one-rank model, vocabulary rows unpadded."""
+    out = {}
+    for name, p in model.named_parameters():
+        rows = getattr(p, "real_rows", None)
+        out[name] = (p[:rows] if rows else p).detach().float().contiguous()
+    return out
+
+
+def load_hf_folder(path: str, attention_backend="sdpa"):
+    """A one-rank GPTModel (eval mode) from a Hugging Face model folder of a family above."""
+    config, full = hf_to_megatron_sp(*read_hf_folder(path))
+    return model_from_full(config, full, attention_backend).eval()
+
+
+def family_flags(config: GPTConfig) -> list[str]:
+    """The flags of the families' features (--qk-layernorm, --use-rope-scaling, --yarn-*) that
+    rebuild `config` on top of its shape flags (models.config's flags of the plain model)."""
+    c, flags = config, []
+    if c.qk_layernorm:
+        flags.append("--qk-layernorm")
+    if c.use_rope_scaling:
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", f"{c.rope_scaling_factor:g}"]
+    if c.position_embedding_type == "yarn":
+        for name in ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings",
+                     "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"):
+            if getattr(c, name) is not None:
+                flags += ["--" + name.replace("_", "-"), f"{getattr(c, name):g}"]
+    return flags
+
+
+def token_ids_of(tokenizer) -> dict:
+    """bos/eos/pad ids of a transformers tokenizer (None where it has none)."""
+    return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id}
+
+
+# pretrain_gpt.py's flags ---------------------------------------------------------------------------
+
+def family_fields(args) -> dict:
+    """GPTConfig fields of --qk-layernorm, --use-rope-scaling and the --yarn-* flags."""
+    fields = {}
+    if args.qk_layernorm:
+        fields["qk_layernorm"] = True
+    if args.use_rope_scaling:
+        fields["use_rope_scaling"] = True
+    names = ("rope_scaling_factor", "yarn_rotary_scaling_factor",
+             "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
+             "yarn_mscale", "yarn_mscale_all_dim")
+    fields.update({n: getattr(args, n) for n in names if getattr(args, n) is not None})
+    return fields
+
+
+def model_vocab_size(args, vocab_size: int) -> int:
+    """The tokenizer's vocabulary, or --vocab-size when larger (a converted checkpoint's embedding
+    rows, e.g. Qwen's 151936 for a tokenizer of 151669 ids)."""
+    if args.vocab_size is None or args.tokenizer_type in (None, "NullTokenizer") or args.mock_data:
+        return vocab_size
+    if args.vocab_size < vocab_size:
+        raise SystemExit(f"error: --vocab-size {args.vocab_size} is smaller than the "
+                         f"{args.tokenizer_type}'s {vocab_size} ids; leave it out or pass "
+                         f"the checkpoint's vocabulary size.")
+    return args.vocab_size
+
+
+def check_sliding_window(args) -> None:
+    """Refuse a --seq-length beyond the sliding window recorded in the --load checkpoint (a
+    converted Mistral v0.1): attention here is full, so only shorter sequences are the same model."""
+    load = getattr(args, "load", None)
+    if not load or not os.path.exists(load) or not args.seq_length:
+        return
+    from megatron_sp.checkpointing import CheckpointError, read_meta, resolve_checkpoint
+    try:
+        folder = resolve_checkpoint(load)
+        window = ((read_meta(folder) if folder else {}).get("config") or {}).get("sliding_window")
+    except (CheckpointError, OSError, ValueError):   # said in one sentence by the load itself
+        return
+    if window and args.seq_length > window:
+        raise SystemExit(f"error: --seq-length {args.seq_length} exceeds the sliding window {window} "
+                         f"of the checkpoint in --load {load}; sliding-window attention is not "
+                         f"implemented, so use --seq-length <= {window}.")
