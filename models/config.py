@@ -246,4 +246,5 @@ def config_to_flags(config: GPTConfig) -> list[str]:
     flags += ["--make-vocab-size-divisible-by", str(c.make_vocab_size_divisible_by),
               "--attention-dropout", f"{c.attention_dropout:g}",
               "--hidden-dropout", f"{c.hidden_dropout:g}", "--init-method-std", f"{c.init_method_std:g}"]
-    return flags
+    from .families import family_flags   # --qk-layernorm, --use-rope-scaling, --yarn-*
+    return flags + family_flags(c)
