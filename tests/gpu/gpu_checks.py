@@ -195,7 +195,7 @@ def fused_backends(c: Checks, info: dict, results: dict) -> None:
         if not version:
             c.add(label, "not installed", "optional: --attention-backend auto falls back to SDPA")
             continue
-        rows = {k: v for k, v in results.items() if f"[{test}]" in k or k.endswith(f"_{test}")}
+        rows = {k: v for k, v in results.items() if f"{test}-{module}" in k}
         if not info["cuda"]:
             c.add(label, "skipped", f"{version}; no CUDA device")
         elif rows and all(r == "passed" for r, _ in rows.values()):
