@@ -93,6 +93,13 @@ def predicted_gb(cfg, mem, seq):
     return (state + act["device"]) / 2**30
 
 
+def step_seconds(cfg, mem, seq, peak_tflops, mfu=0.25):
+    """A pessimistic estimate of one training step (model FLOPs at `mfu` of the peak, + 1/3 for
+    full recompute), so that a try that cannot finish inside the time box is not started."""
+    factor = 4 / 3 if mem.get("recompute_granularity") == "full" else 1.0
+    return flops_for_config(cfg, 1, seq) * factor / ((peak_tflops or 400.0) * 1e12 * mfu)
+
+
 def planner_max_seq(cfg, mem, device_gb, step=1024, fragmentation=0.10, reserve_gb=4.0):
     """Longest multiple of `step` whose modelled bytes x (1 + fragmentation) + reserve fit."""
     fits = lambda k: predicted_gb(cfg, mem, k * step) * (1 + fragmentation) + reserve_gb <= device_gb  # noqa: E731
@@ -130,16 +137,22 @@ def main():
           f"peak {peak} TFLOP/s", flush=True)
     device_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
     start = time.time()
-    per_tech = args.budget_s / len(args.techniques)
     rows = []
-    for name in args.techniques:
+    for i, name in enumerate(args.techniques):
+        # an equal share of what is left: time a technique did not use goes to the next ones
+        per_tech = (start + args.budget_s - time.time()) / (len(args.techniques) - i)
         mem, t_end = TECHNIQUES[name], min(start + args.budget_s, time.time() + per_tech)
         seq, best = args.start_seq, None
         mfu = {}
-        while seq <= args.max_seq and time.time() < t_end:
-            ok, dt, peak_gb, saved_gb = try_seq(cfg, mem, seq, device,
-                                                args.timed_steps if seq in (8192, 32768) else 0)
+        stopped = "max"
+        while seq <= args.max_seq:
+            steps = 1 + (args.timed_steps if seq in (8192, 32768) else 0)
+            if time.time() + 10 + steps * step_seconds(cfg, mem, seq, peak) > t_end:   # 10 s: build
+                stopped = "time"        # the next try would run past this technique's time box
+                break
+            ok, dt, peak_gb, saved_gb = try_seq(cfg, mem, seq, device, steps - 1)
             if not ok:
+                stopped = "oom"
                 break
             pred_gb = predicted_gb(cfg, mem, seq)
             best = (seq, peak_gb, saved_gb, pred_gb)
@@ -152,7 +165,10 @@ def main():
                          peak_gb=best[1] if best else None,
                          planner_peak_gb=best[3] if best else None,
                          planner_max_seq=planner_max_seq(cfg, mem, device_gb), mfu_8k=mfu.get(8192),
-                         mfu_32k=mfu.get(32768), stopped="time" if time.time() >= t_end else "oom/max"))
+                         mfu_32k=mfu.get(32768), stopped=stopped))
+        if args.json:                   # after every technique: a run cut short keeps its rows
+            with open(args.json, "w") as fh:
+                json.dump(rows, fh, indent=1)
     print(f"\n{'technique':>15} {'longest seq':>12} {'peak GB':>8} {'planner GB':>10} "
           f"{'planner longest':>15} {'MFU 8K':>7} {'MFU 32K':>8}")
     for r in rows:

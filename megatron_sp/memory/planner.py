@@ -259,14 +259,12 @@ def host_state_pinned_bytes(cfg, tp: int, pp: int, n: int) -> float:
     gradient shards are pinned (FSDP2's CPUOffloadPolicy(pin_memory=True)), each rounded up to a
     power of two; Adam's m and v are plain host tensors (8 bytes/param, exact)."""
     P = params_per_rank(cfg, tp, pp)
-    layer_numels = _layer_tensor_numels(cfg, tp)
     vocab = cfg.padded_vocab_size(tp) * cfg.hidden_size / tp
-    units = fsdp_units(cfg, tp, pp)
-    shards = [x / n for x in layer_numels] * len(units[1:]) + \
-        [vocab / n] * (len(units) - len([u for u in units if u != vocab]))
-    pinned = 2 * sum(pinned_bytes(4 * x) for x in shards)
-    covered = sum(shards)
-    return pinned + 2 * 4 * max(P / n - covered, 0) + 8 * P / n
+    tables = 2 if (pp == 1 and not cfg.tie_embeddings) else 1     # embedding (+ output layer)
+    shards = [x / n for x in _layer_tensor_numels(cfg, tp)] * (cfg.num_layers // pp) + [vocab / n] * tables
+    pinned = 2 * sum(pinned_bytes(4 * x) for x in shards)         # weights and grads
+    rest = max(P / n - sum(shards), 0)                             # norms, biases: rounding ignored
+    return pinned + 2 * 4 * rest + 8 * P / n
 
 
 # Communication ----------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ import torch
 
 from megatron_sp.arguments import build_parser
 from megatron_sp.memory import MemoryOptions, SavedTensorAccountant
-from megatron_sp.memory.planner import (activation_bytes, max_feasible_seq, model_state_bytes,
-                                        pinned_bytes, plan)
+from megatron_sp.memory.planner import (activation_bytes, host_state_pinned_bytes,
+                                        max_feasible_seq, model_state_bytes, pinned_bytes, plan)
 from megatron_sp.models import GPTModel, GPTConfig, preset
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -75,6 +75,11 @@ def test_model_state_bytes_each_mode_by_hand():
     with pytest.raises(ValueError, match="optimizer-cpu-offload"):
         model_state_bytes(cfg, sharding="none", cpu_offload=True)
     assert pinned_bytes(3 * 2 ** 20) == 4 * 2 ** 20 and pinned_bytes(2 ** 20) == 2 ** 20
+    # offloaded state on host, n = 4: fp32 weight and grad shards pinned, each rounded up to a power
+    # of two (per layer qkv 8192 B, proj 4096, fc1 12288 -> 16384, fc2 6144 -> 8192; two vocabulary
+    # tables of 16384), norms (80 params per rank) exact, Adam m and v exact (8 bytes/param)
+    pinned = 2 * (2 * (8192 + 4096 + 16384 + 8192) + 2 * 16384)
+    assert host_state_pinned_bytes(cfg, 1, 1, n) == pinned + 2 * 4 * 80 + 8 * P / n == 402688
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -174,6 +179,11 @@ def test_cli_table_fits_120_columns_with_labelled_columns_and_json(capsys):
     assert main(["--model", "llama-8b", "--seq-length", "524288", "--num-gpus", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["plans"][0]["total_gb"] <= 80 and "--optimizer-cpu-offload" in data["plans"][0]["flags"]
+    assert main(["--model", "llama-1b", "--num-gpus", "2", "--gpu-memory-gb", "40", "--max-seq",
+                 "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    make = lambda s: preset("llama-1b", max_position_embeddings=max(s, 2048))  # noqa: E731
+    assert found["max_seq"] == max_feasible_seq(make, 2, gpu_mem_gb=40)[0] > 0
     with pytest.raises(SystemExit):
         main(["--model", "llama-8b", "--seq-length", "8192", "--num-gpus", "1", "--sharding", "none",
               "--optimizer-cpu-offload"])
