@@ -18,7 +18,8 @@ Items, in order (each a subprocess with its own time limit, cut to what the time
   sharded        the same run with --use-torch-fsdp2, --use-distributed-optimizer, and each with
                  --optimizer-cpu-offload ("not available" when pretrain_gpt.py lacks the flag)
 
-Without CUDA every GPU item is skipped with one line, and the run exits 0 (the CPU rehearsal,
+Subprocesses run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set (long
+sequences: fewer unusable split blocks). Without CUDA every GPU item is skipped with one line, and the run exits 0 (the CPU rehearsal,
 tests/gpu/test_rehearsal.py). A failed or timed-out item makes the exit status 1. Results:
 $OUT/gpu_checks.json (rewritten after every item; OUT defaults to runs/gpu_checks) and a table.
 This file imports nothing from the project: it must start before the project is importable.
@@ -59,7 +60,11 @@ out["cuda"] = torch.cuda.is_available()
 if out["cuda"]:
     p = torch.cuda.get_device_properties(0)
     out["device"] = f"{p.name}, {p.total_memory / 2**30:.0f} GiB"
-    out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    try:
+        v = torch.cuda.nccl.version()                 # a tuple, or an int in older releases
+        out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    except Exception as err:
+        out["nccl"] = f"unknown ({err})"[:80]
 for name in sys.argv[1].split(","):
     try:
         mod = importlib.import_module(name)
@@ -71,8 +76,12 @@ out["megatron_sp"] = os.path.dirname(megatron_sp.__file__)
 from megatron_sp.arguments import build_parser
 known = build_parser()._option_string_actions
 out["flags"] = {f: f in known for f in sys.argv[2].split(",")}
-spec = importlib.util.spec_from_file_location("gpu_long_context", sys.argv[3])
-spec.loader.exec_module(importlib.util.module_from_spec(spec))   # the bench's imports resolve
+try:                                                  # the bench's imports resolve
+    spec = importlib.util.spec_from_file_location("gpu_long_context", sys.argv[3])
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    out["bench_import"] = "ok"
+except Exception as err:
+    out["bench_import"] = f"{type(err).__name__}: {err}"[:200]
 print("PROBE " + json.dumps(out))
 """
 
@@ -127,6 +136,16 @@ def _env() -> dict:
     return env
 
 
+def _failure(text: str) -> str:
+    """The line that says why a run failed: our one-sentence `error: ...`, else the last exception
+    line that is not torchrun's own wrapper, else the last lines."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    ours = [ln for ln in lines if ln.lower().startswith("error:") or "error: " in ln[:40]]
+    errors = [ln for ln in lines if ("Error" in ln or "Exception" in ln) and "elastic" not in ln
+              and "ChildFailedError" not in ln and "errors.html" not in ln]
+    return (ours or errors or [_tail(text, 2)])[-1][:200]
+
+
 def _tail(text: str, n: int = 1) -> str:
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     return " | ".join(lines[-n:])[:200]
@@ -142,7 +161,7 @@ def probe(c: Checks) -> dict | None:
                                  120, log="probe", cwd=cwd)
     line = next((ln for ln in text.splitlines() if ln.startswith("PROBE ")), None)
     if status != "ok" or line is None:
-        c.add("probe (versions, import)", "FAILED", _tail(text, 2), dt)
+        c.add("probe (versions, import)", "FAILED", _failure(text), dt)
         return None
     info = json.loads(line[6:])
     c.extra["environment"] = info
@@ -167,7 +186,7 @@ def cuda_tests(c: Checks, info: dict) -> dict:
               f"pytest {status})", dt)
         return results
     if status in ("timeout", "no time") or not results:
-        c.add("cuda tests", "FAILED" if status == "failed" else status, _tail(text, 2), dt)
+        c.add("cuda tests", "FAILED" if status == "failed" else status, _failure(text), dt)
         return results
     for name, (res, msg) in results.items():
         c.add(f"  {name}", {"passed": "ok", "failed": "FAILED"}.get(res, res), msg)
@@ -225,7 +244,7 @@ def pretrain_run(c: Checks, name: str, extra: list[str], limit: float, reserve: 
         detail = (f"loss {last['lm_loss']:.4f}, {last['ms_per_iter']:.0f} ms/iter, MFU "
                   f"{100 * last.get('mfu', 0):.1f}%, peak {last.get('mem_peak_gb', 0):.1f} GB")
     else:
-        detail = _tail(text, 2)
+        detail = _failure(text) if status == "failed" else _tail(text, 2)
     c.add(name, {"ok": "ok", "failed": "FAILED"}.get(status, status), detail, dt, run=row)
     return row
 
@@ -250,6 +269,9 @@ def nccl_and_sharded(c: Checks, info: dict, first: bool) -> None:
 
 
 def long_context(c: Checks, info: dict) -> None:
+    if info.get("bench_import") != "ok":
+        c.add("long context (MFU, longest seq)", "FAILED", f"bench import: {info.get('bench_import')}")
+        return
     if not info["cuda"]:
         c.add("long context (MFU, longest seq)", "skipped", "no CUDA device")
         return
@@ -264,7 +286,7 @@ def long_context(c: Checks, info: dict) -> None:
     c.extra["long_context"] = rows
     best = max((r for r in rows if r.get("max_seq")), key=lambda r: r["max_seq"], default=None)
     mfu = next((r for r in rows if r.get("mfu_8k")), None)
-    detail = (f"longest {best['max_seq']} ({best['technique']})" if best else _tail(text, 2))
+    detail = (f"longest {best['max_seq']} ({best['technique']})" if best else _failure(text))
     if mfu:
         detail += f"; MFU 8K {100 * mfu['mfu_8k']:.1f}%" + (
             f", 32K {100 * mfu['mfu_32k']:.1f}%" if mfu.get("mfu_32k") else "")
