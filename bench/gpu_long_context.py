@@ -10,7 +10,7 @@ For each technique the sequence doubles from --start-seq while a forward+backwar
 megatron_sp.flops (Megatron's formula) against the device's bf16 dense peak (megatron_sp.flops
 .PEAK_TFLOPS; --peak-tflops overrides). Beside each measured peak (torch.cuda.max_memory_allocated)
 the planner's modelled bytes for the same run (megatron_sp.memory.planner: 16 bytes/param of fp32
-weights, grads and AdamW state + the step's activation peak under bf16 autocast; no reserve), and per
+weights, grads and AdamW state, 2 of bf16 weight copies + the step's activation peak under bf16 autocast; no reserve), and per
 technique the longest sequence the planner predicts for this device (modelled bytes + 10%
 fragmentation + 4 GB reserve within its memory). Prints one table; --json writes the rows.
 """
@@ -86,9 +86,9 @@ def try_seq(cfg, mem, seq, device, timed_steps):
 
 def predicted_gb(cfg, mem, seq):
     """The planner's modelled bytes of this benchmark's step (GiB): fp32 weights, grads and AdamW
-    state (16 bytes/param, unsharded) + the activation peak under bf16 autocast (bf16 matmul inputs,
+    state (16 bytes/param, unsharded), autocast's bf16 weight copies (2) + the activation peak under bf16 autocast (bf16 matmul inputs,
     fp32 residual stream); no reserve (max_memory_allocated holds none)."""
-    state = model_state_bytes(cfg, sharding="none")["device"]
+    state = model_state_bytes(cfg, sharding="none")["device"] + 2 * cfg.num_parameters()  # + bf16 copies
     act = step_peak_bytes(cfg, seq, 1, memory=MemoryOptions(**mem), dtype_bytes=2, residual_bytes=4)
     return (state + act["device"]) / 2**30
 

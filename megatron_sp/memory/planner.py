@@ -216,8 +216,12 @@ def model_state_bytes(cfg, tp: int = 1, pp: int = 1, n: int = 1, sharding: str =
       none                   device 16 P_r (fp32 weights 4, fp32 grads 4, Adam m, v 8)
       distributed-optimizer  device 4 P_r weights + 4 P_r grads + 8 P_r / n Adam (our weights are
                              fp32: no separate master copy)
-      fsdp                   device 16 P_r / n + the units in flight, unsharded (bf16 params and
-                             bf16 grads, 2 + 2 bytes/param under --bf16; 4 + 4 in fp32)
+      fsdp                   device 16 P_r / n + the units in flight: the two largest adjacent
+                             units unsharded (bf16 params and bf16 grads, 2 + 2 bytes/param under
+                             --bf16; 4 + 4 in fp32) + the largest unit's reduce-scatter output
+                             (2 / n; 4 / n in fp32) and, with offload, its fp32 shard copied to
+                             the device for the all-gather and its fp32 grad shard before the copy
+                             to host (4 / n + 4 / n)
       + cpu_offload          the optimizer state and step move to host: 16 P_r / n on host (fp32
                              master shard 4, its grads 4, Adam 8); device keeps 8 P_r (distributed
                              optimizer: weights + grads) or the units in flight only (fsdp)
@@ -236,7 +240,10 @@ def model_state_bytes(cfg, tp: int = 1, pp: int = 1, n: int = 1, sharding: str =
     elif sharding == "distributed-optimizer":
         device, host = (8 * P, 16 * P / n) if cpu_offload else (8 * P + 8 * P / n, 0.0)
     else:
-        in_flight = fsdp_in_flight_params(cfg, tp, pp) * (4 if bf16 else 8)
+        e = 2 if bf16 else 4
+        largest = max(fsdp_units(cfg, tp, pp))
+        in_flight = fsdp_in_flight_params(cfg, tp, pp) * 2 * e + largest * (e + (8 if cpu_offload
+                                                                                  else 0)) / n
         device, host = (in_flight, 16 * P / n) if cpu_offload else (16 * P / n + in_flight, 0.0)
     return {"device": device, "host": host, "in_flight": in_flight}
 
@@ -611,6 +618,10 @@ def _fit(cfg, seq, micro_batch, tp, sp, pp, dp, seqpar, mode, offload, inflight,
     GB = 2 ** 30
     n = dp * sp
     state = model_state_bytes(cfg, tp, pp, n, mode, offload, bf16=e == 2)
+    if mode != "fsdp" and e == 2:
+        # bf16 autocast over fp32 weights: its cast cache holds a bf16 copy of every weight until the
+        # forward ends and aten::linear saves them for backward (DESIGN 9's 18 bytes/param)
+        state["device"] += 2 * params_per_rank(cfg, tp, pp)
     state_host = host_state_pinned_bytes(cfg, tp, pp, n) if offload else 0.0
     r = 2 if (mode == "fsdp" and e == 2) else 4
     for mem, cost in zip(TECHNIQUE_LADDER, TECHNIQUE_COST):

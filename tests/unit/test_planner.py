@@ -56,18 +56,21 @@ def test_model_state_bytes_each_mode_by_hand():
     P = 2 * layer + 2 * 256 * 64 + 64                             # 94528
     assert cfg.num_parameters() == P == 94528
     # FSDP units: embedding 16384, two layers of 30880 (the final norm's 64 shared), output 16384;
-    # in flight: the largest adjacent pair (the two layers, 61760 params) at bf16 params + grads
-    in_flight = 2 * 30880 * 4
+    # in flight: the largest adjacent pair (the two layers, 61760 params) at bf16 params + grads,
+    # + the largest unit's bf16 reduce-scatter output (2 bytes / n) and, offloaded, its fp32 shard
+    # on the way in and its fp32 grad shard on the way out (4 / n + 4 / n)
     n = 4
+    in_flight = 2 * 30880 * 4 + 30880 * 2 // n
+    in_flight_offload = 2 * 30880 * 4 + 30880 * 10 // n
     expect = {("none", False): (16 * P, 0),
               ("distributed-optimizer", False): (8 * P + 8 * P // n, 0),
               ("distributed-optimizer", True): (8 * P, 16 * P // n),
               ("fsdp", False): (16 * P // n + in_flight, 0),
-              ("fsdp", True): (in_flight, 16 * P // n)}
+              ("fsdp", True): (in_flight_offload, 16 * P // n)}
     for (mode, offload), (device, host) in expect.items():
         got = model_state_bytes(cfg, tp=1, pp=1, n=n, sharding=mode, cpu_offload=offload)
         assert (got["device"], got["host"]) == (device, host), (mode, offload, got)
-    assert (device, host) == (247040, 378112)                    # the last row, in numbers
+    assert (device, host) == (324240, 378112)                    # the last row, in numbers
     # tp = 2 halves every slice (the padded vocabulary stays 256); pp = 2 keeps one layer and the
     # output layer on the heavier stage
     assert model_state_bytes(cfg, tp=2, sharding="none")["device"] == 16 * P / 2
