@@ -1,4 +1,4 @@
-"""Memory and communication model of one training step, and the parallel-layout planner.
+"""Memory and communication model of one training step, and the parallel-layout planner (DESIGN 9, 11).
 
 Activation bytes per rank (`activation_bytes`) count what OUR implementation saves for backward,
 tensor by tensor (derived from the saved-tensor accounting of each op; tests hold it to the measured
@@ -28,10 +28,23 @@ and "/t*" meaning "divided by t under --sequence-parallel":
 
 Korthikanti et al. (16-bit, attention matrix stored): `korthikanti_layer_bytes`.
 
-Model state per rank: fp32 master weights (4) + fp32 gradients (4) + Adam m, v (8) = 16 bytes/param,
-plus a bf16 working copy of the weights under autocast is transient (cast per op, counted above as
-weight copies). DESIGN 9's 18 bytes/param assumes separate bf16 weights; we keep fp32 params with
-bf16 autocast, so 16.
+Element sizes: e for what the matmuls keep (their autocast copies: 2 under --bf16), r for the
+residual stream, the checkpointed layer inputs and what the tiles/chunks keep (4 under bf16 autocast
+over fp32 weights, 2 when the weights themselves are bf16, as FSDP2's MixedPrecisionPolicy makes
+them); torch's RMSNorm keeps fp32 copies for a 16-bit input. The per-term model equals the measured
+saved bytes on CPU in fp32, under bf16 autocast and with bf16 weights (tests/unit/test_planner.py).
+
+Model state per rank (`model_state_bytes`, DESIGN 11): fp32 weights (4) + fp32 gradients (4) + Adam
+m, v (8) = 16 bytes/param replicated; --use-distributed-optimizer shards Adam over n = dp x sp;
+--use-torch-fsdp2 shards all of it and holds the units in flight unsharded; --optimizer-cpu-offload
+moves the sharded optimizer state to host. Under bf16 autocast (not FSDP2) the cast cache and
+aten::linear keep a bf16 copy of every weight: + 2 bytes/param (DESIGN 9's 18).
+
+Peak of one step (`step_peak_bytes`): what the forward keeps for backward + the larger of the output
+layer's backward and one layer's backward (recomputed under full recompute), each with its working
+buffers (gradients, the attention kernel's dq accumulator, one MLP tile, one loss chunk's logits).
+The planner (`plan`) adds a reserve (fixed + a fragmentation fraction) and checks host memory per
+node (offloaded state and activations, pinned buffers rounded up to powers of two).
 """
 from __future__ import annotations
 
