@@ -86,8 +86,9 @@ def try_seq(cfg, mem, seq, device, timed_steps):
 
 def predicted_gb(cfg, mem, seq):
     """The planner's modelled bytes of this benchmark's step (GiB): fp32 weights, grads and AdamW
-    state (16 bytes/param, unsharded), autocast's bf16 weight copies (2) + the activation peak under bf16 autocast (bf16 matmul inputs,
-    fp32 residual stream); no reserve (max_memory_allocated holds none)."""
+    state (16 bytes/param, unsharded), autocast's bf16 weight copies (2) + the activation peak
+    under bf16 autocast (bf16 matmul inputs, fp32 residual stream); no reserve
+    (max_memory_allocated holds none)."""
     state = model_state_bytes(cfg, sharding="none")["device"] + 2 * cfg.num_parameters()  # + bf16 copies
     act = step_peak_bytes(cfg, seq, 1, memory=MemoryOptions(**mem), dtype_bytes=2, residual_bytes=4)
     return (state + act["device"]) / 2**30

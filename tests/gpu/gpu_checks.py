@@ -19,8 +19,8 @@ Items, in order (each a subprocess with its own time limit, cut to what the time
                  --optimizer-cpu-offload ("not available" when pretrain_gpt.py lacks the flag)
 
 Subprocesses run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set (long
-sequences: fewer unusable split blocks). Without CUDA every GPU item is skipped with one line, and the run exits 0 (the CPU rehearsal,
-tests/gpu/test_rehearsal.py). A failed or timed-out item makes the exit status 1. Results:
+sequences: fewer unusable split blocks). Without CUDA every GPU item is skipped with one line, and
+the run exits 0 (the CPU rehearsal, tests/gpu/test_rehearsal.py). A failed or timed-out item makes the exit status 1. Results:
 $OUT/gpu_checks.json (rewritten after every item; OUT defaults to runs/gpu_checks) and a table.
 This file imports nothing from the project: it must start before the project is importable.
 """
