@@ -20,8 +20,8 @@ Items, in order (each a subprocess with its own time limit, cut to what the time
 
 Subprocesses run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set (long
 sequences: fewer unusable split blocks). Without CUDA every GPU item is skipped with one line, and
-the run exits 0 (the CPU rehearsal, tests/gpu/test_rehearsal.py). A failed or timed-out item makes the exit status 1. Results:
-$OUT/gpu_checks.json (rewritten after every item; OUT defaults to runs/gpu_checks) and a table.
+the run exits 0 (the CPU rehearsal, tests/gpu/test_rehearsal.py). A failed or timed-out item
+makes the exit status 1. Results: $OUT/gpu_checks.json (rewritten after every item; OUT defaults to runs/gpu_checks) and a table.
 This file imports nothing from the project: it must start before the project is importable.
 """
 from __future__ import annotations
