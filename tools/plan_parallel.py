@@ -204,7 +204,8 @@ def max_seq_main(args) -> int:
         print(f"no sequence fits {args.num_gpus} GPUs x {args.gpu_memory_gb:g} GB.")
         return 1
     print(f"longest feasible sequence on {args.num_gpus} GPUs x {args.gpu_memory_gb:g} GB: {seq} tokens "
-          f"({seq / 2**20:.2f}M); limited by {limit(args, seq)}")
+          f"({seq / 2**20:.2f}M)")
+    print(f"limited by {limit(args, seq)}")
     print_table([best], 1)
     return 0
 

@@ -187,6 +187,9 @@ def test_cli_table_fits_120_columns_with_labelled_columns_and_json(capsys):
     found = json.loads(capsys.readouterr().out)
     make = lambda s: preset("llama-1b", max_position_embeddings=max(s, 2048))  # noqa: E731
     assert found["max_seq"] == max_feasible_seq(make, 2, gpu_mem_gb=40)[0] > 0
+    assert main(["--model", "llama-8b", "--num-gpus", "8", "--max-seq"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 120 and "limited by host memory" in out
     with pytest.raises(SystemExit):
         main(["--model", "llama-8b", "--seq-length", "8192", "--num-gpus", "1", "--sharding", "none",
               "--optimizer-cpu-offload"])
