@@ -8,7 +8,11 @@ autocast over fp32 master weights, SDPA flash kernel) with each memory technique
 For each technique the sequence doubles from --start-seq while a forward+backward+AdamW step fits
 (torch.cuda.OutOfMemoryError caught, cache emptied) and the technique's time box is not spent. MFU uses
 megatron_sp.flops (Megatron's formula) against the device's bf16 dense peak (megatron_sp.flops
-.PEAK_TFLOPS; --peak-tflops overrides). Prints one table; --json writes the rows.
+.PEAK_TFLOPS; --peak-tflops overrides). Beside each measured peak (torch.cuda.max_memory_allocated)
+the planner's modelled bytes for the same run (megatron_sp.memory.planner: 16 bytes/param of fp32
+weights, grads and AdamW state, 2 of bf16 weight copies + the step's activation peak under bf16 autocast; no reserve), and per
+technique the longest sequence the planner predicts for this device (modelled bytes + 10%
+fragmentation + 4 GB reserve within its memory). Prints one table; --json writes the rows.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import torch  # noqa: E402
 from megatron_sp.flops import device_peak_tflops, flops_for_config  # noqa: E402
 from megatron_sp.memory import TECHNIQUES as ALL_TECHNIQUES  # noqa: E402
 from megatron_sp.memory import MemoryOptions, SavedTensorAccountant  # noqa: E402
+from megatron_sp.memory.planner import model_state_bytes, step_peak_bytes  # noqa: E402
 from megatron_sp.models import GPTModel, preset  # noqa: E402
 
 TECHNIQUES = {name: ALL_TECHNIQUES[name] for name in (
@@ -79,6 +84,37 @@ def try_seq(cfg, mem, seq, device, timed_steps):
         torch.cuda.empty_cache()
 
 
+def predicted_gb(cfg, mem, seq):
+    """The planner's modelled bytes of this benchmark's step (GiB): fp32 weights, grads and AdamW
+    state (16 bytes/param, unsharded), autocast's bf16 weight copies (2) + the activation peak
+    under bf16 autocast (bf16 matmul inputs, fp32 residual stream); no reserve
+    (max_memory_allocated holds none)."""
+    state = model_state_bytes(cfg, sharding="none")["device"] + 2 * cfg.num_parameters()  # + bf16 copies
+    act = step_peak_bytes(cfg, seq, 1, memory=MemoryOptions(**mem), dtype_bytes=2, residual_bytes=4)
+    return (state + act["device"]) / 2**30
+
+
+def step_seconds(cfg, mem, seq, peak_tflops, mfu=0.25):
+    """A pessimistic estimate of one training step (model FLOPs at `mfu` of the peak, + 1/3 for
+    full recompute), so that a try that cannot finish inside the time box is not started."""
+    factor = 4 / 3 if mem.get("recompute_granularity") == "full" else 1.0
+    return flops_for_config(cfg, 1, seq) * factor / ((peak_tflops or 400.0) * 1e12 * mfu)
+
+
+def planner_max_seq(cfg, mem, device_gb, step=1024, fragmentation=0.10, reserve_gb=4.0):
+    """Longest multiple of `step` whose modelled bytes x (1 + fragmentation) + reserve fit."""
+    fits = lambda k: predicted_gb(cfg, mem, k * step) * (1 + fragmentation) + reserve_gb <= device_gb  # noqa: E731
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi * step <= 1 << 24 and fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * step
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-1b")
@@ -100,32 +136,47 @@ def main():
     print(f"{torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} "
           f"GB), {args.model}: {cfg.num_parameters() / 1e9:.2f}B params, bf16 autocast, SDPA; "
           f"peak {peak} TFLOP/s", flush=True)
+    device_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
     start = time.time()
-    per_tech = args.budget_s / len(args.techniques)
     rows = []
-    for name in args.techniques:
+    for i, name in enumerate(args.techniques):
+        # an equal share of what is left: time a technique did not use goes to the next ones
+        per_tech = (start + args.budget_s - time.time()) / (len(args.techniques) - i)
         mem, t_end = TECHNIQUES[name], min(start + args.budget_s, time.time() + per_tech)
         seq, best = args.start_seq, None
         mfu = {}
-        while seq <= args.max_seq and time.time() < t_end:
-            ok, dt, peak_gb, saved_gb = try_seq(cfg, mem, seq, device,
-                                                args.timed_steps if seq in (8192, 32768) else 0)
-            if not ok:
+        stopped = "max"
+        while seq <= args.max_seq:
+            steps = 1 + (args.timed_steps if seq in (8192, 32768) else 0)
+            if time.time() + 10 + steps * step_seconds(cfg, mem, seq, peak) > t_end:   # 10 s: build
+                stopped = "time"        # the next try would run past this technique's time box
                 break
-            best = (seq, peak_gb, saved_gb)
+            ok, dt, peak_gb, saved_gb = try_seq(cfg, mem, seq, device, steps - 1)
+            if not ok:
+                stopped = "oom"
+                break
+            pred_gb = predicted_gb(cfg, mem, seq)
+            best = (seq, peak_gb, saved_gb, pred_gb)
             if seq in (8192, 32768) and dt and peak:
                 mfu[seq] = flops_for_config(cfg, 1, seq) / dt / 1e12 / peak
-            print(f"  {name:>15} seq {seq:>8}: peak {peak_gb:6.1f} GB, saved {saved_gb:6.2f} GB"
-                  + (f", {dt * 1e3:.0f} ms/step" if dt else ""), flush=True)
+            print(f"  {name:>15} seq {seq:>8}: peak {peak_gb:6.1f} GB (planner {pred_gb:6.1f} GB), "
+                  f"saved {saved_gb:6.2f} GB" + (f", {dt * 1e3:.0f} ms/step" if dt else ""), flush=True)
             seq *= 2
         rows.append(dict(technique=name, max_seq=best[0] if best else None,
-                         peak_gb=best[1] if best else None, mfu_8k=mfu.get(8192),
-                         mfu_32k=mfu.get(32768), stopped="time" if time.time() >= t_end else "oom/max"))
-    print(f"\n{'technique':>15} {'longest seq':>12} {'peak GB':>8} {'MFU 8K':>7} {'MFU 32K':>8}")
+                         peak_gb=best[1] if best else None,
+                         planner_peak_gb=best[3] if best else None,
+                         planner_max_seq=planner_max_seq(cfg, mem, device_gb), mfu_8k=mfu.get(8192),
+                         mfu_32k=mfu.get(32768), stopped=stopped))
+        if args.json:                   # after every technique: a run cut short keeps its rows
+            with open(args.json, "w") as fh:
+                json.dump(rows, fh, indent=1)
+    print(f"\n{'technique':>15} {'longest seq':>12} {'peak GB':>8} {'planner GB':>10} "
+          f"{'planner longest':>15} {'MFU 8K':>7} {'MFU 32K':>8}")
     for r in rows:
-        pct = lambda v: f"{100 * v:.1f}%" if v else "-"
-        peak_gb = f"{r['peak_gb']:.1f}" if r["peak_gb"] else "-"
-        print(f"{r['technique']:>15} {str(r['max_seq'] or '-'):>12} {peak_gb:>8} "
+        pct = lambda v: f"{100 * v:.1f}%" if v else "-"  # noqa: E731
+        gb = lambda v: f"{v:.1f}" if v else "-"  # noqa: E731
+        print(f"{r['technique']:>15} {str(r['max_seq'] or '-'):>12} {gb(r['peak_gb']):>8} "
+              f"{gb(r['planner_peak_gb']):>10} {r['planner_max_seq']:>15} "
               f"{pct(r['mfu_8k']):>7} {pct(r['mfu_32k']):>8}   (stopped: {r['stopped']})")
     if args.json:
         with open(args.json, "w") as fh:

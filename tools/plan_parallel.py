@@ -1,38 +1,54 @@
-#!/usr/bin/env python
-"""List feasible (tp, sp, pp, dp) layouts with memory settings for a long-context run, best first.
+#!/usr/bin/env python3
+"""List feasible (tp, sp, pp, dp) layouts, with the model-state sharding and memory settings that
+fit, best first, each with the pretrain_gpt.py flags that run it.
 
-Example: an 8B Llama-style model at 4M tokens on 64 GPUs of 80 GB:
+    python3 tools/plan_parallel.py --model llama-8b --seq-length 4194304 --num-gpus 64
+    python3 tools/plan_parallel.py --model llama-8b --num-gpus 8 --max-seq      # longest sequence
+    python3 tools/plan_parallel.py --model llama-8b --seq-length 524288 --num-gpus 1 --json
 
-    python tools/plan_parallel.py --model llama-8b --seq-length 4194304 --global-batch-size 1 \
-        --num-gpus 64 --gpu-memory-gb 80
-
-Per-rank memory = model state (fp32 master weights 4 + fp32 grads 4 + Adam m, v 8 = 16 bytes/param;
-bf16 autocast keeps no second copy of the weights) + activations of one micro-batch (times pp micro-
-batches in flight with 1F1B) in bf16 from our implementation's per-op model (megatron_sp.memory.
-planner; on CPU in fp32 it matches the measured saved bytes) + a reserve (allocator, workspace).
-Communication: bytes one rank sends per step by kind (tp, sp all-to-all, pp, dp gradient all-reduce).
-The Korthikanti et al. 16-bit per-layer figure is printed for reference.
+Per-rank device memory = model state on device + activations + reserve:
+  model state   DESIGN 11, per --sharding mode: none 16 bytes/param (fp32 weights, grads, Adam m, v);
+                distributed-optimizer 8 + 8/n; fsdp 16/n + the FSDP2 units in flight (bf16 params and
+                grads); --optimizer-cpu-offload moves the sharded optimizer state to host (n = dp x sp).
+  activations   the peak of one step from our implementation's per-op model (megatron_sp.memory.
+                planner, equal to the measured saved bytes on CPU in fp32 and under bf16 autocast):
+                what the forward keeps + the larger of the output layer's and one layer's backward.
+                bf16 matmul inputs; residual stream and norms fp32 under autocast, bf16 under FSDP2.
+  reserve       --reserve-gb (CUDA context, NCCL and cuBLAS workspaces) + --fragmentation x the rest
+                (the caching allocator's split blocks).
+Host memory per node: offloaded optimizer state and activations of the node's ranks, pinned buffers
+rounded up to powers of two, within 90% of --host-memory-gb.
+s/step: model FLOPs at --mfu of --peak-tflops x technique cost + communication at the given
+bandwidths, not overlapped (a pessimistic ranking figure, not a prediction).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
+import textwrap
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_sp.memory.planner import (BYTES_PER_PARAM, activation_bytes,  # noqa: E402
-                                        korthikanti_layer_bytes, plan)
+from megatron_sp.memory.planner import (activation_bytes, korthikanti_layer_bytes,  # noqa: E402
+                                        max_feasible_seq, plan)
 from megatron_sp.models import GPTConfig, preset  # noqa: E402
 
+WIDTH = 120
+HEADER = ("  #  tp  sp  pp  dp  sharding       state GB     activ. GB   reserve  total  host/node"
+          "   s/step  comm GB",
+          "                                  device  host  device  host      GB     GB         GB")
 
-def build_config(args) -> GPTConfig:
+
+def build_config(args, seq: int) -> GPTConfig:
     fields = {k: v for k, v in dict(num_layers=args.num_layers, hidden_size=args.hidden_size,
                                    num_attention_heads=args.num_attention_heads,
                                    num_query_groups=args.num_query_groups,
                                    ffn_hidden_size=args.ffn_hidden_size,
                                    vocab_size=args.vocab_size).items() if v is not None}
-    fields["max_position_embeddings"] = max(args.seq_length, 2048)
+    fields["max_position_embeddings"] = max(seq, 2048)
     if args.model:
         return preset(args.model, **fields)
     fields.setdefault("vocab_size", 32000)
@@ -40,7 +56,7 @@ def build_config(args) -> GPTConfig:
                      add_bias_linear=False, **fields)
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="preset (llama-1b, llama-8b, gpt2-small, ...)")
     p.add_argument("--num-layers", type=int)
@@ -49,50 +65,148 @@ def main(argv=None):
     p.add_argument("--num-query-groups", type=int)
     p.add_argument("--ffn-hidden-size", type=int)
     p.add_argument("--vocab-size", type=int)
-    p.add_argument("--seq-length", type=int, required=True)
-    p.add_argument("--global-batch-size", type=int, default=1, help="sequences per step")
-    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--seq-length", type=int, help="tokens per sequence (not with --max-seq)")
+    p.add_argument("--max-seq", action="store_true",
+                   help="find the longest feasible sequence (a multiple of lcm(1024, GPUs)) instead")
+    p.add_argument("--global-batch-size", type=int, default=1, help="sequences per step (default 1)")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="(default 1)")
     p.add_argument("--num-gpus", type=int, required=True)
-    p.add_argument("--gpu-memory-gb", type=float, default=80.0)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--intra-node-gbps", type=float, default=450.0, help="GB/s per GPU (NVLink)")
-    p.add_argument("--inter-node-gbps", type=float, default=50.0, help="GB/s per GPU (IB 400 Gb/s)")
-    p.add_argument("--reserve-gb", type=float, default=4.0)
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak (H100/H200)")
-    p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOP utilisation")
-    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="per GPU (default 80)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="(default 8)")
+    p.add_argument("--host-memory-gb", type=float, default=2048.0,
+                   help="host memory per node (default 2048, a DGX H100)")
+    p.add_argument("--sharding", default="auto",
+                   choices=["none", "distributed-optimizer", "fsdp", "auto"],
+                   help="model-state sharding over dp x sp: none, --use-distributed-optimizer, "
+                        "--use-torch-fsdp2, or auto (each layout's fastest that fits; default)")
+    p.add_argument("--optimizer-cpu-offload", action=argparse.BooleanOptionalAction, default=None,
+                   help="force (or with --no-optimizer-cpu-offload forbid) the optimizer state on "
+                        "host; default: the planner may choose it")
+    p.add_argument("--intra-node-gbps", type=float, default=450.0, help="GB/s per GPU (NVLink; default 450)")
+    p.add_argument("--inter-node-gbps", type=float, default=50.0, help="GB/s per GPU (IB 400 Gb/s; default 50)")
+    p.add_argument("--pcie-gbps", type=float, default=25.0, help="GB/s host<->GPU per GPU (default 25)")
+    p.add_argument("--reserve-gb", type=float, default=4.0,
+                   help="fixed device reserve: CUDA context, NCCL, cuBLAS workspaces (default 4)")
+    p.add_argument("--fragmentation", type=float, default=0.10,
+                   help="allocator fragmentation, a fraction of the modelled bytes (default 0.10)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak (H100/H200; default 989)")
+    p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOP utilisation (default 0.4)")
+    p.add_argument("--top", type=int, default=10, help="plans to print (default 10)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     if not args.model and args.num_layers is None:
         p.error("give --model or the model flags (--num-layers --hidden-size --num-attention-heads)")
-    cfg = build_config(args)
-    plans = plan(cfg, args.seq_length, args.global_batch_size, args.num_gpus, args.gpu_memory_gb,
-                 gpus_per_node=args.gpus_per_node, intra_node_gbps=args.intra_node_gbps,
-                 inter_node_gbps=args.inter_node_gbps, reserve_gb=args.reserve_gb,
-                 micro_batch=args.micro_batch_size, peak_tflops=args.peak_tflops, mfu=args.mfu)
-    print(f"model: {cfg.num_parameters() / 1e9:.2f}B parameters, L={cfg.num_layers} H={cfg.hidden_size} "
-          f"heads={cfg.num_attention_heads}/{cfg.num_query_groups} F={cfg.ffn_hidden_size} "
-          f"V={cfg.vocab_size}; seq {args.seq_length}, global batch {args.global_batch_size}, "
-          f"{args.num_gpus} GPUs x {args.gpu_memory_gb:g} GB")
-    print(f"model state: {BYTES_PER_PARAM} bytes/param (fp32 weights, fp32 grads, Adam m and v); "
-          f"activations bf16 (our per-op model)")
+    if args.max_seq == (args.seq_length is not None):
+        p.error("give either --seq-length or --max-seq")
+    if args.sharding == "none" and args.optimizer_cpu_offload:
+        p.error("--optimizer-cpu-offload needs a sharded mode: use --sharding "
+                "distributed-optimizer, fsdp or auto")
+    return args
+
+
+def plan_kwargs(args) -> dict:
+    return dict(gpu_mem_gb=args.gpu_memory_gb, gpus_per_node=args.gpus_per_node,
+                intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
+                pcie_gbps=args.pcie_gbps, reserve_gb=args.reserve_gb,
+                fragmentation=args.fragmentation, micro_batch=args.micro_batch_size,
+                peak_tflops=args.peak_tflops, mfu=args.mfu, sharding=args.sharding,
+                cpu_offload=args.optimizer_cpu_offload, host_memory_gb=args.host_memory_gb)
+
+
+def format_row(i: int, pl) -> str:
+    comm = pl.comm_total_gb
+    return (f"{i:>3} {pl.tp:>3} {pl.sp:>3} {pl.pp:>3} {pl.dp:>3}  {pl.sharding_label:<13}"
+            f"{pl.state_device_gb:>8.1f}{pl.state_host_gb:>6.1f}{pl.activations_gb:>8.1f}"
+            f"{pl.activations_host_gb:>6.1f}{pl.reserve_gb:>8.1f}{pl.total_gb:>7.1f}"
+            f"{pl.host_node_gb:>11.0f}{pl.score:>9.1f}{comm:>9.1f}")
+
+
+def format_flags(pl) -> str:
+    """The plan's flags, indented, wrapped at WIDTH between flags (never inside a flag's value)."""
+    lines, line = [], "     "
+    for flag in pl.flag_list():
+        if len(line) + 1 + len(flag) > WIDTH:
+            lines.append(line)
+            line = "       "
+        line += " " + flag
+    return "\n".join(lines + [line])
+
+
+def describe(cfg, args, seq) -> list[str]:
+    return [f"model: {cfg.num_parameters() / 1e9:.2f}B parameters, L={cfg.num_layers} H={cfg.hidden_size} "
+            f"heads={cfg.num_attention_heads}/{cfg.num_query_groups} F={cfg.ffn_hidden_size} "
+            f"V={cfg.vocab_size}",
+            f"run: seq {seq}, global batch {args.global_batch_size}, {args.num_gpus} GPUs x "
+            f"{args.gpu_memory_gb:g} GB ({args.gpus_per_node} per node, host {args.host_memory_gb:g} GB "
+            f"per node), sharding {args.sharding}",
+            f"reserve: {args.reserve_gb:g} GB + {args.fragmentation:.0%} fragmentation; activations bf16 "
+            f"(residual fp32 under autocast, bf16 under fsdp2)"]
+
+
+def print_table(plans, top: int) -> None:
+    print(*HEADER, sep="\n")
+    for i, pl in enumerate(plans[:top]):
+        print(format_row(i + 1, pl))
+        print(format_flags(pl))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        if args.max_seq:
+            return max_seq_main(args)
+        seq = args.seq_length
+        cfg = build_config(args, seq)
+        plans = plan(cfg, seq, args.global_batch_size, args.num_gpus, **plan_kwargs(args))
+    except ValueError as err:
+        raise SystemExit(f"error: {err}")
+    if args.json:
+        print(json.dumps({"model": args.model, "parameters": cfg.num_parameters(), "seq_length": seq,
+                          "num_gpus": args.num_gpus, "plans": [p.to_dict() for p in plans[:args.top]]},
+                         indent=1))
+        return 0 if plans else 1
+    print(*describe(cfg, args, seq), sep="\n")
     if not plans:
-        print("no feasible layout: more GPUs, more memory, or a shorter sequence.")
+        print("no feasible layout: more GPUs, more memory, a sharding mode, or a shorter sequence.")
         return 1
-    print(f"{'#':>3} {'tp':>3} {'sp':>4} {'pp':>3} {'dp':>3}  {'weights':>8} {'activ.':>8} "
-          f"{'host':>7} {'total':>7} {'s/step':>7}  {'comm GB/step':>13}  settings")
-    for i, pl in enumerate(plans[:args.top]):
-        comm = ", ".join(f"{k} {v:.1f}" for k, v in pl.comm_gb.items()) or "-"
-        print(f"{i + 1:>3} {pl.tp:>3} {pl.sp:>4} {pl.pp:>3} {pl.dp:>3}  {pl.weights_gb:>7.1f}G "
-              f"{pl.activations_gb:>7.1f}G {pl.offloaded_gb:>6.1f}G {pl.total_gb:>6.1f}G {pl.score:>7.1f}  "
-              f"{pl.comm_total_gb:>6.1f} ({comm})  {pl.flags()}")
+    print_table(plans, args.top)
     best = plans[0]
-    ours = activation_bytes(cfg, args.seq_length, args.micro_batch_size, tp=best.tp, sp=best.sp,
+    ours = activation_bytes(cfg, seq, args.micro_batch_size, tp=best.tp, sp=best.sp,
                             sequence_parallel=best.sequence_parallel, dtype_bytes=2)
-    ref = korthikanti_layer_bytes(cfg, args.seq_length, args.micro_batch_size, tp=best.tp, sp=best.sp,
+    ref = korthikanti_layer_bytes(cfg, seq, args.micro_batch_size, tp=best.tp, sp=best.sp,
                                   sequence_parallel=best.sequence_parallel)
-    print(f"reference, best layout, one layer without recompute: ours {ours['layer'] / 2**30:.2f} GB, "
-          f"Korthikanti 16-bit (attention matrix stored) {ref / 2**30:.2f} GB; fused attention drops "
-          f"the 5as/H term.")
+    print(textwrap.fill(
+        f"reference, best layout, one layer without recompute (all bf16): ours "
+        f"{ours['layer'] / 2**30:.2f} GB, Korthikanti et al. {ref / 2**30:.2f} GB (stores the "
+        f"attention matrix, which fused attention drops).", WIDTH))
+    return 0
+
+
+def limit(args, seq: int) -> str:
+    """What stops the next longer sequence: device memory, or host memory (ample device memory)."""
+    nxt = seq + math.lcm(1024, args.num_gpus)
+    kwargs = {**plan_kwargs(args), "host_memory_gb": float("inf")}
+    if plan(build_config(args, nxt), nxt, args.global_batch_size, args.num_gpus, **kwargs):
+        return "host memory (pinned buffers round up to powers of two)"
+    return "device memory"
+
+
+def max_seq_main(args) -> int:
+    seq, best = max_feasible_seq(lambda s: build_config(args, s), args.num_gpus,
+                                 global_batch=args.global_batch_size, **plan_kwargs(args))
+    if args.json:
+        print(json.dumps({"model": args.model, "num_gpus": args.num_gpus, "max_seq": seq,
+                          "plan": best.to_dict() if best else None}, indent=1))
+        return 0 if best else 1
+    cfg = build_config(args, max(seq, 1024))
+    print(*describe(cfg, args, "longest feasible")[0:1], sep="\n")
+    if best is None:
+        print(f"no sequence fits {args.num_gpus} GPUs x {args.gpu_memory_gb:g} GB.")
+        return 1
+    print(f"longest feasible sequence on {args.num_gpus} GPUs x {args.gpu_memory_gb:g} GB: {seq} tokens "
+          f"({seq / 2**20:.2f}M)")
+    print(f"limited by {limit(args, seq)}")
+    print_table([best], 1)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Memory and communication model of one training step, and the parallel-layout planner.
+"""Memory and communication model of one training step, and the parallel-layout planner (DESIGN 9, 11).
 
 Activation bytes per rank (`activation_bytes`) count what OUR implementation saves for backward,
 tensor by tensor (derived from the saved-tensor accounting of each op; tests hold it to the measured
@@ -28,10 +28,23 @@ and "/t*" meaning "divided by t under --sequence-parallel":
 
 Korthikanti et al. (16-bit, attention matrix stored): `korthikanti_layer_bytes`.
 
-Model state per rank: fp32 master weights (4) + fp32 gradients (4) + Adam m, v (8) = 16 bytes/param,
-plus a bf16 working copy of the weights under autocast is transient (cast per op, counted above as
-weight copies). DESIGN 9's 18 bytes/param assumes separate bf16 weights; we keep fp32 params with
-bf16 autocast, so 16.
+Element sizes: e for what the matmuls keep (their autocast copies: 2 under --bf16), r for the
+residual stream, the checkpointed layer inputs and what the tiles/chunks keep (4 under bf16 autocast
+over fp32 weights, 2 when the weights themselves are bf16, as FSDP2's MixedPrecisionPolicy makes
+them); torch's RMSNorm keeps fp32 copies for a 16-bit input. The per-term model equals the measured
+saved bytes on CPU in fp32, under bf16 autocast and with bf16 weights (tests/unit/test_planner.py).
+
+Model state per rank (`model_state_bytes`, DESIGN 11): fp32 weights (4) + fp32 gradients (4) + Adam
+m, v (8) = 16 bytes/param replicated; --use-distributed-optimizer shards Adam over n = dp x sp;
+--use-torch-fsdp2 shards all of it and holds the units in flight unsharded; --optimizer-cpu-offload
+moves the sharded optimizer state to host. Under bf16 autocast (not FSDP2) the cast cache and
+aten::linear keep a bf16 copy of every weight: + 2 bytes/param (DESIGN 9's 18).
+
+Peak of one step (`step_peak_bytes`): what the forward keeps for backward + the larger of the output
+layer's backward and one layer's backward (recomputed under full recompute), each with its working
+buffers (gradients, the attention kernel's dq accumulator, one MLP tile, one loss chunk's logits).
+The planner (`plan`) adds a reserve (fixed + a fragmentation fraction) and checks host memory per
+node (offloaded state and activations, pinned buffers rounded up to powers of two).
 """
 from __future__ import annotations
 
@@ -43,8 +56,12 @@ from megatron_sp.memory.options import MemoryOptions, resolve_count
 BYTES_PER_PARAM = 16     # fp32 weights 4 + fp32 grads 4 + Adam exp_avg 4 + exp_avg_sq 4
 
 
-def _layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies=True):
-    """Saved bytes of one transformer layer, split into named terms (device, not offloaded)."""
+def _layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies=True, r=None):
+    """Saved bytes of one transformer layer, split into named terms (device, not offloaded).
+
+    e: bytes of what the matmuls keep (their autocast copies); r: bytes of the residual stream and
+    the norms (4 under bf16 autocast over fp32 weights, 2 when the weights themselves are bf16)."""
+    r = e if r is None else r
     H, d, F = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
     hl, gl = cfg.num_attention_heads // tp, cfg.num_query_groups // tp
     Ts = T / tp if seqpar else T
@@ -52,13 +69,14 @@ def _layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies
     swiglu = cfg.activation == "swiglu"
     rope = cfg.position_embedding_type == "rope"
     norm = (Ts * H + Ts + Ts * H) if rms else (Ts * H + 2 * Ts)
+    nb = 4 if rms else r      # torch's RMSNorm keeps fp32 copies for a 16-bit input (measured on CPU)
     kv = T * d * max(gl, sp)
     if sp == 1 and not rope and hl == gl:
         q = T * (hl + 2 * gl) * d          # q is a view of the fused qkv output
     else:
         q = T * hl * d
     terms = {
-        "attn_norm": norm * e,
+        "attn_norm": norm * nb,
         "qkv_input": Ts * H * e,          # under --sequence-parallel only the shard is kept
         "sdpa_qkv": (q + 2 * kv) * e,
         "sdpa_lse": T * hl * 4,           # logsumexp is fp32
@@ -66,7 +84,7 @@ def _layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies
         # head->seq all-to-all makes the out-proj input a new tensor.
         "sdpa_out": T * hl * d * e if sp > 1 else 0,
         "proj_input": T * hl * d * e,
-        "mlp_norm": norm * e,
+        "mlp_norm": norm * nb,
         "fc1_input": Ts * H * e,
         "mlp_act": (4 * T * F / tp if swiglu else 2 * T * F / tp) * e,
     }
@@ -80,6 +98,7 @@ def _layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies
         n = resolve_count(memory.mlp_tiles, int(Ts), F * (2 if swiglu else 1) // tp, H)
         if n > 1:
             terms["mlp_act"] = 0
+            terms["fc1_input"] = Ts * H * r   # each tile's checkpoint keeps a view of the norm output
             terms.pop("w_mlp", None)
     return terms
 
@@ -87,24 +106,27 @@ def _layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies
 def activation_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int = 1,
                      sequence_parallel: bool = False, num_layers: int | None = None,
                      memory: MemoryOptions | None = None, dtype_bytes: int = 4,
-                     weight_copies: bool = False, post_process: bool = True,
-                     pre_process: bool = True) -> dict:
+                     residual_bytes: int | None = None, weight_copies: bool = False,
+                     post_process: bool = True, pre_process: bool = True) -> dict:
     """Predicted bytes saved for backward per rank for one micro-batch (see the module docstring).
 
+    residual_bytes: element size of the residual stream and the norms' saved tensors (default
+    dtype_bytes; 4 under bf16 autocast over fp32 weights, where only the matmul inputs are bf16).
     weight_copies: also count the weight copies aten::linear keeps (the accountant reports them
     apart, as weight_copy_bytes). Returns {"layer": bytes of one layer (not recomputed), "layers": all this stage's layers,
     "output", "embedding", "shared" (RoPE), "host" (offloaded), "total" (device), "terms": {...}}.
     """
     memory = memory or MemoryOptions()
     e = dtype_bytes
+    r = e if residual_bytes is None else residual_bytes
     L = cfg.num_layers if num_layers is None else num_layers
     seqpar = sequence_parallel and tp > 1
     T = micro_batch * seq / sp
     Ts = T / tp if seqpar else T
     H, d = cfg.hidden_size, cfg.kv_channels
-    terms = _layer_terms(cfg, T, tp, sp, seqpar, e, memory, weight_copies)
+    terms = _layer_terms(cfg, T, tp, sp, seqpar, e, memory, weight_copies, r)
     layer = sum(terms.values())
-    ckpt_input = Ts * H * e
+    ckpt_input = Ts * H * r
     if memory.full_recompute:
         n = memory.recompute_num_layers
         if memory.recompute_method == "uniform":
@@ -122,9 +144,11 @@ def activation_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: in
     if post_process:
         V = cfg.padded_vocab_size(tp) // tp
         rms = cfg.normalization == "RMSNorm"
-        output = ((Ts * H + Ts + Ts * H) if rms else (Ts * H + 2 * Ts)) * e
+        output = ((Ts * H + Ts + Ts * H) * 4) if rms else (Ts * H + 2 * Ts) * r
         chunks = 1 if memory.loss_chunks == 1 else resolve_count(memory.loss_chunks, int(T), V, H)
-        output += (T if chunks > 1 else Ts) * H * e   # output-layer input (the shard, unchunked)
+        # output-layer input: unchunked, the matmul's (autocast) copy of the shard; chunked, each
+        # chunk's checkpoint keeps its slice of the (gathered) final-norm output itself
+        output += T * H * r if chunks > 1 else Ts * H * e
         if chunks > 1:
             output += micro_batch * seq * 8                  # label chunks: views of the [b, s] labels
         else:
@@ -156,7 +180,10 @@ def korthikanti_layer_bytes(cfg, seq: int, micro_batch: int = 1, tp: int = 1, sp
     return v / sp
 
 
-# Model state and communication ------------------------------------------------------------------
+# Model state ------------------------------------------------------------------------------------
+
+SHARDING_MODES = ("none", "distributed-optimizer", "fsdp")
+
 
 def params_per_rank(cfg, tp: int, pp: int) -> float:
     """Parameters held by one rank: layers split over tp and pp; embeddings over tp (first and last
@@ -168,15 +195,114 @@ def params_per_rank(cfg, tp: int, pp: int) -> float:
     return layers / (tp * pp) + (emb / tp if pp == 1 else max(emb / tp / 2 * (2 if cfg.tie_embeddings else 1), 0) + 0)
 
 
+def fsdp_units(cfg, tp: int, pp: int) -> list[float]:
+    """Parameters of each FSDP unit of one (tp, pp) slice, in forward order: the embedding, one unit
+    per transformer layer, the output layer (the heavier pipeline stage: the first with pp > 1 when
+    embeddings are tied, else the last; the final norm is counted with the output)."""
+    H = cfg.hidden_size
+    vocab = cfg.padded_vocab_size(tp) * H / tp
+    layer = (cfg.num_parameters() - cfg.vocab_size * H * (1 if cfg.tie_embeddings else 2)
+             - (cfg.max_position_embeddings * H if cfg.position_embedding_type == "learned_absolute"
+                else 0)) / cfg.num_layers / tp
+    layers = [layer] * (cfg.num_layers // pp)
+    if pp == 1:
+        return [vocab] + layers + ([] if cfg.tie_embeddings else [vocab])
+    return [vocab] + layers            # first or last stage: one vocabulary-sized unit and its layers
+
+
+def fsdp_in_flight_params(cfg, tp: int, pp: int) -> float:
+    """Parameters FSDP2 holds unsharded at once: the unit computing and the next one prefetched
+    (the largest adjacent pair); with tied embeddings the shared table stays gathered from the
+    embedding to the output layer, so it adds to every pair."""
+    units = fsdp_units(cfg, tp, pp)
+    if cfg.tie_embeddings and pp == 1:
+        rest = units[1:]
+        pairs = [a + b for a, b in zip(rest, rest[1:])] or rest
+        return units[0] + max(pairs)
+    return max(a + b for a, b in zip(units, units[1:])) if len(units) > 1 else units[0]
+
+
+def model_state_bytes(cfg, tp: int = 1, pp: int = 1, n: int = 1, sharding: str = "none",
+                      cpu_offload: bool = False, bf16: bool = True) -> dict:
+    """Model-state bytes per rank (DESIGN 11), with P_r = params_per_rank(cfg, tp, pp) and n = dp*sp:
+
+      none                   device 16 P_r (fp32 weights 4, fp32 grads 4, Adam m, v 8)
+      distributed-optimizer  device 4 P_r weights + 4 P_r grads + 8 P_r / n Adam (our weights are
+                             fp32: no separate master copy)
+      fsdp                   device 16 P_r / n + the units in flight: the two largest adjacent
+                             units unsharded (bf16 params and bf16 grads, 2 + 2 bytes/param under
+                             --bf16; 4 + 4 in fp32) + the largest unit's reduce-scatter output
+                             (2 / n; 4 / n in fp32) and, with offload, its fp32 shard copied to
+                             the device for the all-gather and its fp32 grad shard before the copy
+                             to host (4 / n + 4 / n)
+      + cpu_offload          the optimizer state and step move to host: 16 P_r / n on host (fp32
+                             master shard 4, its grads 4, Adam 8); device keeps 8 P_r (distributed
+                             optimizer: weights + grads) or the units in flight only (fsdp)
+
+    Returns {"device", "host", "in_flight"} in bytes.
+    """
+    if sharding not in SHARDING_MODES:
+        raise ValueError(f"sharding must be one of {SHARDING_MODES}, got {sharding!r}.")
+    if cpu_offload and sharding == "none":
+        raise ValueError("--optimizer-cpu-offload needs --use-distributed-optimizer or "
+                         "--use-torch-fsdp2 (the offloaded optimizer state is the sharded one).")
+    P = params_per_rank(cfg, tp, pp)
+    in_flight = 0.0
+    if sharding == "none":
+        device, host = 16 * P, 0.0
+    elif sharding == "distributed-optimizer":
+        device, host = (8 * P, 16 * P / n) if cpu_offload else (8 * P + 8 * P / n, 0.0)
+    else:
+        e = 2 if bf16 else 4
+        largest = max(fsdp_units(cfg, tp, pp))
+        in_flight = fsdp_in_flight_params(cfg, tp, pp) * 2 * e + largest * (e + (8 if cpu_offload
+                                                                                  else 0)) / n
+        device, host = (in_flight, 16 * P / n) if cpu_offload else (16 * P / n + in_flight, 0.0)
+    return {"device": device, "host": host, "in_flight": in_flight}
+
+
+def pinned_bytes(nbytes: float) -> float:
+    """Bytes torch's caching host allocator reserves for one pinned buffer: the next power of two."""
+    return float(2 ** math.ceil(math.log2(nbytes))) if nbytes > 0 else 0.0
+
+
+def _layer_tensor_numels(cfg, tp: int) -> list[float]:
+    """Numel of each weight of one layer on one tp rank (norms and biases left out: < 0.1%)."""
+    H, d, F = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
+    h, g = cfg.num_attention_heads, cfg.num_query_groups
+    fc1 = H * F * (2 if cfg.activation == "swiglu" else 1)
+    return [H * (h + 2 * g) * d / tp, h * d * H / tp, fc1 / tp, F * H / tp]
+
+
+def host_state_pinned_bytes(cfg, tp: int, pp: int, n: int) -> float:
+    """Host bytes of the offloaded model state with the pinned rounding: the fp32 weight and
+    gradient shards are pinned (FSDP2's CPUOffloadPolicy(pin_memory=True)), each rounded up to a
+    power of two; Adam's m and v are plain host tensors (8 bytes/param, exact)."""
+    P = params_per_rank(cfg, tp, pp)
+    vocab = cfg.padded_vocab_size(tp) * cfg.hidden_size / tp
+    tables = 2 if (pp == 1 and not cfg.tie_embeddings) else 1     # embedding (+ output layer)
+    shards = [x / n for x in _layer_tensor_numels(cfg, tp)] * (cfg.num_layers // pp) + [vocab / n] * tables
+    pinned = 2 * sum(pinned_bytes(4 * x) for x in shards)         # weights and grads
+    rest = max(P / n - sum(shards), 0)                             # norms, biases: rounding ignored
+    return pinned + 2 * 4 * rest + 8 * P / n
+
+
+# Communication ----------------------------------------------------------------------------------
+
 def comm_bytes_per_step(cfg, seq: int, global_batch: int, micro_batch: int, tp: int, sp: int, pp: int,
-                        dp: int, sequence_parallel: bool, memory: MemoryOptions, e: int = 2) -> dict:
+                        dp: int, sequence_parallel: bool, memory: MemoryOptions, e: int = 2,
+                        sharding: str = "none", cpu_offload: bool = False) -> dict:
     """Bytes one rank sends per optimizer step (forward + backward, recompute included), by kind.
 
     tp: ring all-reduce 2(t-1)/t of the message (or all-gather + reduce-scatter (t-1)/t each with
     sequence sharding), 2 per layer forward, 2 backward, (+2 with full recompute); sp: Ulysses
     all-to-all (sp-1)/sp of q, k, v and out forward and backward (+ again under full recompute);
-    pp: activations [b, s/sp, H] each way per micro-batch; dp: gradients all-reduced over dp x sp,
-    fp32, 2(n-1)/n.
+    pp: activations [b, s/sp, H] each way per micro-batch; dp: model state over dp x sp (n ranks):
+    fp32 gradients all-reduced 2(n-1)/n (none; the distributed optimizer's reduce-scatter +
+    all-gather moves the same bytes), FSDP2: bf16 parameters all-gathered in forward, in backward
+    (and once more under full recompute) and bf16 gradients reduce-scattered, (n-1)/n each;
+    host: with --optimizer-cpu-offload, the gradient shard down and the fp32 weight shard back up
+    (4 + 4 bytes/param over PCIe, not a network link).
     """
     L = cfg.num_layers
     micro = global_batch // (micro_batch * dp)
@@ -199,13 +325,116 @@ def comm_bytes_per_step(cfg, seq: int, global_batch: int, micro_batch: int, tp: 
     if pp > 1:
         out["pp"] = micro * 2 * T * H * e / (tp if sequence_parallel else 1)
     n = dp * sp
+    P = params_per_rank(cfg, tp, pp)
     if n > 1:
-        out["dp"] = 2 * (n - 1) / n * params_per_rank(cfg, tp, pp) * 4
+        if sharding == "fsdp":
+            gathers = (3 if memory.full_recompute else 2) * micro
+            out["dp"] = (gathers + 1) * (n - 1) / n * P * e
+        else:
+            out["dp"] = 2 * (n - 1) / n * P * 4
+    if cpu_offload:
+        out["host"] = 8 * P / n
     return out
 
 
+# Peak device memory of one step -----------------------------------------------------------------
+
+def _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory: MemoryOptions) -> float:
+    """Bytes alive during one layer's backward, its own saved tensors included: the larger of
+    - the MLP phase: every saved tensor + the residual-stream gradient (Ts*H*r) + the MLP's
+      recomputed activations and their gradients (one tile's when tiled) + the tile input's gradient;
+    - the attention kernel's backward: the MLP block's tensors and the out-projection input freed
+      (sp > 1; with sp = 1 it is the kernel's saved output), attention's regenerated (selective), +
+      the residual gradient + the kernel's buffers: grad of its output, dq and its fp32 accumulator
+      (flash-attention 2), dk and dv expanded to the local query heads when they outnumber the
+      local key/value heads (GQA), and dk, dv.
+    Later phases (the Ulysses all-to-all of dq, dk, dv; the QKV and norm backward) hold less: the
+    kernel's buffers and saved q, k, v are freed by then."""
+    H, d, F = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
+    hl, gl = cfg.num_attention_heads // tp, cfg.num_query_groups // tp
+    Ts = T / tp if seqpar else T
+    swiglu = cfg.activation == "swiglu"
+    plain = MemoryOptions(mlp_tiles=memory.mlp_tiles)          # attention regenerated if selective
+    terms = _layer_terms(cfg, T, tp, sp, seqpar, e, plain, weight_copies=False, r=r)
+    saved = sum(terms.values())
+    grads = Ts * H * r
+    width = F * (2 if swiglu else 1) // tp
+    tiles = resolve_count(memory.mlp_tiles, int(Ts), width, H) if memory.mlp_tiles != 1 else 1
+    Tt = T / tiles                                               # tokens of one tile (gathered)
+    act = (4 if swiglu else 2) * Tt * F / tp * e                 # fc1 out, act, fc2 in of one tile
+    mlp = saved + grads + (2 * act if tiles > 1 else act) + Tt * H * e
+    kv = T * d * max(gl, sp)                  # k or v elements at the kernel (as _layer_terms)
+    q = T * hl * d
+    expanded = 2 * q * e if hl > max(gl, sp) else 0
+    attn_bwd = q * (e + e + 4) + expanded + 2 * kv * e
+    attention = (saved - terms["mlp_norm"] - terms["fc1_input"] - terms["mlp_act"]
+                 - (terms["proj_input"] if sp > 1 else 0) + grads + attn_bwd)
+    return max(mlp, attention)
+
+
+def _output_backward_peak(cfg, T, tp, seqpar, e, r, memory: MemoryOptions, saved: float) -> float:
+    """Bytes alive during the output layer's backward: its saved tensors + the logits of one chunk
+    (bf16 logits, their fp32 copy in the cross entropy, the fp32 gradient) or, unchunked, the
+    gradient of the whole logits (fp32 + its 16-bit cast) + the gradient of its input."""
+    H = cfg.hidden_size
+    V = cfg.padded_vocab_size(tp) // tp
+    if memory.loss_chunks != 1:
+        chunks = resolve_count(memory.loss_chunks, int(T), V, H)
+        return saved + T / chunks * V * (e + 8) + T * H * r
+    return saved + T * V * (4 + e) + (T / tp if seqpar else T) * H * r
+
+
+def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int = 1, pp: int = 1,
+                    sequence_parallel: bool = False, memory: MemoryOptions | None = None,
+                    dtype_bytes: int = 2, residual_bytes: int = 4, in_flight_micro_batches: int = 1,
+                    pinned: bool = True) -> dict:
+    """Peak activation bytes of one step on one rank (the heaviest pipeline stage), and host bytes.
+
+    kept: what the forward leaves for backward (all layers', or only the checkpointed inputs under
+    full recompute; on host with offload), times the micro-batches 1F1B keeps in flight; then the
+    larger of the output layer's backward and one layer's backward (recomputed first under full
+    recompute; its saved tensors come back from host with offload). Host: the offloaded tensors,
+    each rounded up to a power of two when pinned (torch's caching host allocator).
+    """
+    memory = memory or MemoryOptions()
+    e, r = dtype_bytes, residual_bytes
+    seqpar = sequence_parallel and tp > 1
+    L = cfg.num_layers // pp
+    act = activation_bytes(cfg, seq, micro_batch, tp=tp, sp=sp, sequence_parallel=seqpar,
+                           num_layers=L, memory=memory, dtype_bytes=e, residual_bytes=r)
+    T = micro_batch * seq / sp
+    Ts = T / tp if seqpar else T
+    ckpt_input = Ts * cfg.hidden_size * r
+    kept = (act["layers"] + act["embedding"] + act["shared"]) * in_flight_micro_batches
+    layer_peak = _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory)
+    if memory.full_recompute:
+        group = memory.recompute_num_layers if memory.recompute_method == "uniform" else 1
+        # the group's input is the first norm's saved input: counted in kept unless offloaded
+        working = layer_peak + (group - 1) * act["layer"] - (0 if memory.offload_activations
+                                                             else ckpt_input)
+    else:
+        working = layer_peak - (0 if memory.offload_activations else act["layer"])
+    output = _output_backward_peak(cfg, T, tp, seqpar, e, r, memory, act["output"])
+    device = kept + max(output, working)
+    host = 0.0
+    if memory.offload_activations:
+        if memory.full_recompute:
+            groups = math.ceil(L / memory.recompute_num_layers) \
+                if memory.recompute_method == "uniform" else min(memory.recompute_num_layers, L)
+            one = pinned_bytes(ckpt_input) if pinned else ckpt_input
+            host = groups * one + (act["host"] - groups * ckpt_input)   # + RoPE tables
+        else:
+            host = act["host"]
+        host *= in_flight_micro_batches
+    return {"device": device, "host": host, "kept": kept, "layer_backward": working,
+            "output_backward": output, "activations": act}
+
+
+# Planner ----------------------------------------------------------------------------------------
+
 @dataclass
 class Plan:
+    """One layout with its memory settings and sharding; sizes in GiB per rank unless said."""
     tp: int
     sp: int
     pp: int
@@ -213,37 +442,69 @@ class Plan:
     micro_batch: int
     memory: MemoryOptions
     sequence_parallel: bool
-    weights_gb: float
+    sharding: str
+    cpu_offload: bool
+    state_device_gb: float
+    state_host_gb: float
     activations_gb: float
-    offloaded_gb: float
+    activations_host_gb: float
+    reserve_gb: float
     total_gb: float
+    host_node_gb: float
     comm_gb: dict = field(default_factory=dict)
+    cost: float = 1.0
+    score: float = 0.0
 
     @property
     def comm_total_gb(self) -> float:
-        return sum(self.comm_gb.values())
+        return sum(v for k, v in self.comm_gb.items() if k != "host")
 
-    def flags(self) -> str:
+    def flag_list(self) -> list[str]:
+        """pretrain_gpt.py flags of this plan (Megatron's names), one string per flag and value."""
         m = self.memory
-        parts = [f"--tensor-model-parallel-size {self.tp}", f"--sequence-parallel-size {self.sp}",
-                 f"--pipeline-model-parallel-size {self.pp}", f"--micro-batch-size {self.micro_batch}"]
+        parts = ["--bf16", f"--tensor-model-parallel-size {self.tp}",
+                 f"--sequence-parallel-size {self.sp}", f"--pipeline-model-parallel-size {self.pp}",
+                 f"--micro-batch-size {self.micro_batch}"]
         if self.sequence_parallel:
             parts.append("--sequence-parallel")
+        if self.sharding == "distributed-optimizer":
+            parts.append("--use-distributed-optimizer")
+        elif self.sharding == "fsdp":
+            parts.append("--use-torch-fsdp2")
+        if self.cpu_offload:
+            parts.append("--optimizer-cpu-offload")
         if m.recompute_granularity:
             parts.append(f"--recompute-granularity {m.recompute_granularity}")
             if m.full_recompute:
-                parts.append(f"--recompute-method {m.recompute_method} --recompute-num-layers "
-                             f"{m.recompute_num_layers}")
+                parts.append(f"--recompute-method {m.recompute_method}")
+                parts.append(f"--recompute-num-layers {m.recompute_num_layers}")
         if m.mlp_tiles != 1:
             parts.append(f"--mlp-tiles {m.mlp_tiles}")
         if m.loss_chunks != 1:
             parts.append(f"--loss-chunks {m.loss_chunks}")
         if m.offload_activations:
             parts.append("--offload-activations")
-        return " ".join(parts)
+        return parts
+
+    def flags(self) -> str:
+        return " ".join(self.flag_list())
+
+    @property
+    def sharding_label(self) -> str:
+        return {"none": "none", "distributed-optimizer": "distopt", "fsdp": "fsdp2"}[self.sharding] \
+            + ("+offload" if self.cpu_offload else "")
+
+    def to_dict(self) -> dict:
+        out = {k: getattr(self, k) for k in (
+            "tp", "sp", "pp", "dp", "micro_batch", "sequence_parallel", "sharding", "cpu_offload",
+            "state_device_gb", "state_host_gb", "activations_gb", "activations_host_gb",
+            "reserve_gb", "total_gb", "host_node_gb", "comm_gb", "score")}
+        out["memory"] = self.memory.to_dict()
+        out["flags"] = self.flags()
+        return out
 
 
-# Cheapest first: the planner picks the first that fits for each layout.
+# Cheapest first: the planner picks the first that fits for each layout and sharding mode.
 TECHNIQUE_LADDER = [
     MemoryOptions(),
     MemoryOptions(loss_chunks="auto"),
@@ -255,6 +516,40 @@ TECHNIQUE_LADDER = [
 ]
 TECHNIQUE_COST = [1.0, 1.0, 1.02, 1.05, 1.33, 1.38]   # relative step time (recompute ~ +1/3 forward)
 
+# "auto" tiles/chunks are resolved per layout to explicit counts, never fewer than auto's, so that
+# one MLP tile holds at most MLP_TILE_TOKENS tokens and one loss chunk at most LOSS_CHUNK_TOKENS
+# (a chunk's logits live in bf16, fp32 and as an fp32 gradient: 10 bytes x tokens x vocabulary).
+MLP_TILE_TOKENS = 8192
+LOSS_CHUNK_TOKENS = 2048
+
+
+def concrete_memory(cfg, mem: MemoryOptions, seq: int, micro_batch: int, tp: int, sp: int,
+                    seqpar: bool) -> MemoryOptions:
+    """mem with "auto" tiles and chunks replaced by the counts the planner assumes (see above)."""
+    T = micro_batch * seq // sp
+    Ts = T // tp if seqpar else T
+    H, V = cfg.hidden_size, cfg.padded_vocab_size(tp) // tp
+    width = cfg.ffn_hidden_size * (2 if cfg.activation == "swiglu" else 1) // tp
+    tiles, chunks = mem.mlp_tiles, mem.loss_chunks
+    if tiles == "auto":
+        tiles = min(max(resolve_count("auto", Ts, width, H), math.ceil(T / MLP_TILE_TOKENS)), Ts)
+    if chunks == "auto":
+        chunks = min(max(resolve_count("auto", T, V, H), math.ceil(T / LOSS_CHUNK_TOKENS)), T)
+    return MemoryOptions(**{**mem.to_dict(), "mlp_tiles": tiles, "loss_chunks": chunks})
+
+
+def sharding_candidates(sharding: str = "auto", cpu_offload: bool | None = None):
+    """(mode, offload) pairs the planner tries: `auto` every mode; cpu_offload None tries both."""
+    if sharding != "auto" and sharding not in SHARDING_MODES:
+        raise ValueError(f"--sharding must be none, distributed-optimizer, fsdp or auto, got "
+                         f"{sharding!r}.")
+    if sharding == "none" and cpu_offload:
+        raise ValueError("--optimizer-cpu-offload needs a sharded mode: use --sharding "
+                         "distributed-optimizer, fsdp or auto.")
+    modes = SHARDING_MODES if sharding == "auto" else (sharding,)
+    offloads = (False, True) if cpu_offload is None else (bool(cpu_offload),)
+    return [(m, o) for m in modes for o in offloads if not (m == "none" and o)]
+
 
 def _divisors(n):
     return [i for i in range(1, n + 1) if n % i == 0]
@@ -262,69 +557,122 @@ def _divisors(n):
 
 def plan(cfg, seq: int, global_batch: int, num_gpus: int, gpu_mem_gb: float = 80.0, *,
          gpus_per_node: int = 8, intra_node_gbps: float = 450.0, inter_node_gbps: float = 50.0,
-         reserve_gb: float = 4.0, dtype_bytes: int = 2, micro_batch: int = 1,
-         peak_tflops: float = 989.0, mfu: float = 0.4) -> list[Plan]:
-    """Feasible (tp, sp, pp, dp) layouts with the cheapest memory settings that fit, best first.
+         pcie_gbps: float = 25.0, reserve_gb: float = 4.0, fragmentation: float = 0.10,
+         dtype_bytes: int = 2, micro_batch: int = 1, peak_tflops: float = 989.0, mfu: float = 0.4,
+         sharding: str = "auto", cpu_offload: bool | None = None, host_memory_gb: float = 2048.0,
+         host_reserve_fraction: float = 0.10) -> list[Plan]:
+    """Feasible (tp, sp, pp, dp) layouts with the sharding mode and memory settings that fit, best
+    first (one plan per layout: its fastest fitting mode).
+
+    Device memory per rank = model state on device + peak activations (step_peak_bytes) + a reserve:
+    reserve_gb (CUDA context, NCCL and cuBLAS workspaces) + `fragmentation` x the modelled bytes
+    (the caching allocator's unusable split blocks). Host memory per node = ranks on the node x
+    (model state on host + offloaded activations, pinned buffers rounded to powers of two), at most
+    (1 - host_reserve_fraction) x host_memory_gb (the rest: OS, data loader, page cache).
+    Activations: bf16 matmul inputs (dtype_bytes); the residual stream and norms in fp32 (bf16 autocast
+    over fp32 weights) except under FSDP2 with bf16 parameters (MixedPrecisionPolicy), where the
+    whole forward is bf16.
 
     Score: estimated step seconds = model FLOPs / (GPUs x peak x mfu) x technique cost (recompute
     ~ +1/3) x (1 + pipeline bubble) + communication bytes / bandwidth (tp inside a node; sp, pp and dp
-    cross nodes when the layout spans them; GB/s per GPU). Each plan carries .score (seconds).
+    cross nodes when the layout spans them; GB/s per GPU; offloaded state over PCIe).
     """
-    plans = []
-    for tp in _divisors(min(num_gpus, gpus_per_node)):
-        for sp in _divisors(num_gpus // tp):
-            for pp in _divisors(num_gpus // (tp * sp)):
-                dp = num_gpus // (tp * sp * pp)
-                if global_batch % (micro_batch * dp) or cfg.num_layers % pp:
-                    continue
-                try:
-                    cfg.check_parallel(tp, sp, pp)
-                except ValueError:
-                    continue
-                if seq % (sp * tp):
-                    continue
-                seqpar = tp > 1
-                weights = params_per_rank(cfg, tp, pp) * BYTES_PER_PARAM
-                for mem, cost in zip(TECHNIQUE_LADDER, TECHNIQUE_COST):
-                    act = activation_bytes(cfg, seq, micro_batch, tp=tp, sp=sp,
-                                           sequence_parallel=seqpar, num_layers=cfg.num_layers // pp,
-                                           memory=mem, dtype_bytes=dtype_bytes, weight_copies=False)
-                    # 1F1B keeps up to pp micro-batches in flight on the first stage
-                    inflight = max(1, min(pp, global_batch // (micro_batch * dp)))
-                    # full recompute: one layer's activations exist again during its backward
-                    working = 0.0
-                    if mem.full_recompute:
-                        one = activation_bytes(cfg, seq, micro_batch, tp=tp, sp=sp,
-                                               sequence_parallel=seqpar, num_layers=1,
-                                               memory=MemoryOptions(mlp_tiles=mem.mlp_tiles),
-                                               dtype_bytes=dtype_bytes, post_process=False,
-                                               pre_process=False)
-                        working = one["layer"] * mem.recompute_num_layers
-                    total = weights + act["total"] * inflight + working
-                    if total / 2**30 + reserve_gb <= gpu_mem_gb:
-                        comm = comm_bytes_per_step(cfg, seq, global_batch, micro_batch, tp, sp, pp, dp,
-                                                   seqpar, mem, dtype_bytes)
-                        plans.append(Plan(tp, sp, pp, dp, micro_batch, mem, seqpar, weights / 2**30,
-                                          act["total"] * inflight / 2**30,
-                                          act["host"] * inflight / 2**30, total / 2**30 + reserve_gb,
-                                          {k: v / 2**30 for k, v in comm.items()}))
-                        plans[-1].cost = cost
-                        break
-
     from megatron_sp.flops import flops_for_config
+    candidates = sharding_candidates(sharding, cpu_offload)
     compute_s = flops_for_config(cfg, global_batch, seq) / (num_gpus * peak_tflops * 1e12 * mfu)
+    ranks_per_node = min(num_gpus, gpus_per_node)
+    GB = 2 ** 30
 
-    def score(p: Plan):
+    def score(p: Plan) -> float:
         """Estimated seconds per step: compute (x technique cost, x pipeline bubble) + communication
         (not overlapped: a pessimistic bound)."""
         bw = {"tp": intra_node_gbps,
               "sp": intra_node_gbps if p.tp * p.sp <= gpus_per_node else inter_node_gbps,
               "pp": inter_node_gbps if p.tp * p.sp * p.dp < num_gpus else intra_node_gbps,
-              "dp": inter_node_gbps if p.tp * p.sp < num_gpus else intra_node_gbps}
-        comm_s = sum(gb / bw[k] for k, gb in p.comm_gb.items())
+              "dp": inter_node_gbps if p.tp * p.sp < num_gpus else intra_node_gbps,
+              "host": pcie_gbps}
+        comm_s = sum(gb * GB / 1e9 / bw[k] for k, gb in p.comm_gb.items())
         bubble = (p.pp - 1) / max(1, global_batch // (p.micro_batch * p.dp)) if p.pp > 1 else 0.0
         return compute_s * p.cost * (1 + bubble) + comm_s
-    plans.sort(key=score)
-    for p in plans:
-        p.score = score(p)
+
+    plans = []
+    for tp in _divisors(min(num_gpus, gpus_per_node)):
+        for sp in _divisors(num_gpus // tp):
+            for pp in _divisors(num_gpus // (tp * sp)):
+                dp = num_gpus // (tp * sp * pp)
+                if global_batch % (micro_batch * dp) or cfg.num_layers % pp or seq % (sp * tp):
+                    continue
+                try:
+                    cfg.check_parallel(tp, sp, pp)
+                except ValueError:
+                    continue
+                seqpar = tp > 1
+                inflight = max(1, min(pp, global_batch // (micro_batch * dp)))  # 1F1B, first stage
+                fits = []
+                for mode, offload in candidates:
+                    p = _fit(cfg, seq, micro_batch, tp, sp, pp, dp, seqpar, mode, offload, inflight,
+                             dtype_bytes, gpu_mem_gb, reserve_gb, fragmentation, ranks_per_node,
+                             host_memory_gb * (1 - host_reserve_fraction))
+                    if p is not None:
+                        p.comm_gb = {k: v / GB for k, v in comm_bytes_per_step(
+                            cfg, seq, global_batch, micro_batch, tp, sp, pp, dp, seqpar, p.memory,
+                            dtype_bytes, mode, offload).items()}
+                        p.score = score(p)
+                        fits.append(p)
+                if fits:
+                    plans.append(min(fits, key=lambda q: q.score))
+    plans.sort(key=lambda q: q.score)
     return plans
+
+
+def _fit(cfg, seq, micro_batch, tp, sp, pp, dp, seqpar, mode, offload, inflight, e, gpu_mem_gb,
+         reserve_gb, fragmentation, ranks_per_node, host_budget_gb) -> Plan | None:
+    """The first rung of the technique ladder that fits device and host memory, as a Plan."""
+    GB = 2 ** 30
+    n = dp * sp
+    state = model_state_bytes(cfg, tp, pp, n, mode, offload, bf16=e == 2)
+    if mode != "fsdp" and e == 2:
+        # bf16 autocast over fp32 weights: its cast cache holds a bf16 copy of every weight until the
+        # forward ends and aten::linear saves them for backward (DESIGN 9's 18 bytes/param)
+        state["device"] += 2 * params_per_rank(cfg, tp, pp)
+    state_host = host_state_pinned_bytes(cfg, tp, pp, n) if offload else 0.0
+    r = 2 if (mode == "fsdp" and e == 2) else 4
+    for mem, cost in zip(TECHNIQUE_LADDER, TECHNIQUE_COST):
+        mem = concrete_memory(cfg, mem, seq, micro_batch, tp, sp, seqpar)
+        peak = step_peak_bytes(cfg, seq, micro_batch, tp=tp, sp=sp, pp=pp, sequence_parallel=seqpar,
+                               memory=mem, dtype_bytes=e, residual_bytes=r,
+                               in_flight_micro_batches=inflight)
+        modelled = state["device"] + peak["device"]
+        reserve = reserve_gb * GB + fragmentation * modelled
+        host_node = ranks_per_node * (state_host + peak["host"])
+        if (modelled + reserve) / GB <= gpu_mem_gb and host_node / GB <= host_budget_gb:
+            return Plan(tp, sp, pp, dp, micro_batch, mem, seqpar, mode, offload,
+                        state_device_gb=state["device"] / GB, state_host_gb=state_host / GB,
+                        activations_gb=peak["device"] / GB, activations_host_gb=peak["host"] / GB,
+                        reserve_gb=reserve / GB, total_gb=(modelled + reserve) / GB,
+                        host_node_gb=host_node / GB, cost=cost)
+    return None
+
+
+def max_feasible_seq(make_cfg, num_gpus: int, *, global_batch: int = 1, step: int | None = None,
+                     limit: int = 2 ** 34, **plan_kwargs) -> tuple[int, Plan | None]:
+    """The longest sequence (a multiple of `step`, default lcm(1024, num_gpus)) for which plan()
+    finds a layout, by doubling then bisection; make_cfg(seq) builds the model config for a length.
+    Returns (0, None) when not even one step fits."""
+    step = step or math.lcm(1024, num_gpus)
+
+    def best(k):
+        plans = plan(make_cfg(k * step), k * step, global_batch, num_gpus, **plan_kwargs)
+        return plans[0] if plans else None
+    if best(1) is None:
+        return 0, None
+    lo, hi = 1, 2
+    while hi * step <= limit and best(hi) is not None:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:                       # invariant: lo fits, hi does not (or passes the limit)
+        mid = (lo + hi) // 2
+        if best(mid) is not None:
+            lo = mid
+        else:
+            hi = mid
+    return lo * step, best(lo)

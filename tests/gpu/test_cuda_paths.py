@@ -2,7 +2,8 @@
 
 One GPU: the model in bf16 autocast against the fp32 CPU reference, SDPA's flash kernel through our
 backend, the RNG tracker's CUDA stream, pinned activation offload, fused AdamW and a bit-exact
-checkpoint resume of pretrain_gpt.py on the device. Run everything GPU-side with
+checkpoint resume of pretrain_gpt.py on the device; Transformer Engine and flash-attn against SDPA
+when they are installed. Run everything GPU-side with
 `bash tests/gpu/run_gpu_checks.sh` (these tests, then the timed long-context benchmark).
 """
 import json
@@ -131,3 +132,28 @@ def test_bf16_cuda_families_match_fp32_cpu_reference(family):
     for name, g in grads_gpu.items():
         rel = (g - grads_ref[name]).norm() / grads_ref[name].norm().clamp(min=1e-12)
         assert rel < 0.1, f"{family}: {name}: relative gradient error {rel:.3f} in bf16"
+
+
+@pytest.mark.parametrize("backend,module", [("te", "transformer_engine"), ("flash", "flash_attn")])
+@pytest.mark.parametrize("documents", [False, True])
+def test_fused_backend_matches_sdpa(backend, module, documents):
+    """Transformer Engine and flash-attn (when installed) against fp32 SDPA, GQA, causal, with and
+    without packed documents; forward and the gradient of q (bf16 tolerance)."""
+    pytest.importorskip(module)
+    from megatron_sp.attention import SDPAAttention, get_attention_backend
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(2, 1024, 8, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    k = torch.randn(2, 1024, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(2, 1024, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    docs = None
+    if documents:                                              # three documents per sequence
+        docs = torch.zeros(2, 1024, dtype=torch.long, device="cuda")
+        docs[:, 300:] = 1
+        docs[:, 700:] = 2
+    out = get_attention_backend(backend)(q, k, v, document_ids=docs)
+    qf = q.detach().float().requires_grad_()
+    ref = SDPAAttention()(qf, k.float(), v.float(), document_ids=docs)
+    assert (out.float() - ref).abs().max().item() < 3e-2
+    out.float().sum().backward()
+    ref.sum().backward()
+    assert ((q.grad.float() - qf.grad).norm() / qf.grad.norm()).item() < 2e-2
