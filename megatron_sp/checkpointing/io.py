@@ -31,8 +31,8 @@ from megatron_sp.checkpointing.format import (FORMAT_VERSION, META_FILENAME, REL
                                               _jsonable, _rng_from_storable, _rng_to_storable,
                                               check_config, iteration_dirname, model_state,
                                               optimizer_state, read_meta, schedule_to_load)
-from megatron_sp.checkpointing.integrity import (ALGORITHM, checksum_files, files_of_rank,
-                                                 verify_files)
+from megatron_sp.checkpointing.integrity import (ALGORITHM, checksum_files, dcp_item_offsets,
+                                                 files_of_rank, verify_files)
 from megatron_sp.checkpointing.planners import _dcp_errors, _planners
 
 
@@ -224,7 +224,8 @@ _pending: _PendingSave | None = None
 
 def _record_checksums(tmp: str, meta: dict) -> None:
     """Every rank checksums the files it wrote (collective); rank 0 records them all in `meta`."""
-    mine = checksum_files(tmp, files_of_rank(tmp, _rank(), _world(), skip={META_FILENAME}))
+    mine = checksum_files(tmp, files_of_rank(tmp, _rank(), _world(), skip={META_FILENAME}),
+                          cuts=dcp_item_offsets(tmp))
     files = {}
     for part in _all_gather_object(mine):
         files.update(part)

@@ -80,9 +80,12 @@ def _planners():
                     requests += create_read_items_for_chunk_list(fqn, md, [chunk])
                 else:
                     requests += _create_read_items(fqn, md, obj)
-            if self.verify is not None:   # the files this rank's plan opens, before any is read
-                files = {self.metadata.storage_data[r.storage_index].relative_path for r in requests}
-                verify_files(self.where, files, *self.verify)
+            if self.verify is not None:   # the bytes this rank's plan reads, before any is read
+                ranges = {}
+                for r in requests:
+                    info = self.metadata.storage_data[r.storage_index]
+                    ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
+                verify_files(self.where, ranges, *self.verify)
             return LoadPlan(requests)
 
         def lookup_tensor(self, index):
