@@ -7,7 +7,7 @@ load time, and who should checksum at save.
 2. Load: W gloo ranks on CPU, each holding a `--mib` MiB shard (weights and AdamW moments) of
    transformer layers split over tensor parallelism (hidden 1024; one DCP file per rank). Per rank, median of `--repeats`: load_checkpoint without and with
    verification, and the verification alone (verify_files on the files this rank's plan opens).
-       verify GB/s per rank   = bytes the rank verifies (the 64 MiB blocks its plan reads from)
+       verify GB/s per rank   = bytes the rank verifies (the segments its plan reads)
                                 / verification time
        share of load time     = verification time / load time with verification   (target < 10%)
    Twice: page cache warm (the files just written: the CRC's CPU cost against DCP's own reading
@@ -97,12 +97,11 @@ def _planned_ranges(load) -> dict[str, list[tuple[int, int]] | None]:
 
 
 def _verified_bytes(ranges, records) -> int:
-    """Bytes of the blocks `verify_files` reads for these ranges."""
-    total, block = 0, integrity.BLOCK
+    """Bytes of the segments `verify_files` reads for these ranges."""
+    total = 0
     for name, r in ranges.items():
-        size = records[name]["size"]
-        blocks = integrity._blocks_of(r)
-        total += size if blocks is None else sum(min(block, size - b * block) for b in blocks)
+        ends = records[name]["ends"]
+        total += sum(ends[k] - (ends[k - 1] if k else 0) for k in integrity._segments_of(ends, r))
     return total
 
 

@@ -9,13 +9,13 @@ damaged bytes. At save every rank checksums the DCP files it wrote (`__<rank>_*.
 also `.metadata`) once the folder is complete, and rank 0 records them in megatron_sp.json, itself
 written under a temporary name and renamed with the folder: the checksums are published atomically
 with the checkpoint they describe. At load each rank verifies `.metadata` before DCP unpickles it,
-then the blocks of the shard files its read plan opens (the load planner calls `verify_files`), so
+then the segments of the shard files its read plan reads (the load planner calls `verify_files`), so
 a rank never uses bytes it has not checked.
 
 Why CRC-32 (zlib): it is in the standard library (no new dependency), zlib releases the GIL while
 it runs, and it is the fastest digest available there (2-3 GB/s per core here against 0.5-0.7 GB/s
 for SHA-1/SHA-256 and 0.3-0.4 GB/s for BLAKE2b; bench/checkpoint_io.py). It detects every burst
-error up to 32 bits and misses random damage with probability 2^-32 per block: the right tool
+error up to 32 bits and misses random damage with probability 2^-32 per segment: the right tool
 against truncation, bit rot and partial copies. It is no defence against deliberate tampering
 (DCP's .metadata is a pickle anyway: load checkpoints only from sources you trust).
 """

@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from typing import Any
 
@@ -206,37 +207,56 @@ def _fsync_dir(path: str):
 # Save ----------------------------------------------------------------------------------------------
 
 class _PendingSave:
-    """An asynchronous save whose files are still being written; `finalize()` publishes it."""
+    """An asynchronous save whose files are still being written; `finalize()` publishes it.
+
+    A helper thread waits for the write and checksums this rank's files in the background too, so
+    that publishing (at the next save or at exit) does not stop training for the CRCs."""
 
     def __init__(self, future, root, iteration, tmp, final, meta):
         self.future, self.root, self.iteration = future, root, iteration
         self.tmp, self.final, self.meta = tmp, final, meta
+        self.checksums, self.error = None, None
+        self.thread = threading.Thread(target=self._checksum, name="checkpoint-crc", daemon=True)
+        self.thread.start()
+
+    def _checksum(self):
+        try:
+            self.future.result()              # this rank's files and (DCP's finish) .metadata
+            self.checksums = _own_checksums(self.tmp)
+        except BaseException as err:          # re-raised by finalize() on the main thread
+            self.error = err
 
     def finalize(self):
-        if self.future is not None:
-            self.future.result()
-            self.future = None
-        _publish(self.root, self.iteration, self.tmp, self.final, self.meta)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        _publish(self.root, self.iteration, self.tmp, self.final, self.meta, self.checksums)
 
 
 _pending: _PendingSave | None = None
 
 
-def _record_checksums(tmp: str, meta: dict) -> None:
-    """Every rank checksums the files it wrote (collective); rank 0 records them all in `meta`."""
-    mine = checksum_files(tmp, files_of_rank(tmp, _rank(), _world(), skip={META_FILENAME}),
+def _own_checksums(tmp: str) -> dict:
+    """The checksums of the files this rank wrote (integrity.files_of_rank)."""
+    return checksum_files(tmp, files_of_rank(tmp, _rank(), _world(), skip={META_FILENAME}),
                           cuts=dcp_item_offsets(tmp))
+
+
+def _record_checksums(tmp: str, meta: dict, mine: dict | None = None) -> None:
+    """Every rank checksums the files it wrote (unless given: `mine`), the ranks gather them
+    (collective) and `meta` records them all."""
     files = {}
-    for part in _all_gather_object(mine):
+    for part in _all_gather_object(_own_checksums(tmp) if mine is None else mine):
         files.update(part)
     meta["checksums"] = {"algorithm": ALGORITHM, "files": dict(sorted(files.items()))}
 
 
-def _publish(root, iteration, tmp, final, meta):
-    """Every rank has written its files: they are checksummed, rank 0 writes the metadata (with the
-    checksums) under a temporary name, renames the folder, then replaces the tracker."""
+def _publish(root, iteration, tmp, final, meta, checksums=None):
+    """Every rank has written its files: they are checksummed (`checksums`: this rank's, already
+    computed), rank 0 writes the metadata (with every rank's checksums) under a temporary name,
+    renames the folder, then replaces the tracker."""
     _barrier()
-    _record_checksums(tmp, meta)
+    _record_checksums(tmp, meta, checksums)
     if _rank() == 0:
         _write_text_atomic(os.path.join(tmp, META_FILENAME), json.dumps(meta, indent=1))
         if os.path.exists(final):           # saving an iteration again: move the old one away
