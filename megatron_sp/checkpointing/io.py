@@ -383,6 +383,8 @@ def load_checkpoint(path: str, chunks, mesh, *, optimizer=None, scheduler=None, 
                                   finetune)
     except CheckpointError as err:
         error = str(err)
+    except OSError as err:                 # unreadable (permissions, I/O error): still one line
+        error = f"cannot read checkpoint {path}: {err}; check the files' permissions and disk."
     error = agree_on_error(error)
     if error is not None:
         raise CheckpointError(error)
