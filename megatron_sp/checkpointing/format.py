@@ -219,16 +219,33 @@ def check_config(saved: dict | None, config, where: str) -> None:
     fields = list(ARCHITECTURE_FIELDS)
     if current.get("position_embedding_type") == "learned_absolute":
         fields.append("max_position_embeddings")
-    diffs = [f"{k}={saved.get(k)!r} in the checkpoint but {current.get(k)!r} from the model flags"
-             for k in fields if k in saved and saved.get(k) != current.get(k)]
+    diffs = [f"{_flag_of(k)} {saved.get(k)!r} in the checkpoint but {current.get(k)!r} from the "
+             f"command line" for k in fields if k in saved and saved.get(k) != current.get(k)]
     if diffs:
-        raise CheckpointError(f"checkpoint {where} does not fit the model: " + "; ".join(diffs) + ".")
-    changed = [f"{k}={saved[k]!r} in the checkpoint but {current.get(k)!r} now"
+        raise CheckpointError(f"checkpoint {where} does not fit the model: " + "; ".join(diffs)
+                              + " (pass the checkpoint's values, or --use-checkpoint-args).")
+    changed = [f"{_flag_of(k)} {saved[k]!r} in the checkpoint but {current.get(k)!r} now"
                for k in FUNCTION_FIELDS if k in saved and saved[k] != current.get(k)]
     if changed and _rank() == 0:
         print(f"warning: checkpoint {where} was trained with other settings: " + "; ".join(changed)
-              + " (pass the checkpoint's values, e.g. --rotary-base, unless this is intended).",
+              + " (pass the checkpoint's values, or --use-checkpoint-args, unless this is intended).",
               file=sys.stderr, flush=True)
+
+
+# Config fields whose flag is not "--" + the field name with dashes.
+_FIELD_FLAGS = {"vocab_size": "the vocabulary (tokenizer or --vocab-size)",
+                "activation": "the activation (--swiglu / --openai-gelu)",
+                "add_bias_linear": "--disable-bias-linear", "tie_embeddings":
+                "--untie-embeddings-and-output-weights", "qk_layernorm": "--qk-layernorm",
+                "sliding_window": "the sliding window (from the converted checkpoint)",
+                "rope_low_freq_factor": "the llama3 low-frequency factor (no flag)",
+                "rope_high_freq_factor": "the llama3 high-frequency factor (no flag)",
+                "rope_original_max_position_embeddings": "the llama3 original context (no flag)"}
+
+
+def _flag_of(field: str) -> str:
+    """The command-line flag (or a description) that sets a model config field."""
+    return _FIELD_FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
 # LRScheduler attributes that make the learning-rate schedule, with the flags that set them.

@@ -162,7 +162,7 @@ def check_matrix(rank, world, root):
             ck.load_checkpoint(save_dir, _build(wider, mesh, 1), mesh, config=cfg_arg)
         except ck.CheckpointError as err:
             errors.append(str(err))
-    assert "ffn_hidden_size=128 in the checkpoint but 256" in errors[0], errors
+    assert "--ffn-hidden-size 128 in the checkpoint but 256" in errors[0], errors
     assert re.search(r"tensor 'layers.0.mlp.fc1.(weight|bias)' has shape \(2, 128(, 64)?\) in checkpoint "
                      r".* but shape \(2, 256(, 64)?\) in the model", errors[1]), errors
     try:

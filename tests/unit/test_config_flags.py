@@ -29,3 +29,17 @@ def test_flags_rebuild_the_config(name):
     args = parse_args(config_to_flags(config) + ["--seq-length", "128"])
     rebuilt = pretrain_gpt.model_config(args, config.vocab_size)
     assert rebuilt.to_dict() == config.to_dict()
+
+
+def test_checkpoint_mismatch_names_the_flag(capsys):
+    """A finetune whose norm epsilon differs is warned about by that flag (not another), and a
+    shape mismatch names the shape flag and --use-checkpoint-args."""
+    from megatron_sp.checkpointing import CheckpointError, check_config
+    config = _odd_config()
+    saved = {**config.to_dict(), "norm_epsilon": 1e-5}
+    check_config(saved, config, "ckpt/iter_0000010")
+    err = capsys.readouterr().err
+    assert "--norm-epsilon 1e-05 in the checkpoint but 1e-06 now" in err and "--rotary-base" not in err
+    with pytest.raises(CheckpointError, match="--num-query-groups 4 in the checkpoint but 2 .*"
+                                              "--use-checkpoint-args"):
+        check_config({**config.to_dict(), "num_query_groups": 4}, config, "ckpt/iter_0000010")
