@@ -11,7 +11,8 @@ and "/t*" meaning "divided by t under --sequence-parallel":
                     the shard and all-gather it again in backward); SDPA inputs q T*hl*d, k and v T*d*max(gl, sp) each (with sp = 1
                     and no RoPE and one q per group the q saved is the whole fused qkv: T*(hl+2gl)*d),
                     logsumexp T*hl (fp32), SDPA output T*hl*d (only with sp > 1: otherwise it is
-                    the out-proj input), out-proj input T*hl*d
+                    the out-proj input), out-proj input T*hl*d; with --qk-layernorm the QKV
+                    output T*(hl+2gl)*d (qk-norm and RoPE are recomputed from it in backward)
   MLP block         norm as above, fc1 input T*H/t*, SwiGLU: fc1 output 2T*F/t + silu(gate) T*F/t +
                     fc2 input T*F/t (GeLU: 2T*F/t)
   weight copies     aten::linear keeps w^T (CPU) or the autocast bf16 copy (GPU) of each weight: qkv,
@@ -67,7 +68,7 @@ def _layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies
     Ts = T / tp if seqpar else T
     rms = cfg.normalization == "RMSNorm"
     swiglu = cfg.activation == "swiglu"
-    rope = cfg.position_embedding_type == "rope"
+    rope = cfg.position_embedding_type in ("rope", "yarn")
     norm = (Ts * H + Ts + Ts * H) if rms else (Ts * H + 2 * Ts)
     nb = 4 if rms else r      # torch's RMSNorm keeps fp32 copies for a 16-bit input (measured on CPU)
     kv = T * d * max(gl, sp)
@@ -88,6 +89,8 @@ def _layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies
         "fc1_input": Ts * H * e,
         "mlp_act": (4 * T * F / tp if swiglu else 2 * T * F / tp) * e,
     }
+    if getattr(cfg, "qk_layernorm", False):   # qk-norm + RoPE recomputed from the QKV output
+        terms["qk_norm_input"] = T * (hl + 2 * gl) * d * e
     if weight_copies:
         fc1 = H * F * (2 if swiglu else 1) / tp
         terms["w_attn"] = (H * (hl + 2 * gl) * d + hl * d * H) * e
@@ -136,7 +139,7 @@ def activation_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: in
             layers = k * ckpt_input + (L - k) * layer
     else:
         layers = L * layer
-    shared = 2 * T * d * 4 if cfg.position_embedding_type == "rope" else 0
+    shared = 2 * T * d * 4 if cfg.position_embedding_type in ("rope", "yarn") else 0
     host = 0
     if memory.offload_activations:
         host, layers, shared = layers + shared, 0, 0

@@ -195,3 +195,19 @@ def test_cli_table_fits_120_columns_with_labelled_columns_and_json(capsys):
               "--optimizer-cpu-offload"])
     err = capsys.readouterr().err.strip().splitlines()
     assert "needs a sharded mode" in err[-1] and "Traceback" not in "".join(err)  # argparse usage
+
+
+def test_qk_layernorm_term_matches_the_measured_difference():
+    """--qk-layernorm keeps the QKV output, (h + 2g) * d values per token and layer per tp rank
+    (measured in tests/unit/test_families.py); YaRN counts as RoPE (the shared cos/sin)."""
+    from megatron_sp.memory.planner import activation_bytes
+    from megatron_sp.models import preset
+    shape = dict(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                 kv_channels=32, ffn_hidden_size=128, vocab_size=300, max_position_embeddings=64)
+    for tp, sp in ((1, 1), (2, 1), (1, 2)):
+        with_qk, without = (activation_bytes(preset("qwen3-0.6b", qk_layernorm=qk, **shape), 32, 2,
+                                             tp=tp, sp=sp)["layer"] for qk in (True, False))
+        assert with_qk - without == 2 * 32 / sp * (4 + 2 * 2) // tp * 32 * 4
+    yarn = preset("qwen3-0.6b", position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0,
+                  yarn_original_max_position_embeddings=32, **shape)
+    assert activation_bytes(yarn, 32, 2)["shared"] == 2 * 64 * 32 * 4
