@@ -81,15 +81,15 @@ def debug_requested(argv=None) -> bool:
 def as_user_error(err: BaseException) -> UserError | None:
     """The UserError that `err` stands for, or None for a bug (keeps its traceback).
 
-    SystemExit("error: ...") is the older form of the same sentence; a raw collective error (a peer
-    died outside a training step) becomes a CollectiveFailure-like consequence."""
+    SystemExit("error: ...") is the older form of the same sentence; a raw collective error of a
+    multi-rank run (a peer died outside a training step) becomes a CollectiveFailure."""
     if isinstance(err, UserError):
         return err
     if isinstance(err, SystemExit) and isinstance(err.code, str):
         message = err.code[len("error: "):] if err.code.startswith("error: ") else err.code
         return UserError(message)
     from megatron_sp.training import CollectiveFailure, is_collective_failure
-    if is_collective_failure(err):
+    if _store() is not None and _rank_and_world()[1] > 1 and is_collective_failure(err):
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return CollectiveFailure(
             f"rank {_rank_and_world()[0]}: a collective failed outside a training step: another rank "
@@ -154,8 +154,9 @@ def _linger(world: int, store) -> None:
     _wait(lambda: store.add(f"{_KEY}/posted", 0) >= world)
 
 
-def _wait(probe, grace_s: float = GRACE_S):
-    deadline = time.monotonic() + grace_s
+def _wait(probe):
+    """probe() until it gives a true value or GRACE_S passed; its last value."""
+    deadline = time.monotonic() + GRACE_S
     while True:
         value = probe()
         if value or time.monotonic() > deadline:
