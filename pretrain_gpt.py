@@ -324,4 +324,4 @@ def train(args, trainer, train_iter, valid_iter, metrics, checkpoints=None):
 
 
 if __name__ == "__main__":
-    run_main(main)   # user errors as one sentence, once; exit 0 once main returned (megatron_sp.errors)
+    run_main(main)   # user errors in one sentence, said once; exit 0 when main returned (errors.py)

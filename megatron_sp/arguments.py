@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "like Megatron's NaN check) or skip that optimizer step and count it in the log")
     lg.add_argument("--max-skipped-steps", type=int, default=10,
                     help="with --nonfinite-loss skip: stop the run (it diverged) after this many "
-                    "optimizer steps in a row were skipped; nothing is saved after the first of them")
+                    "optimizer steps in a row were skipped; nothing is saved from the first one")
     return p
 
 

@@ -21,13 +21,13 @@ a peer died) stays quiet when some rank posted the error that caused it. Before 
 exists (argument errors) the ranks cannot compare, but they read the same command line: rank 0
 speaks, unless the error is marked `same_on_every_rank = False` (a rendezvous it cannot reach).
 
-Exit (`exit_process`): after the run ends, every rank leaves with os._exit, streams flushed, skipping
-the interpreter's finalization. A finished 2-rank run under load died after its last line with
-"terminate called without an active exception" (SIGABRT): a C++ thread (gloo's workers release
-the last reference to a finished collective's tensors) took the GIL while the interpreter was
-finalizing, and CPython ends such a thread with pthread_exit, whose unwinding through a noexcept
-destructor calls std::terminate (pytorch/pytorch#38228). Everything the run writes is closed
-before (metrics, TensorBoard, checkpoints, asynchronous saves), so there is nothing left to lose.
+Exit (`exit_process`): after the run ends, every rank leaves with os._exit, streams flushed,
+skipping the interpreter's finalization. A finished 2-rank run under load died after its last
+line with "terminate called without an active exception" (SIGABRT): a C++ thread (gloo's workers
+release the last reference to a finished collective's tensors) took the GIL while the interpreter
+was finalizing, and CPython ends such a thread with pthread_exit, whose unwinding through a
+noexcept destructor calls std::terminate (pytorch/pytorch#38228). Everything the run writes is
+closed before (metrics, TensorBoard, checkpoints, asynchronous saves): nothing is left to lose.
 """
 from __future__ import annotations
 
@@ -92,9 +92,9 @@ def as_user_error(err: BaseException) -> UserError | None:
     if _store() is not None and _rank_and_world()[1] > 1 and is_collective_failure(err):
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return CollectiveFailure(
-            f"rank {_rank_and_world()[0]}: a collective failed outside a training step: another rank "
-            f"has probably died or hung; look for the first failing rank in the job log. Cause: "
-            f"{type(err).__name__}: {first}")
+            f"rank {_rank_and_world()[0]}: a collective failed outside a training step: another "
+            f"rank has probably died or hung; look for the first failing rank in the job log. "
+            f"Cause: {type(err).__name__}: {first}")
     return None
 
 
@@ -150,7 +150,7 @@ def should_print(error: UserError, rank: int, world: int, store) -> bool:
 
 
 def _linger(world: int, store) -> None:
-    """Rank 0 stays until every rank posted (or GRACE_S): a store hosted here outlives their posts."""
+    """Rank 0 stays until every rank posted (or GRACE_S): a store it hosts outlives their posts."""
     _wait(lambda: store.add(f"{_KEY}/posted", 0) >= world)
 
 

@@ -302,9 +302,9 @@ class Trainer:
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if not finite and self.nonfinite_loss == "stop":
             raise NonFiniteLossError(
-                f"iteration {iteration}: non-finite {describe_nonfinite(loss, grad_norm)}: stopping "
-                f"(--nonfinite-loss stop); resume from the last checkpoint with a lower --lr, or "
-                f"--nonfinite-loss skip skips such optimizer steps instead.")
+                f"iteration {iteration}: non-finite {describe_nonfinite(loss, grad_norm)}: "
+                f"stopping (--nonfinite-loss stop); resume from the last checkpoint with a lower "
+                f"--lr, or --nonfinite-loss skip skips such optimizer steps instead.")
         if finite:
             self.optimizer.step()
             self.scheduler.step()

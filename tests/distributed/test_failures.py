@@ -173,10 +173,10 @@ def test_unreachable_rendezvous_names_the_address():
 
 
 def test_mistake_said_once_and_evaluation_failure_named():
-    """Issue 13. A start-up mistake every rank finds (the batch size at dp=2) is said once, by rank 0,
-    as one sentence without a traceback of ours; a rank killed during an evaluation makes the
-    other stop with the CollectiveFailure sentence (its rank, the evaluation), not a raw gloo
-    'Connection reset by peer' traceback."""
+    """Issue 13. A start-up mistake every rank finds (the batch size at dp=2) is said once, by
+    rank 0, as one sentence without a traceback of ours; a rank killed during an evaluation makes
+    the other stop with the CollectiveFailure sentence (its rank, the evaluation), not a raw
+    gloo 'Connection reset by peer' traceback."""
     port = free_port()
     mistake = start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                      "--master-port", str(port), "pretrain_gpt.py", *TINY, "--train-iters", "2",

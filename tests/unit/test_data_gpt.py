@@ -132,7 +132,8 @@ def test_blended_equal_megatron(corpora, tmp_path, data_path, seed):
     _, (a, b, c) = corpora
     path = [p.format(a=a, b=b, c=c) for p in data_path]
     rng = np.random.default_rng(seed)
-    for data_seed, seq, sizes in ((1, 32, (700, 40, 8)), (int(rng.integers(99)), 50, (2000, 30, 0))):
+    for data_seed, seq, sizes in ((1, 32, (700, 40, 8)),
+                                  (int(rng.integers(99)), 50, (2000, 30, 0))):
         ref = mcore_gpt_datasets(path, "85,10,5", seq, data_seed, sizes, EOD, PAD, None)
         ours = build_gpt_datasets(path, "85,10,5", seq, data_seed, sizes, EOD, PAD, str(tmp_path))
         for r, o in zip(ref, ours):

@@ -46,7 +46,7 @@ def test_agreeing_ranks_say_it_once_and_a_differing_rank_says_its_own():
     store = FakeStore()
     assert should_print(ConfigError("same."), 0, 3, store)
     assert not should_print(ConfigError("same."), 1, 3, store)  # rank 0 posted the same sentence
-    assert should_print(ConfigError("only mine."), 2, 3, store)  # a different one: said, waited 0.2 s
+    assert should_print(ConfigError("only mine."), 2, 3, store)  # another sentence: said (0.2 s)
 
 
 def test_rank_zero_silent_leaves_others_to_speak():

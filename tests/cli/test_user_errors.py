@@ -1,4 +1,4 @@
-"""pretrain_gpt.py ends a user's mistake with one sentence, exit status 1 and no traceback (issue 13);
+"""pretrain_gpt.py ends a user's mistake with one sentence, exit status 1, no traceback (issue 13);
 `--debug` keeps the traceback; a finished run exits 0 whatever the interpreter's teardown does.
 
 One rank, tiny models, --mock-data; the runs of a test start together (they are independent).
@@ -96,14 +96,15 @@ def test_skip_stops_after_max_skipped_steps_and_saves_nothing_after(tmp_path):
                 "--save", str(ck), "--save-interval", "1", "--metrics-jsonl", str(metrics)],
         MEGATRON_SP_INJECT_INF_GRAD_AT_ITER=2, MEGATRON_SP_INJECT_NAN_AT_ITER="4-20"))
     assert_one_sentence(rc, out, err, "error: iterations 4-6: 3 optimizer steps in a row were "
-                        "skipped for a non-finite loss or gradient norm (last: loss nan and gradient "
-                        "norm nan; --max-skipped-steps 3), so the run has diverged: stopping with "
-                        "nothing saved after iteration 3; resume from the last checkpoint")
+                        "skipped for a non-finite loss or gradient norm (last: loss nan and "
+                        "gradient norm nan; --max-skipped-steps 3), so the run has diverged: "
+                        "stopping with nothing saved after iteration 3; resume from the last "
+                        "checkpoint")
     assert "iteration 2: non-finite gradient norm inf (the loss 6." in out, out
     assert "is finite): optimizer step skipped (--nonfinite-loss skip; 1 in a row" in out, out
     for it, n in ((4, 1), (5, 2), (6, 3)):
-        assert (f"iteration {it}: non-finite loss nan and gradient norm nan: optimizer step skipped "
-                f"(--nonfinite-loss skip; {n} in a row") in out, out
+        assert (f"iteration {it}: non-finite loss nan and gradient norm nan: optimizer step "
+                f"skipped (--nonfinite-loss skip; {n} in a row") in out, out
     assert sorted(os.listdir(ck)) == ["iter_0000001", "iter_0000003",
                                       "latest_checkpointed_iteration.txt"]
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
