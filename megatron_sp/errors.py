@@ -17,7 +17,8 @@ an error the others do not see says it with its rank: "error: rank 3: ...". The 
 notes through the rendezvous store (key/value, no collective, so it works while the process group
 is wedged): each failing rank posts its message; rank 0 prints its own; another rank stays quiet
 when rank 0 posted the same sentence within GRACE_S seconds; a CollectiveFailure (a consequence:
-a peer died) stays quiet when some rank posted the error that caused it. Before the process group
+a peer died) stays quiet when some rank posted the error that caused it, and never waits (the
+launcher ends the other ranks as soon as one failed). Before the process group
 exists (argument errors) the ranks cannot compare, but they read the same command line: rank 0
 speaks, unless the error is marked `same_on_every_rank = False` (a rendezvous it cannot reach).
 
@@ -122,12 +123,9 @@ def _store():
 
 
 def _note(store, rank: int):
-    """Rank `rank`'s posted (message, consequence) or None."""
+    """Rank `rank`'s posted message, or None."""
     key = f"{_KEY}/{rank}"
-    if not store.check([key]):
-        return None
-    note = json.loads(store.get(key))
-    return note["message"], note["consequence"]
+    return json.loads(store.get(key))["message"] if store.check([key]) else None
 
 
 def should_print(error: UserError, rank: int, world: int, store) -> bool:
@@ -136,17 +134,15 @@ def should_print(error: UserError, rank: int, world: int, store) -> bool:
         return True
     if store is None:
         return rank == 0 or not error.same_on_every_rank
-    message, consequence = str(error), bool(error.consequence)
-    store.set(f"{_KEY}/{rank}", json.dumps({"message": message, "consequence": consequence}))
-    if not consequence:
-        store.add(f"{_KEY}/causes", 1)
+    if error.consequence:   # quiet when a rank reported the cause; one look, no wait: the launcher
+        return store.add(f"{_KEY}/causes", 0) == 0     # is about to end this process
+    message = str(error)
+    store.set(f"{_KEY}/{rank}", json.dumps({"message": message}))
+    store.add(f"{_KEY}/causes", 1)
     store.add(f"{_KEY}/posted", 1)
-    if consequence:     # quiet when some rank reported what caused it; never wait (torchrun kills)
-        return store.add(f"{_KEY}/causes", 0) == 0
     if rank == 0:
         return True
-    note = _wait(lambda: _note(store, 0))
-    return note != (message, False)
+    return _wait(lambda: _note(store, 0)) != message
 
 
 def _linger(world: int, store) -> None:
@@ -178,7 +174,7 @@ def report(error: UserError) -> None:
         message = f"rank {rank}: {message}"
     if speak:
         print(f"error: {message}", file=sys.stderr, flush=True)
-    if rank == 0 and store is not None and world > 1:
+    if rank == 0 and store is not None and world > 1 and not error.consequence:
         try:
             _linger(world, store)
         except Exception:
