@@ -18,13 +18,15 @@ import time
 import torch
 
 from megatron_sp.arguments import parse_args
-from megatron_sp.checkpointing import CheckpointError, CheckpointManager
+from megatron_sp.checkpointing import CheckpointError, CheckpointManager, finalize_async_save
+from megatron_sp.errors import ConfigError, DataError, reraise_as, run_main
 from megatron_sp.flops import flops_for_config
 from megatron_sp.mesh import ParallelMesh, barrier, init_distributed, shutdown
 from megatron_sp.optimizer import LRScheduler, build_optimizer
 from megatron_sp import pipeline
 from megatron_sp.tensor_parallel import RNGTracker
-from megatron_sp.training import MetricsWriter, Trainer, format_log_line, print_rank0
+from megatron_sp.training import (MetricsWriter, NonFiniteLossError, Trainer, format_log_line,
+                                  print_rank0)
 from megatron_sp.memory import MemoryOptions, SavedTensorAccountant, format_report, peak_device_memory
 from megatron_sp.models import GPTConfig, GPTModel, preset
 from megatron_sp.models.init import init_parameters
@@ -320,11 +322,15 @@ def main(argv=None):
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available()
                           else "cpu")
     torch.manual_seed(args.seed)
-    tokenizer, data_path = build_tokenizer_and_data(args, mesh)
+    with reraise_as(DataError, ValueError):
+        tokenizer, data_path = build_tokenizer_and_data(args, mesh)
     if args.seq_length is None:
         raise SystemExit("error: --seq-length is required.")
     checkpoint_vocab = apply_checkpoint_args(args, argv)
-    config = model_config(args, checkpoint_vocab or tokenizer.vocab_size)
+    with reraise_as(ConfigError, ValueError, prefix="the model flags (--model and the flags that "
+                                                    "override it) do not fit: "):
+        config = model_config(args, checkpoint_vocab or tokenizer.vocab_size)
+        config.check_parallel(mesh.tp_size, mesh.sp_size, mesh.pp_size)
     if tokenizer.vocab_size > config.padded_vocab_size(mesh.tp_size):
         raise SystemExit(f"error: the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint's "
                          f"model only {config.padded_vocab_size(mesh.tp_size)} embeddings; use the "
@@ -358,14 +364,21 @@ def main(argv=None):
     if args.train_samples is not None:   # resumed, maybe with another batch size: stop at the samples
         remaining = max(0, args.train_samples - trainer.state.consumed_train_samples)
         args.train_iters = trainer.state.iteration + remaining // args.global_batch_size
-    train_ds, valid_ds = build_datasets(args, tokenizer, data_path, mesh, trainer.state)
+    with reraise_as(DataError, ValueError, TimeoutError):
+        train_ds, valid_ds = build_datasets(args, tokenizer, data_path, mesh, trainer.state)
     train_iter = loader(train_ds, trainer.state.consumed_train_samples, args, mesh)
     valid_iter = (loader(valid_ds, trainer.state.consumed_valid_samples, args, mesh)
                   if valid_ds is not None else None)
-    trainer.set_failure_policy(args.nonfinite_loss, args.distributed_timeout_minutes)
+    trainer.set_failure_policy(args.nonfinite_loss, args.distributed_timeout_minutes,
+                               args.max_skipped_steps)
     metrics = MetricsWriter(mesh, args.metrics_jsonl, args.tensorboard_dir,
                             resume_iteration=trainer.state.iteration)
-    train(args, trainer, train_iter, valid_iter, metrics, checkpoints)
+    try:
+        train(args, trainer, train_iter, valid_iter, metrics, checkpoints)
+    except NonFiniteLossError:   # publish a save begun before the divergence; none after it
+        finalize_async_save()
+        metrics.close()
+        raise
     checkpoints.finish()
     metrics.close()
     if embedded:
@@ -418,9 +431,11 @@ def train(args, trainer, train_iter, valid_iter, metrics, checkpoints=None):
             print_rank0(mesh, f"validation at iteration {it} | lm loss: {val:.6E}")
             metrics.write({"iteration": it, "valid_lm_loss": val})
             start = time.time()
+        if checkpoints is not None and trainer.consecutive_skipped:
+            checkpoints.last_saved = it   # no save inside a run of skipped steps (a divergence?)
         if checkpoints is not None and checkpoints.after_step():   # saves; signal/exit flags
             break
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)   # user errors in one sentence, said once; exit 0 when main returned (errors.py)

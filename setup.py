@@ -21,8 +21,8 @@ setup(
     install_requires=["torch>=2.4", "numpy", "sentencepiece", "tqdm"],
     extras_require={
         # Test-only: megatron-core is the reference for dataset indices, transformers for conversion.
-        "test": ["pytest", "megatron-core==0.16.1", "transformers>=4.40", "tokenizers", "safetensors",
-                 "tensorboard"],
+        "test": ["pytest", "pytest-timeout", "megatron-core==0.16.1", "transformers>=4.40",
+                 "tokenizers", "safetensors", "tensorboard"],
         "hf": ["transformers>=4.40", "tokenizers", "safetensors"],
         "tensorboard": ["tensorboard"],
         # GPU fast paths: source builds against CUDA, install them yourself (README):

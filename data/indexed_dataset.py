@@ -11,6 +11,8 @@ import struct
 
 import numpy as np
 
+from megatron_sp.errors import UserError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = 9 + 8 + 1 + 8 + 8
@@ -19,7 +21,7 @@ DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.
 CODES = {np.dtype(v): k for k, v in DTYPES.items()}
 
 
-class DataFileError(ValueError):
+class DataFileError(UserError, ValueError):
     """A .bin/.idx file that cannot be read as an indexed dataset (the message says why)."""
 
 

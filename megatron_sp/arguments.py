@@ -151,9 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--eval-iters", type=int, default=10)
     lg.add_argument("--tensorboard-dir", default=None)
     lg.add_argument("--metrics-jsonl", default=None)
+    _bool_flag(lg, "--debug", "print the Python traceback with an error message (also "
+               "MEGATRON_SP_DEBUG=1); without it a user error is one line")
     lg.add_argument("--nonfinite-loss", choices=["skip", "stop"], default="stop",
                     help="a NaN/inf loss or gradient norm: stop the run with the iteration (default, "
                     "like Megatron's NaN check) or skip that optimizer step and count it in the log")
+    lg.add_argument("--max-skipped-steps", type=int, default=10,
+                    help="with --nonfinite-loss skip: stop the run (it diverged) after this many "
+                    "optimizer steps in a row were skipped; nothing is saved from the first one")
     return p
 
 

@@ -21,13 +21,20 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_sp.errors import UserError
+
 # Mesh dimensions from slowest to fastest varying: DeviceMesh lays ranks out row-major, so this
 # order gives exactly the rank formula above.
 MESH_DIMS = ("pp", "dp", "sp", "tp")
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError, ValueError):
     """An impossible parallel layout, refused at start-up with the numbers."""
+
+
+class RendezvousError(UserError, RuntimeError):
+    """This rank cannot reach the rendezvous (each rank says so with its rank)."""
+    same_on_every_rank = False
 
 
 @dataclass(frozen=True)
@@ -250,7 +257,7 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) 
                                 world_size=env["world_size"],
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
     except Exception as err:  # a rendezvous that cannot be reached: name the address
-        raise RuntimeError(
+        raise RendezvousError(
             f"rank {env['rank']} could not reach the rendezvous at {env['master_addr']}:"
             f"{env['master_port']} within {timeout_minutes} min ({type(err).__name__}: {err}); "
             f"check MASTER_ADDR/MASTER_PORT and that rank 0 is running.") from err
@@ -264,8 +271,10 @@ def barrier(mesh: "ParallelMesh | None" = None) -> None:
 
 
 def shutdown() -> None:
-    """Barrier, then destroy the default group: no rank tears down the store while another
-    still uses it (a rank leaving first can crash a slower rank's gloo teardown)."""
+    """Barrier, then destroy every group: no rank tears down the store while another
+    still uses it (a rank leaving first can crash a slower rank's gloo teardown). The process
+    should then leave through megatron_sp.errors.exit_process (pretrain_gpt does): the
+    interpreter's finalization can still race with gloo's threads and abort a finished run."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -7,18 +7,24 @@ iteration, consumed samples, lr, lm loss, grad norm, ms/iter, tokens/s, TFLOP/s,
 skipped iterations and the straggler report (slowest rank's forward+backward time and its rank).
 
 Failures (issue 9):
-- a NaN or inf loss (or gradient norm) is reported with its iteration; `nonfinite_loss="skip"`
-  drops that optimizer step (Megatron-like: the LR schedule does not advance, the iteration and
-  its samples are counted, the log counts skipped iterations), `"stop"` raises NonFiniteLossError.
-  The decision is the same on every rank: loss and norm are reduced over every rank first.
+- a NaN or inf loss (or gradient norm) is reported with its iteration, saying which of the two
+  was non-finite; `nonfinite_loss="skip"` drops that optimizer step (Megatron-like: the LR
+  schedule does not advance, the iteration and its samples are counted, the log counts skipped
+  iterations) and raises NonFiniteLossError after `max_skipped_steps` skipped steps in a row (the
+  run diverged), `"stop"` raises NonFiniteLossError at once. The decision is the same on every
+  rank: loss and norm are reduced over every rank first. The metrics jsonl writes a non-finite
+  value as null (JSON has no NaN/inf); TensorBoard gets the value as it is.
 - a collective that fails because another rank died or hung (gloo/NCCL error, or the
   --distributed-timeout-minutes timeout) is re-raised as CollectiveFailure naming the rank, the
   iteration and the timeout, never left as a hang.
 - test-only fault injection through environment variables (read once, at construction):
   MEGATRON_SP_INJECT_NAN_AT_ITER=3[,5]   the loss (and so every gradient) becomes NaN at those
-                                         iterations on rank MEGATRON_SP_INJECT_RANK (default 0)
+                                         iterations on rank MEGATRON_SP_INJECT_RANK (default 0);
+                                         "3-12" is a range
+  MEGATRON_SP_INJECT_INF_GRAD_AT_ITER=3  one gradient becomes inf (the loss stays finite)
   MEGATRON_SP_INJECT_KILL_AT_ITER=3      that rank sends itself MEGATRON_SP_INJECT_SIGNAL (KILL,
                                          or STOP for a hang) after its forward+backward
+  MEGATRON_SP_INJECT_KILL_IN_EVAL_AT_ITER=4  the same during the evaluation after iteration 4
   MEGATRON_SP_INJECT_SLEEP_MS=200        that rank sleeps so long every step (a straggler)
 """
 from __future__ import annotations
@@ -37,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp import comm_stats
+from megatron_sp.errors import ConfigError, UserError
 from megatron_sp.flops import device_peak_tflops
 from megatron_sp.grad_sync import (GradientSync, all_reduce_sum, clip_grad_norm, gather_step_times,
                                    reduce_loss_and_count)
@@ -62,12 +69,14 @@ class StepResult:
 NONFINITE_POLICIES = ("skip", "stop")
 
 
-class NonFiniteLossError(RuntimeError):
-    """The loss or gradient norm was NaN/inf and --nonfinite-loss is stop."""
+class NonFiniteLossError(UserError, RuntimeError):
+    """The loss or gradient norm was NaN/inf and --nonfinite-loss is stop (or too many skips)."""
 
 
-class CollectiveFailure(RuntimeError):
+class CollectiveFailure(UserError, RuntimeError):
     """A collective failed during a step: another rank died, hung past the timeout, or vanished."""
+    same_on_every_rank = False      # each rank says what it saw, with its rank
+    consequence = True              # quiet when the rank that caused it reported its own error
 
 
 _COMM_ERROR_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe",
@@ -87,31 +96,53 @@ class FaultInjection:
 
     def __init__(self, rank: int, environ=os.environ):
         def ints(name):
-            return {int(x) for x in environ.get(name, "").replace(" ", "").split(",") if x}
+            out = set()
+            for x in environ.get(name, "").replace(" ", "").split(","):
+                lo, _, hi = x.partition("-")
+                out.update(range(int(lo), int(hi or lo) + 1) if x else ())
+            return out
         target = int(environ.get("MEGATRON_SP_INJECT_RANK", "0"))
         mine = rank == target
         self.nan_iters = ints("MEGATRON_SP_INJECT_NAN_AT_ITER") if mine else set()
+        self.inf_grad_iters = ints("MEGATRON_SP_INJECT_INF_GRAD_AT_ITER") if mine else set()
         self.kill_iters = ints("MEGATRON_SP_INJECT_KILL_AT_ITER") if mine else set()
+        self.eval_kill_iters = ints("MEGATRON_SP_INJECT_KILL_IN_EVAL_AT_ITER") if mine else set()
         self.signal = getattr(signal, "SIG" + environ.get("MEGATRON_SP_INJECT_SIGNAL", "KILL").upper())
         self.sleep_s = float(environ.get("MEGATRON_SP_INJECT_SLEEP_MS", "0")) / 1000 if mine else 0.0
         self.rank = rank
 
     def nan_hooks(self, iteration: int, chunks) -> list:
-        """Forward hooks making the last chunk's output NaN (loss, then every gradient, follow)."""
-        if iteration not in self.nan_iters:
-            return []
-        def poison(module, inputs, output):
-            return output * float("nan") if torch.is_tensor(output) else output
-        return [chunks[-1].register_forward_hook(poison)]
+        """Forward hooks making the last chunk's output NaN (loss, then every gradient, follow);
+        or a gradient hook making one parameter's gradient inf (the loss stays finite)."""
+        hooks = []
+        if iteration in self.nan_iters:
+            def poison(module, inputs, output):
+                return output * float("nan") if torch.is_tensor(output) else output
+            hooks.append(chunks[-1].register_forward_hook(poison))
+        if iteration in self.inf_grad_iters:
+            param = next(p for p in chunks[-1].parameters() if p.requires_grad)
+            hooks.append(param.register_hook(lambda grad: torch.full_like(grad, float("inf"))))
+        return hooks
 
-    def after_compute(self, iteration: int):
-        if self.sleep_s:
+    def after_compute(self, iteration: int, evaluating: bool = False):
+        if self.sleep_s and not evaluating:
             time.sleep(self.sleep_s)
-        if iteration in self.kill_iters:
-            print(f"[fault injection] rank {self.rank} sends itself "
-                  f"{self.signal.name} at iteration {iteration} (t={time.time():.3f})",
-                  file=sys.stderr, flush=True)
+        if iteration in (self.eval_kill_iters if evaluating else self.kill_iters):
+            print(f"[fault injection] rank {self.rank} sends itself {self.signal.name} "
+                  f"{'in the evaluation after' if evaluating else 'at'} iteration {iteration} "
+                  f"(t={time.time():.3f})", file=sys.stderr, flush=True)
             os.kill(os.getpid(), self.signal)
+
+
+def describe_nonfinite(loss: float, grad_norm: float) -> str:
+    """Which of the (reduced) loss and gradient norm is non-finite, e.g. "gradient norm inf (the
+    loss 6.24 is finite)"."""
+    bad_loss, bad_norm = not math.isfinite(loss), not math.isfinite(grad_norm)
+    if bad_loss and bad_norm:
+        return f"loss {loss} and gradient norm {grad_norm}"
+    if bad_loss:
+        return f"loss {loss} (the gradient norm {grad_norm:.4g} is finite)"
+    return f"gradient norm {grad_norm} (the loss {loss:.4g} is finite)"
 
 
 def is_logging_rank(mesh) -> bool:
@@ -168,8 +199,10 @@ class MetricsWriter:
                       "(pip install tensorboard)", file=sys.stderr, flush=True)
 
     def write(self, record: dict):
-        if self.file:
-            self.file.write(json.dumps(record) + "\n")
+        if self.file:   # JSON has no NaN/inf: a non-finite number is written as null
+            finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                      for k, v in record.items()}
+            self.file.write(json.dumps(finite, allow_nan=False) + "\n")
         if self.tb:
             step = record["iteration"]
             for key, value in record.items():
@@ -191,12 +224,12 @@ class Trainer:
                  micro_batch_size: int, seq_length: int, clip_grad: float = 1.0, bf16: bool = False,
                  schedule=None, flops_per_step: float = 0.0, peak_tflops: float | None = None,
                  bucket_mb: float = 25.0, nonfinite_loss: str = "stop",
-                 collective_timeout_minutes: float | None = None):
+                 collective_timeout_minutes: float | None = None, max_skipped_steps: int = 10):
         self.chunks = list(model_chunks)
         self.optimizer, self.scheduler, self.mesh = optimizer, scheduler, mesh
         per_step = micro_batch_size * mesh.dp_size
         if global_batch_size % per_step:
-            raise ValueError(
+            raise ConfigError(
                 f"--global-batch-size {global_batch_size} is not divisible by micro-batch size x dp "
                 f"= {micro_batch_size} x {mesh.dp_size}: choose a multiple of {per_step}.")
         self.num_micro_batches = global_batch_size // per_step
@@ -209,17 +242,22 @@ class Trainer:
         self.grad_sync = GradientSync(self.chunks, mesh, bucket_mb=bucket_mb)
         self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
         self.state = TrainState()
-        self.set_failure_policy(nonfinite_loss, collective_timeout_minutes)
+        self.consecutive_skipped = 0     # optimizer steps skipped in a row (non-finite)
+        self.set_failure_policy(nonfinite_loss, collective_timeout_minutes, max_skipped_steps)
         self.faults = FaultInjection(mesh.rank)
         self._compute_seconds = 0.0      # this rank's forward+backward time since the last log
         self._skipped_since_log = 0
 
     def set_failure_policy(self, nonfinite_loss: str = "stop",
-                           collective_timeout_minutes: float | None = None):
-        """--nonfinite-loss skip|stop, and the collective timeout named in CollectiveFailure."""
+                           collective_timeout_minutes: float | None = None,
+                           max_skipped_steps: int = 10):
+        """--nonfinite-loss skip|stop, --max-skipped-steps, and the collective timeout named in
+        CollectiveFailure."""
         if nonfinite_loss not in NONFINITE_POLICIES:
             raise ValueError(f"--nonfinite-loss {nonfinite_loss!r} is not one of {NONFINITE_POLICIES}.")
-        self.nonfinite_loss = nonfinite_loss
+        if max_skipped_steps < 1:
+            raise ConfigError(f"--max-skipped-steps must be at least 1, got {max_skipped_steps}.")
+        self.nonfinite_loss, self.max_skipped_steps = nonfinite_loss, max_skipped_steps
         self.collective_timeout_minutes = collective_timeout_minutes
 
     def autocast(self):
@@ -246,14 +284,17 @@ class Trainer:
         except Exception as err:
             if not is_collective_failure(err):
                 raise
-            timeout = (f"{self.collective_timeout_minutes:g} min" if self.collective_timeout_minutes
-                       is not None else "the process-group timeout")
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            raise CollectiveFailure(
-                f"rank {self.mesh.rank}: a collective failed at iteration {iteration}: another rank "
-                f"has probably died or hung (collectives give up after {timeout}, "
-                f"--distributed-timeout-minutes); look for the first failing rank in the job log. "
-                f"Cause: {type(err).__name__}: {first_line}") from err
+            raise self._collective_failure(err, f"iteration {iteration}") from err
+
+    def _collective_failure(self, err: BaseException, where: str) -> CollectiveFailure:
+        timeout = (f"{self.collective_timeout_minutes:g} min" if self.collective_timeout_minutes
+                   is not None else "the process-group timeout")
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return CollectiveFailure(
+            f"rank {self.mesh.rank}: a collective failed at {where}: another rank "
+            f"has probably died or hung (collectives give up after {timeout}, "
+            f"--distributed-timeout-minutes); look for the first failing rank in the job log. "
+            f"Cause: {type(err).__name__}: {first_line}")
 
     def _train_step(self, micro_batches, iteration: int) -> StepResult:
         micro_batches = self._to_device(micro_batches)
@@ -280,26 +321,52 @@ class Trainer:
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if not finite and self.nonfinite_loss == "stop":
             raise NonFiniteLossError(
-                f"iteration {iteration}: the loss is {loss} and the gradient norm {grad_norm}: "
-                f"stopping (--nonfinite-loss stop); --nonfinite-loss skip skips such optimizer steps "
-                f"instead.")
+                f"iteration {iteration}: non-finite {describe_nonfinite(loss, grad_norm)}: "
+                f"stopping (--nonfinite-loss stop); resume from the last checkpoint with a lower "
+                f"--lr, or --nonfinite-loss skip skips such optimizer steps instead.")
         if finite:
             self.optimizer.step()
             self.scheduler.step()
+            self.consecutive_skipped = 0
         else:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.state.skipped_iterations += 1
-            self._skipped_since_log += 1
-            print_rank0(self.mesh, f"iteration {iteration}: non-finite loss {loss} / gradient norm "
-                                   f"{grad_norm}: optimizer step skipped (--nonfinite-loss skip; "
-                                   f"{self.state.skipped_iterations} skipped so far)")
+            self._skip_step(iteration, loss, grad_norm)
         self.state.iteration += 1
         self.state.consumed_train_samples += self.global_batch_size
         return StepResult(loss=loss, grad_norm=grad_norm, num_tokens=int(num_tokens.item()),
                           skipped=not finite)
 
-    @torch.no_grad()
+    def _skip_step(self, iteration: int, loss: float, grad_norm: float):
+        """--nonfinite-loss skip: no optimizer step; NonFiniteLossError after max_skipped_steps in a
+        row (nothing is updated, and pretrain_gpt saves nothing, from the first of them on)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.skipped_iterations += 1
+        self._skipped_since_log += 1
+        self.consecutive_skipped += 1
+        what, n = describe_nonfinite(loss, grad_norm), self.consecutive_skipped
+        print_rank0(self.mesh, f"iteration {iteration}: non-finite {what}: optimizer step skipped "
+                               f"(--nonfinite-loss skip; {n} in a row, the run stops at "
+                               f"--max-skipped-steps {self.max_skipped_steps}; "
+                               f"{self.state.skipped_iterations} skipped in total)")
+        if n >= self.max_skipped_steps:
+            first = iteration - n + 1
+            raise NonFiniteLossError(
+                f"iterations {first}-{iteration}: {n} optimizer steps in a row were skipped for a "
+                f"non-finite loss or gradient norm (last: {what}; --max-skipped-steps "
+                f"{self.max_skipped_steps}), so the run has diverged: stopping with nothing saved "
+                f"after iteration {first - 1}; resume from the last checkpoint with a lower --lr.")
+
     def evaluate(self, micro_batch_iter, num_steps: int) -> float:
+        """Mean loss over num_steps global batches; raises CollectiveFailure as train_step does."""
+        try:
+            return self._evaluate(micro_batch_iter, num_steps)
+        except Exception as err:
+            if not is_collective_failure(err):
+                raise
+            raise self._collective_failure(err, f"the evaluation after iteration "
+                                                f"{self.state.iteration}") from err
+
+    @torch.no_grad()
+    def _evaluate(self, micro_batch_iter, num_steps: int) -> float:
         """Mean loss over num_steps global batches, under the same layout (no gather)."""
         for chunk in self.chunks:
             chunk.eval()
@@ -309,6 +376,7 @@ class Trainer:
             num_tokens = self._count_tokens(mbs)
             loss = self.schedule(self.chunks, mbs, self.mesh, num_tokens=num_tokens.float(),
                                  autocast=self.autocast, forward_only=True)
+            self.faults.after_compute(self.state.iteration, evaluating=True)
             loss = reduce_loss_and_count(loss.to(self.device), self.mesh)
             total += loss.item() * num_tokens.item()
             tokens += num_tokens.item()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_sp.checkpointing.comm import _rank
+from megatron_sp.errors import UserError
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 META_FILENAME = "megatron_sp.json"
@@ -46,7 +47,7 @@ FUNCTION_FIELDS = ("rotary_base", "norm_epsilon", "use_rope_scaling", "rope_scal
                    "yarn_mscale", "yarn_mscale_all_dim", "sliding_window")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that is missing, incomplete or does not fit the model: one clear sentence."""
 
 

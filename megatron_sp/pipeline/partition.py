@@ -13,8 +13,10 @@ Bad numbers are refused with one sentence naming them.
 """
 from __future__ import annotations
 
+from megatron_sp.errors import UserError
 
-class PipelineLayoutError(ValueError):
+
+class PipelineLayoutError(UserError, ValueError):
     """A layer split or micro-batch count the pipeline cannot run."""
 
 
@@ -45,7 +47,16 @@ def stage_layer_counts(num_layers: int, pp: int, first: int | None = None,
                 f"--decoder-first-pipeline-num-layers {first} + --decoder-last-pipeline-num-layers "
                 f"{last} = {first + last} does not equal --num-layers {num_layers} with 2 stages.")
         return [fixed[0], fixed[pp - 1]]
-    if rest < others or rest % others:
+    if rest < others:
+        given = " + ".join(f"--decoder-{'first' if s == 0 else 'last'}-pipeline-num-layers "
+                           f"{fixed[s]}" for s in sorted(fixed))
+        raise PipelineLayoutError(
+            f"{given} leave{'s' if len(fixed) == 1 else ''} "
+            f"{'no layer' if rest <= 0 else f'only {rest} layer' + ('s' if rest > 1 else '')} of "
+            f"--num-layers {num_layers} for the other {others} pipeline stage"
+            f"{'s' if others > 1 else ''}: every stage needs at least one layer; give the "
+            f"first/last stage fewer layers.")
+    if rest % others:
         what = ("" if not fixed else
                 f" after {sum(fixed.values())} on the " +
                 " and ".join(("first" if s == 0 else "last") for s in sorted(fixed)) + " stage")

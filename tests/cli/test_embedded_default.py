@@ -7,10 +7,12 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.timeout(660)     # builds the corpus and tokenizer first; the run itself has 600 s
 def test_embedded_default_runs_end_to_end(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     save = tmp_path / "ckpt"

@@ -82,7 +82,7 @@ def test_killed_rank_stops_every_rank_quickly():
                           MEGATRON_SP_INJECT_KILL_AT_ITER=3, MEGATRON_SP_INJECT_RANK=1)
     seconds = seconds_since_fault(out)
     assert rc != 0, out
-    assert "CollectiveFailure: rank 0: a collective failed at iteration 3" in out, out[-3000:]
+    assert "error: rank 0: a collective failed at iteration 3" in out, out[-3000:]
     assert seconds < 30, f"every rank gone {seconds:.1f} s after the kill; the timeout is 30 s"
 
 
@@ -103,7 +103,7 @@ def test_hung_rank_times_out_without_torchrun():
         hung_out, _ = procs[1].communicate()
     seconds = seconds_since_fault(hung_out) - (time.time() - gone)
     assert rc != 0, out
-    assert "CollectiveFailure: rank 0: a collective failed at iteration 3" in out, out[-3000:]
+    assert "error: rank 0: a collective failed at iteration 3" in out, out[-3000:]
     assert "0.1 min" in out
     assert 5 < seconds < 30, f"rank 0 gave up {seconds:.1f} s after rank 1 hung (timeout 6 s)"
 
@@ -149,7 +149,11 @@ def test_nan_stop_names_the_iteration(tmp_path):
     rc, out, _ = torchrun(["--train-iters", "5", "--metrics-jsonl", str(metrics)],
                           MEGATRON_SP_INJECT_NAN_AT_ITER=2, MEGATRON_SP_INJECT_RANK=0)
     assert rc != 0
-    assert "NonFiniteLossError: iteration 2: the loss is nan" in out, out[-3000:]
+    # One sentence, said once (rank 0: the ranks agree), no traceback of ours (torchrun's own
+    # ChildFailedError report follows it).
+    assert out.count("error: iteration 2: non-finite loss nan and gradient norm nan: stopping "
+                     "(--nonfinite-loss stop)") == 1, out[-3000:]
+    assert out.count("error:") == 1 and 'pretrain_gpt.py", line' not in out, out[-3000:]
     assert [r["iteration"] for r in read_jsonl(metrics)] == [1]
 
 
@@ -166,3 +170,27 @@ def test_unreachable_rendezvous_names_the_address():
         assert rc != 0
         assert f"rank 1 could not reach the rendezvous at {addr}:{port}" in out, out[-3000:]
         assert "check MASTER_ADDR/MASTER_PORT" in out
+
+
+def test_mistake_said_once_and_evaluation_failure_named():
+    """Issue 13. A start-up mistake every rank finds (the batch size at dp=2) is said once, by
+    rank 0, as one sentence without a traceback of ours; a rank killed during an evaluation makes
+    the other stop with the CollectiveFailure sentence (its rank, the evaluation), not a raw
+    gloo 'Connection reset by peer' traceback."""
+    port = free_port()
+    mistake = start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                     "--master-port", str(port), "pretrain_gpt.py", *TINY, "--train-iters", "2",
+                     "--global-batch-size", "3"], env())
+    rc, out, _ = torchrun(["--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1",
+                           "--distributed-timeout-minutes", "0.5"],
+                          MEGATRON_SP_INJECT_KILL_IN_EVAL_AT_ITER=2, MEGATRON_SP_INJECT_RANK=1)
+    assert rc != 0
+    assert "error: rank 0: a collective failed at the evaluation after iteration 2: another rank " \
+           "has probably died or hung" in out, out[-3000:]
+    assert 'pretrain_gpt.py", line' not in out and "megatron_sp/" not in out, out[-3000:]
+    rc, out = finish(mistake, 120)
+    assert rc != 0
+    sentence = ("error: --global-batch-size 3 is not divisible by micro-batch size x dp = 1 x 2: "
+                "choose a multiple of 2.")
+    assert out.count("error:") == 1 and sentence in out, out[-3000:]
+    assert 'pretrain_gpt.py", line' not in out and "megatron_sp/" not in out, out[-3000:]

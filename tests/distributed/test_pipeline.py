@@ -47,6 +47,15 @@ def test_stage_partition():
         stage_layer_ids(7, 4)
     with pytest.raises(PipelineLayoutError, match="does not equal --num-layers 6"):
         stage_layer_ids(6, 2, first=1, last=4)
+    # First/last stages that take every layer: no "-1 layers" (issue 13), the flags and the fix.
+    with pytest.raises(PipelineLayoutError, match=r"^--decoder-first-pipeline-num-layers 5 leaves "
+                       r"no layer of --num-layers 4 for the other 1 pipeline stage: every stage "
+                       r"needs at least one layer; give the first/last stage fewer layers\.$"):
+        stage_layer_ids(4, 2, first=5)
+    with pytest.raises(PipelineLayoutError, match=r"^--decoder-first-pipeline-num-layers 2 \+ "
+                       r"--decoder-last-pipeline-num-layers 3 leave only 1 layer of --num-layers 6 "
+                       r"for the other 2 pipeline stages"):
+        stage_layer_ids(6, 4, first=2, last=3)
     with pytest.raises(PipelineLayoutError, match="not divisible by .* 2 x .* 3 = 6"):
         chunk_layer_ids(8, 2, 0, layers_per_virtual_stage=3)
     with pytest.raises(PipelineLayoutError, match="cannot be combined"):

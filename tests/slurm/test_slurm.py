@@ -25,9 +25,10 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     os.environ.get("MEGATRON_SP_SLURM_TEST") != "1",
-    reason="real SLURM test: set MEGATRON_SP_SLURM_TEST=1 (root; installs slurm; docs/cluster.md)")
+    reason="real SLURM test: set MEGATRON_SP_SLURM_TEST=1 (root; installs slurm; docs/cluster.md)"),
+    pytest.mark.timeout(1200)]   # the first test installs slurm with apt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STATE = os.environ.get("MEGATRON_SP_SLURM_STATE", "/tmp/megatron_sp_slurm")

@@ -18,21 +18,40 @@ from megatron_sp.data.blended_dataset import build_blending_indices  # noqa: E40
 EOD, PAD, VOCAB = 999, 1000, 1001
 
 
+def write_corpus(prefix, docs):
+    b = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    for doc in docs:
+        b.add_document(doc, [len(doc)])
+    b.finalize(prefix + ".idx")
+    return prefix
+
+
 @pytest.fixture(scope="module")
-def corpora(tmp_path_factory):
+def corpora(tmp_path_factory, base_seed):
     d = tmp_path_factory.mktemp("gpt")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng([base_seed, 13])
     prefixes = []
     for name, n in (("a", 800), ("b", 150), ("c", 90)):
-        b = IndexedDatasetBuilder(str(d / f"{name}.bin"), np.uint16)
-        for doc in random_corpus(rng, n, 120, VOCAB - 1, EOD):
-            b.add_document(doc, [len(doc)])
-        b.finalize(str(d / f"{name}.idx"))
-        prefixes.append(str(d / name))
+        docs = random_corpus(rng, n, 120, VOCAB - 1, EOD)
+        if len(docs[-1]) < 2:   # the "949,50,1" test split is this document alone: keep 2 tokens
+            docs[-1] = np.array([1, EOD])
+        prefixes.append(write_corpus(str(d / name), docs))
     return d, prefixes
 
 
-def compare(ref, ours, n_items=40):
+def splits_without_tokens(prefix, split):
+    """Names of the splits given a weight whose documents hold no token. megatron-core's
+    GPTDataset._get_num_epochs loops forever on such a split (even for 0 samples): never hand
+    it one; ours refuses it with a sentence."""
+    from megatron_sp.data import IndexedDataset
+    from megatron_sp.data.builder import split_documents, split_matrix
+    lengths = IndexedDataset(prefix).sequence_lengths
+    return [name for name, bookends in zip(("train", "valid", "test"), split_matrix(split))
+            if bookends is not None
+            and lengths[split_documents(bookends, len(lengths))].sum() == 0]
+
+
+def compare(ref, ours, rng, n_items=40):
     assert (ref is None) == (ours is None)
     if ref is None:
         return
@@ -43,7 +62,7 @@ def compare(ref, ours, n_items=40):
         a, b = np.asarray(getattr(ref, name)), np.asarray(getattr(ours, name))
         assert a.dtype == b.dtype, name
         np.testing.assert_array_equal(a, b, err_msg=name)
-    for i in np.random.default_rng().choice(len(ref), min(n_items, len(ref)), replace=False):
+    for i in rng.choice(len(ref), min(n_items, len(ref)), replace=False):
         r, o = ref[int(i)], ours[int(i)]
         for key in ("tokens", "labels", "loss_mask", "position_ids"):
             np.testing.assert_array_equal(r[key].numpy(), o[key], err_msg=key)
@@ -56,15 +75,28 @@ def compare(ref, ours, n_items=40):
     (63, "1,1,1", (40, 3, 3)),
     (128, "949,50,1", (300, 10, 0)),
 ])
-def test_gpt_indices_equal_megatron(corpora, tmp_path, seq, split, sizes):
+def test_gpt_indices_equal_megatron(corpora, tmp_path, seq, split, sizes, seed):
     pytest.importorskip("megatron.core")
     _, prefixes = corpora
-    for seed in np.random.default_rng().integers(0, 10000, 2):
-        ref = mcore_gpt_datasets([prefixes[0]], split, seq, int(seed), sizes, EOD, PAD, None)
-        ours = build_gpt_datasets([prefixes[0]], split, seq, int(seed), sizes, EOD, PAD,
+    assert not splits_without_tokens(prefixes[0], split), "a draw megatron-core cannot build"
+    rng = np.random.default_rng(seed)
+    for data_seed in rng.integers(0, 10000, 2):
+        ref = mcore_gpt_datasets([prefixes[0]], split, seq, int(data_seed), sizes, EOD, PAD, None)
+        ours = build_gpt_datasets([prefixes[0]], split, seq, int(data_seed), sizes, EOD, PAD,
                                   str(tmp_path))
         for r, o in zip(ref, ours):
-            compare(r, o)
+            compare(r, o, rng)
+
+
+def test_split_without_tokens_is_refused(tmp_path, seed):
+    """The draw that hung CI: "949,50,1" gives the test split only the last document, and that one
+    was empty. Ours refuses it with a sentence; megatron-core (never called here) loops forever."""
+    docs = random_corpus(np.random.default_rng(seed), 800, 30, VOCAB - 1, EOD, empty_frac=0.0)
+    prefix = write_corpus(str(tmp_path / "empty_end"), docs[:-1] + [np.zeros(0, np.int64)])
+    assert splits_without_tokens(prefix, "949,50,1") == ["test"]
+    with pytest.raises(ValueError, match=r"the test split of .*empty_end \(documents 799\.\.799 "
+                                         r"of 800\) cannot be built: it holds fewer than 2 tokens"):
+        build_gpt_datasets([prefix], "949,50,1", 16, 1, (30, 5, 0), EOD, PAD, str(tmp_path))
 
 
 def test_separate_final_epoch_and_flags(corpora, tmp_path):
@@ -79,7 +111,7 @@ def test_separate_final_epoch_and_flags(corpora, tmp_path):
         ref = mcore_gpt_datasets([prefixes[1]], "1", seq, 5, (n, 0, 0), EOD, PAD, None, **flags)
         ours = build_gpt_datasets([prefixes[1]], "1", seq, 5, (n, 0, 0), EOD, PAD, str(tmp_path),
                                   return_document_ids=True, **flags)
-        compare(ref[0], ours[0], n_items=60)
+        compare(ref[0], ours[0], np.random.default_rng(int(10 * frac)), n_items=60)
         assert ours[1] is None and ours[2] is None
         item = ours[0][3]
         segments = np.concatenate([[0], np.cumsum(item["tokens"][:-1] == EOD)])
@@ -95,21 +127,22 @@ def test_separate_final_epoch_and_flags(corpora, tmp_path):
     ["1.0", "{b}"],
     ["{a}", "{c}"],                       # no weights: blend by dataset size
 ])
-def test_blended_equal_megatron(corpora, tmp_path, data_path):
+def test_blended_equal_megatron(corpora, tmp_path, data_path, seed):
     pytest.importorskip("megatron.core")
     _, (a, b, c) = corpora
     path = [p.format(a=a, b=b, c=c) for p in data_path]
-    for seed, seq, sizes in ((1, 32, (700, 40, 8)), (int(np.random.default_rng().integers(99)),
-                                                     50, (2000, 30, 0))):
-        ref = mcore_gpt_datasets(path, "85,10,5", seq, seed, sizes, EOD, PAD, None)
-        ours = build_gpt_datasets(path, "85,10,5", seq, seed, sizes, EOD, PAD, str(tmp_path))
+    rng = np.random.default_rng(seed)
+    for data_seed, seq, sizes in ((1, 32, (700, 40, 8)),
+                                  (int(rng.integers(99)), 50, (2000, 30, 0))):
+        ref = mcore_gpt_datasets(path, "85,10,5", seq, data_seed, sizes, EOD, PAD, None)
+        ours = build_gpt_datasets(path, "85,10,5", seq, data_seed, sizes, EOD, PAD, str(tmp_path))
         for r, o in zip(ref, ours):
-            compare(r, o, n_items=20)
+            compare(r, o, rng, n_items=20)
 
 
-def test_blending_indices_equal_helper():
+def test_blending_indices_equal_helper(seed):
     helpers = pytest.importorskip("megatron.core.datasets.helpers_cpp")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     for _ in range(20):
         n = int(rng.integers(1, 6))
         w = rng.random(n) + 0.01
@@ -139,12 +172,17 @@ def test_cache_is_reused_and_other_ranks_wait(corpora, tmp_path):
         gpt_dataset.wait_for([str(tmp_path / "never")], timeout=0.3)
 
 
-def test_loader_order_and_resume(corpora, tmp_path):
+# Corpus seed 11 is the saved failing draw of CI: 2292 samples, a multiple of mbs*dp = 12, so
+# drop_last=False has no partial batch to add. The loader was right; the test expected one.
+@pytest.mark.parametrize("corpus_seed,whole_steps", [(11, True), (0, False)])
+def test_loader_order_and_resume(tmp_path, corpus_seed, whole_steps):
     torch = pytest.importorskip("torch")
-    _, prefixes = corpora
-    train = build_gpt_datasets([prefixes[0]], "1", 20, 7, (203, 0, 0), EOD, PAD, str(tmp_path),
+    docs = random_corpus(np.random.default_rng(corpus_seed), 800, 120, VOCAB - 1, EOD)
+    prefix = write_corpus(str(tmp_path / "a"), docs)
+    train = build_gpt_datasets([prefix], "1", 20, 7, (203, 0, 0), EOD, PAD, str(tmp_path),
                                return_document_ids=True)[0]
     mbs, dp = 3, 4
+    assert (len(train) % (mbs * dp) == 0) == whole_steps    # the draw covers the intended case
     per_rank = [list(PretrainingDataLoader(train, 0, mbs, r, dp)) for r in range(dp)]
     steps = len(train) // (mbs * dp)
     assert all(len(p) == steps == len(PretrainingDataLoader(train, 0, mbs, 0, dp))
@@ -163,8 +201,15 @@ def test_loader_order_and_resume(corpora, tmp_path):
     assert len(resumed) == steps - 5
     for x, y in zip(resumed, per_rank[2][5:]):
         assert all(torch.equal(x[k], y[k]) for k in x)
-    tail = list(PretrainingDataLoader(train, 0, mbs, 0, dp, drop_last=False))
-    assert len(tail) == steps + 1 and tail[-1]["tokens"].shape[0] == min(mbs, len(train) % (mbs * dp))
+    rest = len(train) % (mbs * dp)       # the partial last global batch, if any, split in order
+    for r in range(dp):
+        tail = list(PretrainingDataLoader(train, 0, mbs, r, dp, drop_last=False))
+        mine = min(mbs, max(0, rest - r * mbs))
+        assert len(tail) == steps + (mine > 0)
+        assert len(tail) == len(PretrainingDataLoader(train, 0, mbs, r, dp, drop_last=False))
+        if mine:
+            np.testing.assert_array_equal(tail[-1]["tokens"].numpy(), np.stack(
+                [train[steps * mbs * dp + r * mbs + j]["tokens"] for j in range(mine)]))
     with pytest.raises(ValueError, match="dp_rank"):
         PretrainingDataLoader(train, 0, mbs, 4, dp)
 

@@ -61,8 +61,8 @@ def assert_same(ours, theirs):
 
 
 @pytest.mark.parametrize("dtype,vocab", [(np.uint16, 65000), (np.int32, 200000)])
-def test_both_directions_byte_identical(tmp_path, dtype, vocab):
-    rng = np.random.default_rng()
+def test_both_directions_byte_identical(tmp_path, dtype, vocab, seed):
+    rng = np.random.default_rng(seed)
     docs = random_docs(rng, 60, vocab)
     write_ours(str(tmp_path / "ours"), docs, dtype)
     write_ours(str(tmp_path / "items"), docs, dtype, use_items=True)
@@ -80,8 +80,8 @@ def test_both_directions_byte_identical(tmp_path, dtype, vocab):
     assert ours.num_tokens == sum(len(s) for s in flat)
 
 
-def test_merge_and_empty_documents(tmp_path):
-    rng = np.random.default_rng()
+def test_merge_and_empty_documents(tmp_path, seed):
+    rng = np.random.default_rng(seed)
     parts = [random_docs(rng, int(rng.integers(5, 30)), 1000, empty_every=3) for _ in range(3)]
     parts[1].append([np.zeros(0, np.int64)])          # a document of one empty sequence
     for k, docs in enumerate(parts):
@@ -133,8 +133,8 @@ def corrupt(tmp_path, idx, bin_, match):
     assert "bad." in msg and msg.count("\n") == 0 and msg.endswith(".")
 
 
-def test_corrupted_files_give_one_clear_error(tmp_path):
-    rng = np.random.default_rng()
+def test_corrupted_files_give_one_clear_error(tmp_path, seed):
+    rng = np.random.default_rng(seed)
     _, idx, bin_ = good_pair(tmp_path, rng)
     n_seq, n_doc = struct.unpack("<QQ", idx[18:34])
     corrupt(tmp_path, b"NOTMMIDX\x00" + idx[9:], bin_, "wrong magic")

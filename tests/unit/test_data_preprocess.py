@@ -27,9 +27,9 @@ def write_jsonl(path, rng, n, bad_line=None):
 
 
 @pytest.fixture(scope="module")
-def sp_model(tmp_path_factory):
+def sp_model(tmp_path_factory, base_seed):
     d = tmp_path_factory.mktemp("sp")
-    texts = write_jsonl(str(d / "train.jsonl"), np.random.default_rng(), 800)
+    texts = write_jsonl(str(d / "train.jsonl"), np.random.default_rng([base_seed, 5]), 800)
     return train_sentencepiece(texts, str(d / "sp"), 400)
 
 
@@ -74,8 +74,8 @@ def test_huggingface_tokenizer(tmp_path):
     assert ours.tokenize("quick fox") == tok.encode("quick fox").ids
 
 
-def test_preprocess_workers_and_megatron_layout(sp_model, tmp_path):
-    rng = np.random.default_rng()
+def test_preprocess_workers_and_megatron_layout(sp_model, tmp_path, seed):
+    rng = np.random.default_rng(seed)
     texts = write_jsonl(str(tmp_path / "in.jsonl"), rng, 1500)
     tok = build_tokenizer("SentencePieceTokenizer", sp_model)
     outs = {}
@@ -101,8 +101,8 @@ def test_preprocess_workers_and_megatron_layout(sp_model, tmp_path):
         seq += 1
 
 
-def test_bad_line_reported_and_nothing_left(sp_model, tmp_path):
-    rng = np.random.default_rng()
+def test_bad_line_reported_and_nothing_left(sp_model, tmp_path, seed):
+    rng = np.random.default_rng(seed)
     bad = int(rng.integers(300, 900))
     write_jsonl(str(tmp_path / "bad.jsonl"), rng, 1000, bad_line=bad)
     for workers in (1, 2):
