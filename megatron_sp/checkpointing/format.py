@@ -64,6 +64,10 @@ def param_shard(param: torch.Tensor, tensor: torch.Tensor, tp_rank: int, tp_size
 
     None when this rank holds none of the stored rows (vocabulary padding only).
     """
+    from megatron_sp.sharding import fsdp
+    if fsdp.is_sharded(tensor):   # FSDP2: its dp x sp rows narrow the (tp, pp) slice's rectangle
+        return fsdp.checkpoint_rectangle(
+            param, tensor, lambda slice_: param_shard(param, slice_, tp_rank, tp_size), Shard)
     if tuple(tensor.shape) != tuple(param.shape):
         raise CheckpointError(f"state of shape {tuple(tensor.shape)} does not match its parameter "
                               f"{tuple(param.shape)}.")
