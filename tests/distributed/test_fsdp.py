@@ -124,6 +124,79 @@ def _check_cases(rank, world, cases):
     return results
 
 
+def _full_state(trainer, mesh):
+    """{name: full parameter}, {name/moment: full Adam moment} of a trainer, gathered."""
+    params, moments = {}, {}
+    for chunk in trainer.chunks:
+        for name, p in chunk.named_parameters():
+            params[name] = _full(p.detach(), p, mesh)
+            for key in ("exp_avg", "exp_avg_sq"):
+                moments[f"{name}/{key}"] = _full(trainer.optimizer.state[p][key], p, mesh)
+    return params, moments
+
+
+def _assert_identical(a: dict, b: dict, what: str):
+    assert a.keys() == b.keys() and a, f"{what}: names differ"
+    for name, t in a.items():
+        u = b[name]
+        if t.shape != u.shape:   # the stored layout: fused parts [c, n/c, ...], unpadded vocabulary
+            rows = min(t.shape[0], u.shape[0])
+            t, u = (t.reshape(u.shape), u) if t.numel() == u.numel() else (t[:rows], u[:rows])
+        assert torch.equal(t, u), f"{what}: {name} is not bit-identical"
+
+
+def _check_checkpoints(rank, world, folder):
+    """FSDP2 sp2 x dp2 <-> unsharded tp2 x dp2 and FSDP2 tp2 x dp2; exact resume under FSDP2."""
+    torch.manual_seed(200 + rank)
+    cfg = preset("llama-tiny")
+    batches = global_batches(cfg.vocab_size, SEQ, GLOBAL_BATCH, STEPS, seed=21)
+    sp2dp2, tp2dp2 = ParallelMesh.from_sizes(sp=2), ParallelMesh.from_sizes(tp=2)
+
+    def save(trainer, mesh, root):
+        return save_checkpoint(root, trainer.state.iteration, trainer.chunks, mesh,
+                               optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                               train_state=trainer.state, config=cfg)
+
+    def load(trainer, mesh, path):
+        load_checkpoint(path, trainer.chunks, mesh, optimizer=trainer.optimizer,
+                        scheduler=trainer.scheduler, train_state=trainer.state, config=cfg,
+                        load_rng=False, missing_ok=False)
+        return trainer
+
+    sharded = _trainer(sp2dp2, cfg, 2, fsdp={})
+    _train(sharded, batches[:2], sp2dp2)
+    saved = save(sharded, sp2dp2, os.path.join(folder, "fsdp"))
+    params, moments = _full_state(sharded, sp2dp2)
+    # The files hold the full tensors (read in one process, no process group).
+    _assert_identical(params, read_full_tensors(saved), "FSDP2 save -> files")
+    stored = read_full_tensors(saved, prefix="optim/")
+    _assert_identical(moments, {k: v for k, v in stored.items() if not k.endswith("/step")},
+                      "FSDP2 save -> files (Adam moments)")
+    # FSDP2 sp2 x dp2 -> unsharded tp2 x dp2 and -> FSDP2 tp2 x dp2 (another dp x sp).
+    unsharded = load(_trainer(tp2dp2, cfg, 2, seed=99), tp2dp2, saved)
+    _assert_identical(_full_state(unsharded, tp2dp2)[0], params, "FSDP2 -> unsharded")
+    _assert_identical(_full_state(unsharded, tp2dp2)[1], moments, "FSDP2 -> unsharded (Adam)")
+    other = load(_trainer(tp2dp2, cfg, 2, fsdp={}, seed=99), tp2dp2, saved)
+    _assert_identical(_full_state(other, tp2dp2)[0], params, "FSDP2 -> FSDP2 tp2 x dp2")
+    _assert_identical(_full_state(other, tp2dp2)[1], moments, "FSDP2 -> FSDP2 tp2 x dp2 (Adam)")
+    # Unsharded tp2 x dp2 -> FSDP2 sp2 x dp2.
+    saved_unsharded = save(unsharded, tp2dp2, os.path.join(folder, "unsharded"))
+    back = load(_trainer(sp2dp2, cfg, 2, fsdp={}, seed=99), sp2dp2, saved_unsharded)
+    _assert_identical(_full_state(back, sp2dp2)[0], params, "unsharded -> FSDP2")
+    _assert_identical(_full_state(back, sp2dp2)[1], moments, "unsharded -> FSDP2 (Adam)")
+    # Exact resume: the third step of the saved run and of the resumed one are bit-identical.
+    resumed = load(_trainer(sp2dp2, cfg, 2, fsdp={}, seed=99), sp2dp2, saved)
+    (l0, n0, _, p0), = _train(sharded, batches[2:], sp2dp2)
+    (l1, n1, _, p1), = _train(resumed, batches[2:], sp2dp2)
+    assert (l1, n1) == (l0, n0), f"resume: loss/norm {(l1, n1)} != {(l0, n0)}"
+    _assert_identical(p1, p0, "resume: updated parameters")
+    return True
+
+
+def _four_rank_checks(rank, world, cases, folder):
+    return _check_cases(rank, world, cases), _check_checkpoints(rank, world, folder)
+
+
 def _case(name, model, seed, micro_batch, **kw):
     return dict(name=name, model=model, seed=seed, micro_batch=micro_batch, **kw)
 
@@ -141,7 +214,7 @@ def test_fsdp2_two_ranks_dp2_sp2_offload():
 
 
 @pytest.mark.timeout(300)
-def test_fsdp2_four_ranks_layouts_memory_bf16():
+def test_fsdp2_four_ranks_layouts_memory_bf16_checkpoints(tmp_path):
     cases = [
         _case("sp2 x dp2 gpt2", "gpt2-tiny", 3, 2, sp=2, check_bytes=True),
         _case("sp2 x dp2 llama + cpu offload", "llama-tiny", 4, 4, sp=2,
@@ -157,8 +230,8 @@ def test_fsdp2_four_ranks_layouts_memory_bf16():
               pipeline={"virtual": 1}),
         _case("sp2 x dp2 gpt2 --bf16", "gpt2-tiny", 3, 2, sp=2, fsdp={"bf16": True}),
     ]
-    for rank_results in run_distributed(_check_cases, 4, cases):
-        assert [name for name, _ in rank_results] == [c["name"] for c in cases]
+    for rank_results, checkpoints in run_distributed(_four_rank_checks, 4, cases, str(tmp_path)):
+        assert [name for name, _ in rank_results] == [c["name"] for c in cases] and checkpoints
 
 
 @pytest.mark.timeout(300)
