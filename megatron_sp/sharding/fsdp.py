@@ -43,12 +43,12 @@ class FSDPLayoutError(ValueError):
     """A model / layout that FSDP2 sharding cannot serve (refused at start-up)."""
 
 
-def dp_sp_device_mesh(mesh):
+def dp_sp_device_mesh(mesh, device_type: str = "cpu"):
     """The 1-D DeviceMesh over this rank's dp x sp group (one rank: a mesh of one)."""
     from torch.distributed.device_mesh import init_device_mesh
-    if mesh.dp_sp_mesh is not None:
+    if getattr(mesh, "dp_sp_mesh", None) is not None:
         return mesh.dp_sp_mesh
-    return init_device_mesh(mesh.device_type, (1,), mesh_dim_names=("dp_sp",))
+    return init_device_mesh(device_type, (1,), mesh_dim_names=("dp_sp",))
 
 
 def ensure_process_group(device_type: str = "cpu") -> None:
@@ -103,10 +103,10 @@ def apply_fsdp2(chunks, mesh, *, bf16: bool = False, cpu_offload: bool = False,
     """Shard every model chunk with fully_shard over dp x sp; returns the Trainer's sharding."""
     from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                                         fully_shard)
-    ensure_process_group(mesh.device_type)
-    dp_sp = dp_sp_device_mesh(mesh)
-    check_shardable(chunks, dp_sp.size())
     device = device or next(chunks[0].parameters()).device
+    ensure_process_group(device.type)
+    dp_sp = dp_sp_device_mesh(mesh, device.type)
+    check_shardable(chunks, dp_sp.size())
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
                                cast_forward_inputs=False) if bf16
           else MixedPrecisionPolicy(cast_forward_inputs=False))

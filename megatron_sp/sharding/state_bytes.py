@@ -54,9 +54,9 @@ def model_state_bytes(chunks, optimizer=None, *, offloaded: bool = False) -> dic
 
 
 def format_state_bytes(report: dict) -> str:
-    """One log-line fragment: model state GB on device / on host per rank."""
-    def gb(key):
-        return report[key] / 2**30
-    return (f"model state per rank (GB): device {gb('device_bytes'):.3f} "
-            f"(params {gb('params_device_bytes'):.3f}, grads {gb('grads_device_bytes'):.3f}, "
-            f"optimizer {gb('optim_device_bytes'):.3f}), host {gb('host_bytes'):.3f}")
+    """One log-line fragment: model state MB on device / on host per rank."""
+    def mb(key):
+        return report[key] / 2**20
+    return (f"model state per rank (MB): device {mb('device_bytes'):.1f} "
+            f"(params {mb('params_device_bytes'):.1f}, grads {mb('grads_device_bytes'):.1f}, "
+            f"optimizer {mb('optim_device_bytes'):.1f}), host {mb('host_bytes'):.1f}")

@@ -16,6 +16,7 @@ full tensors are bit-identical; a resumed run continues with bit-identical losse
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -28,7 +29,7 @@ from megatron_sp.models import preset
 from megatron_sp.optimizer import LRScheduler, build_optimizer
 from megatron_sp.sharding.fsdp import apply_fsdp2, full_tensor
 from megatron_sp.tensor_parallel import gather_full_like
-from megatron_sp.testing import run_distributed
+from megatron_sp.testing import free_port, metrics_losses, run_distributed
 from megatron_sp.training import Trainer
 
 from layout_utils import build_chunks, global_batches, micro_batches
@@ -240,3 +241,48 @@ def test_fsdp2_eight_ranks_tp2_sp2_pp2():
                    sequence_parallel=True)]
     for rank_results in run_distributed(_check_cases, 8, cases, timeout_s=280):
         assert [name for name, _ in rank_results] == [c["name"] for c in cases]
+
+
+TORCHRUN_ARGS = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--hidden-size", "64",
+                 "--num-attention-heads", "8", "--num-query-groups", "4", "--swiglu",
+                 "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+                 "--disable-bias-linear", "--seq-length", "32", "--micro-batch-size", "2",
+                 "--global-batch-size", "8", "--train-iters", "4", "--log-interval", "1",
+                 "--eval-iters", "1", "--eval-interval", "4", "--lr", "1e-3",
+                 "--distributed-backend", "gloo", "--attention-dropout", "0", "--hidden-dropout", "0"]
+
+
+def _launch(nproc, extra, metrics):
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, "pretrain_gpt.py"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-port", str(free_port()), "pretrain_gpt.py"]
+    return subprocess.Popen(cmd + TORCHRUN_ARGS + extra + ["--metrics-jsonl", str(metrics)],
+                            cwd=repo, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.timeout(300)
+def test_pretrain_torchrun_sp2_dp2_fsdp2_offload_matches_one_rank(tmp_path):
+    """The metrics curve (4 training losses, 1 validation loss) of sp2 x dp2 with
+    --use-torch-fsdp2 --optimizer-cpu-offload equals the one-rank curve to 1e-5 relative; its
+    --report-memory record holds the sharded state on the host, none on the device."""
+    runs = {"one": (1, []),
+            "fsdp": (4, ["--sequence-parallel-size", "2", "--use-torch-fsdp2",
+                         "--optimizer-cpu-offload", "--report-memory"])}
+    procs = {name: _launch(*runs[name], tmp_path / f"{name}.jsonl") for name in runs}
+    outputs = {}
+    for name, p in procs.items():
+        outputs[name] = p.communicate(timeout=280)[0]
+        assert p.returncode == 0, f"{name}:\n{outputs[name][-4000:]}"
+    assert "model state per rank (MB): device 0.0 " in outputs["fsdp"], outputs["fsdp"][-2000:]
+    train1, valid1 = metrics_losses(tmp_path / "one.jsonl")
+    train, valid = metrics_losses(tmp_path / "fsdp.jsonl")
+    assert len(train1) == len(train) == 4 and len(valid1) == len(valid) == 1
+    for a, b in zip(train1 + valid1, train + valid):
+        assert abs(a - b) <= 1e-5 * abs(a), (train1 + valid1, train + valid)
+    with open(tmp_path / "fsdp.jsonl") as f:
+        record = json.loads(f.readline())
+    assert record["model_state_device_bytes"] == 0 and record["model_state_host_bytes"] > 0
