@@ -185,8 +185,10 @@ class Trainer:
         self.clip_grad, self.bf16 = clip_grad, bf16
         self.schedule = schedule or forward_backward_no_pipelining
         self.flops_per_step = flops_per_step
-        # The model-state sharding mode (megatron_sp.sharding): gradient reduction, norm, bytes.
-        self.sharding = sharding or Replicated(self.chunks, mesh, bucket_mb=bucket_mb)
+        # The seam of sharded model state (megatron_sp.sharding): the object that owns gradient
+        # reduction, norm and clipping: FSDP2's, an optimizer that shards itself, or replicated.
+        self.sharding = sharding or (optimizer if hasattr(optimizer, "clip_grad_norm")
+                                     else Replicated(self.chunks, mesh, bucket_mb=bucket_mb))
         self.device = getattr(self.sharding, "device", None) or next(self.chunks[0].parameters()).device
         self.peak_tflops = device_peak_tflops(peak_tflops) if self.device.type == "cuda" else peak_tflops
         self.grad_sync = self.sharding          # what the schedules call start_last_backward() on
@@ -244,7 +246,8 @@ class Trainer:
             chunk.train()
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = self._count_tokens(micro_batches)
-        self.sharding.begin_step(self.num_micro_batches)
+        if hasattr(self.sharding, "begin_step"):
+            self.sharding.begin_step(self.num_micro_batches)
         start = time.perf_counter()
         hooks = self.faults.nan_hooks(iteration, self.chunks)
         try:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_sp.grad_sync import GradientSync, _active, all_reduce_sum
+from megatron_sp.grad_sync import _active, all_reduce_sum
 
 from .state_bytes import local_tensor, model_state_bytes
 
@@ -173,21 +173,31 @@ class FSDP2:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if self.sp_params and _active(self.mesh.tp_group):
-            GradientSync._all_reduce_flat([local_tensor(p.grad) for p in self.sp_params],
-                                          self.mesh.tp_group, "tp/all_reduce")
+            self._sum_local_grads(self.sp_params, self.mesh.tp_group, "tp/all_reduce")
         if self.embedding_params and _active(self.mesh.embedding_group):
-            GradientSync._all_reduce_flat([local_tensor(p.grad) for p in self.embedding_params],
-                                          self.mesh.embedding_group, "pp/embedding_all_reduce")
+            self._sum_local_grads(self.embedding_params, self.mesh.embedding_group,
+                                  "pp/embedding_all_reduce")
+
+    def _sum_local_grads(self, params, group, kind):
+        """Sum the local gradient shards over `group` in one flat buffer on the compute device
+        (offloaded shards live on the host; the group may be NCCL)."""
+        grads = [local_tensor(p.grad) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(self.device)   # [sum of numels]
+        all_reduce_sum(flat, group, kind)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))            # [numel] -> shard shape
+            offset += g.numel()
 
     # Global norm and clipping ------------------------------------------------------------------
     def grad_norm(self) -> float:
         """L2 norm of the full gradient: local shards summed over dp x sp, tp shards, stages."""
-        sharded = torch.zeros((), dtype=torch.float64, device=self._grad_device())
+        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros_like(sharded)
         for p in self.params:
             if p.grad is None or getattr(p, "embedding_copy", False):
                 continue
-            sq = local_tensor(p.grad.detach()).double().pow(2).sum()
+            sq = local_tensor(p.grad.detach()).double().pow(2).sum().to(self.device)
             if getattr(p, "tp_partition_dim", None) is not None:
                 sharded += sq
             else:
@@ -200,11 +210,6 @@ class FSDP2:
         total = total.sum()
         all_reduce_sum(total, self.mesh.pp_group, "pp/all_reduce")
         return total.item() ** 0.5
-
-    def _grad_device(self):
-        for p in self.params:
-            return local_tensor(p.detach()).device
-        return torch.device("cpu")
 
     def clip_grad_norm(self, max_norm: float) -> float:
         norm = self.grad_norm()

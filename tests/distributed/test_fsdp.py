@@ -194,6 +194,36 @@ def _check_checkpoints(rank, world, folder):
     return True
 
 
+def _check_nonfinite_skip(rank, world):
+    """A NaN loss at iteration 2 (rank 0 only) skips that step on every rank under FSDP2: the
+    sharded parameters and Adam moments stay bit-identical, and iteration 3 trains normally."""
+    cfg = preset("gpt2-tiny")
+    mesh = ParallelMesh.from_sizes()
+    batches = global_batches(cfg.vocab_size, SEQ, GLOBAL_BATCH, STEPS, seed=31)
+    os.environ["MEGATRON_SP_INJECT_NAN_AT_ITER"] = "2"
+    try:
+        trainer = _trainer(mesh, cfg, 2, fsdp={})
+    finally:
+        del os.environ["MEGATRON_SP_INJECT_NAN_AT_ITER"]
+    trainer.set_failure_policy("skip")
+    results = []
+    for i, batch in enumerate(batches):
+        results.append(trainer.train_step(micro_batches(batch, 2, mesh.dp_rank, mesh.dp_size)))
+        if i == 0:
+            before = _full_state(trainer, mesh)
+        if i == 1:
+            after = _full_state(trainer, mesh)
+    assert [r.skipped for r in results] == [False, True, False], results
+    _assert_identical(after[0], before[0], "skipped step: parameters")
+    _assert_identical(after[1], before[1], "skipped step: Adam moments")
+    assert trainer.state.skipped_iterations == 1 and results[2].loss == results[2].loss
+    return True
+
+
+def _two_rank_checks(rank, world, cases):
+    return _check_cases(rank, world, cases), _check_nonfinite_skip(rank, world)
+
+
 def _four_rank_checks(rank, world, cases, folder):
     return _check_cases(rank, world, cases), _check_checkpoints(rank, world, folder)
 
@@ -203,15 +233,15 @@ def _case(name, model, seed, micro_batch, **kw):
 
 
 @pytest.mark.timeout(200)
-def test_fsdp2_two_ranks_dp2_sp2_offload():
+def test_fsdp2_two_ranks_dp2_sp2_offload_nonfinite_skip():
     cases = [
         _case("dp2 gpt2", "gpt2-tiny", 1, 2, check_bytes=True),      # 2 micro-batches per rank
         _case("sp2 llama (GQA)", "llama-tiny", 2, 4, sp=2, check_bytes=True),
         _case("dp2 gpt2 + cpu offload", "gpt2-tiny", 1, 4, fsdp={"cpu_offload": True},
               check_bytes=True),
     ]
-    for rank_results in run_distributed(_check_cases, 2, cases):
-        assert [name for name, _ in rank_results] == [c["name"] for c in cases]
+    for rank_results, skipped in run_distributed(_two_rank_checks, 2, cases):
+        assert [name for name, _ in rank_results] == [c["name"] for c in cases] and skipped
 
 
 @pytest.mark.timeout(300)
