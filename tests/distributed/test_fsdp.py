@@ -5,8 +5,8 @@ the same fresh seeded batches, for 3 optimizer steps, and compares after every s
 - the loss (1e-5 relative) and the global gradient norm (1e-4 relative);
 - every full gradient and every updated parameter (gathered over dp x sp, then tp): 1e-4 absolute;
 - with --bf16 (bf16 gathered parameters and bf16 gradients on the wire) against the fp32
-  reference: loss 2e-2 relative, gradients and parameters 2e-2 absolute (bf16 has 8 mantissa bits;
-  the step's updates are lr = 1e-3 so parameters stay close, gradients of O(1e-1) differ by ~1e-3).
+  reference: loss 2e-2 relative, gradients and parameters 1e-2 absolute (bf16 has 8 mantissa bits;
+  measured worst difference 2.1e-3).
 The per-rank model-state bytes measured from the tensors (local shards) equal DESIGN 11's formula
 exactly: 16 P_r / n on the device (0 on the host); with CPU offload 0 on the device, 16 P_r / n on
 the host (P_r: parameters of the rank's (tp, pp) slice, n = dp*sp; every dim 0 divides by n here,
@@ -35,7 +35,8 @@ from megatron_sp.training import Trainer
 from layout_utils import build_chunks, global_batches, micro_batches
 
 LOSS_RTOL, ATOL = 1e-5, 1e-4
-BF16_LOSS_RTOL, BF16_ATOL = 2e-2, 2e-2
+BF16_LOSS_RTOL, BF16_ATOL = 2e-2, 1e-2
+SMALL_LLAMA = {"hidden_size": 128, "ffn_hidden_size": 352}   # llama-tiny, narrower: faster tests
 SEQ, GLOBAL_BATCH, STEPS = 32, 8, 3
 
 
@@ -102,7 +103,8 @@ def _check_cases(rank, world, cases):
     for case in cases:
         cfg = preset(case["model"], **case.get("overrides", {}))
         batches = global_batches(cfg.vocab_size, SEQ, GLOBAL_BATCH, STEPS, seed=case["seed"])
-        key = (case["model"], case["seed"], tuple(sorted(case.get("memory", {}).items())))
+        key = (case["model"], case["seed"], tuple(sorted(case.get("memory", {}).items())),
+               tuple(sorted(case.get("overrides", {}).items())))
         if key not in references:
             references[key] = _train(_trainer(ParallelMesh.single(), cfg, GLOBAL_BATCH,
                                               memory=case.get("memory")),
@@ -149,7 +151,7 @@ def _assert_identical(a: dict, b: dict, what: str):
 def _check_checkpoints(rank, world, folder):
     """FSDP2 sp2 x dp2 <-> unsharded tp2 x dp2 and FSDP2 tp2 x dp2; exact resume under FSDP2."""
     torch.manual_seed(200 + rank)
-    cfg = preset("llama-tiny")
+    cfg = preset("llama-tiny", **SMALL_LLAMA)
     batches = global_batches(cfg.vocab_size, SEQ, GLOBAL_BATCH, STEPS, seed=21)
     sp2dp2, tp2dp2 = ParallelMesh.from_sizes(sp=2), ParallelMesh.from_sizes(tp=2)
 
@@ -236,7 +238,7 @@ def _case(name, model, seed, micro_batch, **kw):
 def test_fsdp2_two_ranks_dp2_sp2_offload_nonfinite_skip():
     cases = [
         _case("dp2 gpt2", "gpt2-tiny", 1, 2, check_bytes=True),      # 2 micro-batches per rank
-        _case("sp2 llama (GQA)", "llama-tiny", 2, 4, sp=2, check_bytes=True),
+        _case("sp2 llama (GQA)", "llama-tiny", 2, 4, sp=2, check_bytes=True, overrides=SMALL_LLAMA),
         _case("dp2 gpt2 + cpu offload", "gpt2-tiny", 1, 4, fsdp={"cpu_offload": True},
               check_bytes=True),
     ]
@@ -249,26 +251,28 @@ def test_fsdp2_four_ranks_layouts_memory_bf16_checkpoints(tmp_path):
     cases = [
         _case("sp2 x dp2 gpt2", "gpt2-tiny", 3, 2, sp=2, check_bytes=True),
         _case("sp2 x dp2 llama + cpu offload", "llama-tiny", 4, 4, sp=2,
-              fsdp={"cpu_offload": True}, check_bytes=True),
+              fsdp={"cpu_offload": True}, check_bytes=True, overrides=SMALL_LLAMA),
         _case("tp2 x sp2 llama + full recompute, tiled mlp, chunked loss", "llama-tiny", 5, 4,
               tp=2, sp=2, memory={"recompute_granularity": "full", "mlp_tiles": 2,
-                                  "loss_chunks": 2}, check_bytes=True),
+                                  "loss_chunks": 2}, check_bytes=True, overrides=SMALL_LLAMA),
         _case("tp2 x dp2 --sequence-parallel gpt2 + selective, activation offload", "gpt2-tiny", 6,
               2, tp=2, sequence_parallel=True,
               memory={"recompute_granularity": "selective", "offload_activations": True}),
         _case("pp2 x dp2 gpt2 (1F1B, tied embeddings)", "gpt2-tiny", 7, 1, pp=2, check_bytes=True),
         _case("pp2 x dp2 llama (interleaved)", "llama-tiny", 8, 2, pp=2,
-              pipeline={"virtual": 1}),
+              pipeline={"virtual": 1}, overrides=SMALL_LLAMA),
         _case("sp2 x dp2 gpt2 --bf16", "gpt2-tiny", 3, 2, sp=2, fsdp={"bf16": True}),
     ]
-    for rank_results, checkpoints in run_distributed(_four_rank_checks, 4, cases, str(tmp_path)):
+    outputs = run_distributed(_four_rank_checks, 4, cases, str(tmp_path))
+    print("worst full gradient / parameter difference per case:", outputs[0][0])
+    for rank_results, checkpoints in outputs:
         assert [name for name, _ in rank_results] == [c["name"] for c in cases] and checkpoints
 
 
 @pytest.mark.timeout(300)
 def test_fsdp2_eight_ranks_tp2_sp2_pp2():
     cases = [_case("tp2 x sp2 x pp2 llama", "llama-tiny", 9, 4, tp=2, sp=2, pp=2,
-                   sequence_parallel=True)]
+                   sequence_parallel=True, overrides=dict(SMALL_LLAMA, num_layers=2))]
     for rank_results in run_distributed(_check_cases, 8, cases, timeout_s=280):
         assert [name for name, _ in rank_results] == [c["name"] for c in cases]
 
