@@ -187,7 +187,10 @@ class Trainer:
         self.flops_per_step = flops_per_step
         self.device = next(self.chunks[0].parameters()).device
         self.peak_tflops = device_peak_tflops(peak_tflops) if self.device.type == "cuda" else peak_tflops
-        self.grad_sync = GradientSync(self.chunks, mesh, bucket_mb=bucket_mb)
+        # The seam of sharded model state: an optimizer that owns the gradient reduction and norm
+        # (--use-distributed-optimizer) is also the grad sync; otherwise the replicated all-reduce.
+        self.grad_sync = (optimizer if hasattr(optimizer, "clip_grad_norm")
+                          else GradientSync(self.chunks, mesh, bucket_mb=bucket_mb))
         self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
         self.state = TrainState()
         self.set_failure_policy(nonfinite_loss, collective_timeout_minutes)
@@ -255,7 +258,7 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         self._compute_seconds += time.perf_counter() - start
         self.grad_sync.finish()
-        grad_norm = clip_grad_norm(self.params, self.clip_grad, self.mesh)
+        grad_norm = self.grad_sync.clip_grad_norm(self.clip_grad)
         # Reduced over every rank before deciding, so every rank takes the same branch.
         loss = reduce_loss_and_count(loss.to(self.device), self.mesh).item()
         finite = math.isfinite(loss) and math.isfinite(grad_norm)

@@ -1,0 +1,147 @@
+"""--use-distributed-optimizer equals one rank, holds DESIGN 11's bytes, and checkpoints both ways.
+
+Every rank trains the one-rank reference (torch's AdamW, no communication) and the layout with the
+distributed optimizer (Adam state sharded over dp x sp, gradients reduce-scattered, parameters
+all-gathered) on the same seeded batches, then compares after every one of 3 optimizer steps: loss
+1e-5 relative, the full gradient (the owned rows of every rank, summed over dp x sp) and the full
+updated parameters 1e-4 absolute, and the grad norm 1e-4 (layout_utils.compare).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+from megatron_sp.checkpointing import load_checkpoint, read_full_tensors, save_checkpoint
+from megatron_sp.grad_sync import all_reduce_sum
+from megatron_sp.mesh import ParallelMesh
+from megatron_sp.optimizer import LRScheduler, build_optimizer
+from megatron_sp.sharding.distributed_optimizer import DistributedOptimizer
+from megatron_sp.tensor_parallel import gather_full_like
+from megatron_sp.testing import run_distributed
+from megatron_sp.training import Trainer
+from megatron_sp.models import preset
+
+from layout_utils import build_chunks, compare, global_batches, micro_batches
+
+GPT2 = dict(model="gpt2-tiny", overrides=dict(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                              vocab_size=300, max_position_embeddings=64))
+LLAMA = dict(model="llama-tiny", overrides=dict(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                                num_query_groups=2, ffn_hidden_size=96,
+                                                vocab_size=300))
+LLAMA4 = dict(model="llama-tiny", overrides=dict(num_layers=4, hidden_size=64, num_attention_heads=4,
+                                                 num_query_groups=2, ffn_hidden_size=96,
+                                                 vocab_size=300))
+BYTES_RTOL = 0.02      # per rank: rows split in ceil(rows / n) pieces, the last shorter (padding)
+
+
+def _trainer(mesh, cfg, case, *, distributed, global_batch, steps):
+    chunks, schedule = build_chunks(mesh, cfg, sequence_parallel=case.get("sequence_parallel", False),
+                                    pipeline=case.get("pipeline") if mesh.pp_size > 1 else None)
+    if distributed is None:
+        optimizer = build_optimizer(chunks, lr=1e-3, weight_decay=0.1)
+    else:
+        optimizer = DistributedOptimizer(chunks, mesh, lr=1e-3, weight_decay=0.1, bucket_mb=0.05,
+                                         **distributed)
+    scheduler = LRScheduler(optimizer, 1e-3, 1e-4, warmup_iters=1, decay_iters=steps, style="cosine")
+    return Trainer(chunks, optimizer, scheduler, mesh, global_batch_size=global_batch,
+                   micro_batch_size=case["micro_batch"] if distributed is not None else global_batch,
+                   seq_length=case["seq"], clip_grad=case.get("clip", 1.0), bucket_mb=0.05,
+                   schedule=schedule)
+
+
+def _full_grad(optimizer, p):
+    """The reduced full gradient of p: every rank's owned rows (as clipped for the step), summed."""
+    if not isinstance(optimizer, DistributedOptimizer):
+        return p.grad
+    full = torch.zeros_like(p.grad)
+    if p in optimizer.master:
+        optimizer.pieces[p].piece(full, optimizer.rank).copy_(optimizer.master[p].grad)
+    return all_reduce_sum(full, optimizer.group)
+
+
+def _history(trainer, batches, mesh):
+    history = []
+    for batch in batches:
+        size = batch["tokens"].shape[0] // (trainer.num_micro_batches * mesh.dp_size)
+        mbs = micro_batches(batch, size, mesh.dp_rank, mesh.dp_size)
+        result = trainer.train_step(mbs)
+        tensors = {}
+        for chunk in trainer.chunks:
+            for name, p in chunk.named_parameters():
+                tensors[name] = gather_full_like(_full_grad(trainer.optimizer, p), p, mesh.tp_group)
+                tensors[name + "#updated"] = gather_full_like(p.detach(), p, mesh.tp_group)
+        history.append((result.loss, result.grad_norm, tensors))
+    return history
+
+
+def _check_bytes(optimizer, mesh):
+    """DESIGN 11: 4 P_r weights + 4 P_r grads on the device, 8 P_r / n Adam (+ 4 P_r / n master and
+    4 P_r / n gradient rows on the host with offload); exact summed over the n ranks."""
+    n = optimizer.n
+    p_r = sum(p.numel() for p in optimizer.params)
+    got = optimizer.model_state_bytes()
+    assert got["device"]["params"] == 4 * p_r and got["device"]["grads"] == 4 * p_r, got
+    where = "host" if optimizer.cpu_offload else "device"
+    per_rank_state = (16 if optimizer.cpu_offload else 8) * p_r / n
+    state = got[where]["optimizer"] + (got["host"]["grads"] if optimizer.cpu_offload else 0)
+    assert abs(state - per_rank_state) <= BYTES_RTOL * per_rank_state, (state, per_rank_state)
+    total = all_reduce_sum(torch.tensor(float(got[where]["optimizer"]), dtype=torch.float64),
+                           optimizer.group).item()
+    assert total == (12 if optimizer.cpu_offload else 8) * p_r, (total, p_r)
+    return got
+
+
+def check_distributed_optimizer(rank, world, cases):
+    torch.manual_seed(1000 + rank)
+    out = []
+    for case in cases:
+        cfg = preset(case["model"], **case.get("overrides", {}))
+        batches = global_batches(cfg.vocab_size, case["seq"], case["global_batch"], case["steps"],
+                                 seed=case.get("data_seed", 11))
+        one = ParallelMesh.single()
+        reference = _history(_trainer(one, cfg, case, distributed=None,
+                                      global_batch=case["global_batch"], steps=case["steps"]),
+                             batches, one)
+        mesh = ParallelMesh.from_sizes(tp=case.get("tp", 1), sp=case.get("sp", 1), pp=case.get("pp", 1))
+        trainer = _trainer(mesh, cfg, case, distributed=case.get("distributed", {}),
+                           global_batch=case["global_batch"], steps=case["steps"])
+        candidate = _history(trainer, batches, mesh)
+        worst = compare(reference, candidate, case["name"])
+        got = _check_bytes(trainer.optimizer, mesh) if case.get("bytes") else None
+        out.append((case["name"], worst, got))
+    return out
+
+
+def _run(world, cases):
+    results = run_distributed(check_distributed_optimizer, world, cases)
+    assert [r[0] for r in results[0]] == [c["name"] for c in cases]
+    return results
+
+
+def test_two_rank_layouts():
+    common = dict(seq=16, global_batch=4, steps=3)
+    _run(2, [
+        dict(GPT2, name="gpt2 dp2", micro_batch=1, bytes=True, **common),
+        dict(LLAMA, name="llama sp2", sp=2, micro_batch=4, **common),
+        dict(LLAMA, name="llama dp2 cpu offload", micro_batch=2, bytes=True,
+             distributed=dict(cpu_offload=True), **common),
+        dict(GPT2, name="gpt2 dp2 overlap param gather, no clipping", micro_batch=2, clip=0.0,
+             distributed=dict(overlap_param_gather=True), **common),
+    ])
+
+
+def test_four_rank_layouts():
+    common = dict(seq=16, global_batch=4, steps=3)
+    _run(4, [
+        dict(LLAMA, name="llama sp2 x dp2", sp=2, micro_batch=1, bytes=True, **common),
+        dict(GPT2, name="gpt2 tp2 x sp2", tp=2, sp=2, micro_batch=4, **common),
+        dict(LLAMA, name="llama tp2 x dp2 sequence-parallel", tp=2, micro_batch=1,
+             sequence_parallel=True, bytes=True, **common),
+        dict(GPT2, name="gpt2 pp2 x dp2 (tied embeddings, 1F1B)", pp=2, micro_batch=1, **common),
+        dict(LLAMA4, name="llama pp2 x dp2 interleaved", pp=2, micro_batch=1,
+             pipeline=dict(virtual=1), **dict(common, global_batch=8)),
+        dict(LLAMA, name="llama sp2 x dp2 cpu offload", sp=2, micro_batch=1, bytes=True,
+             distributed=dict(cpu_offload=True), **common),
+    ])
