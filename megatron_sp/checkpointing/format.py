@@ -1,0 +1,218 @@
+"""What a checkpoint stores: keys, shard rectangles, model and optimizer state, RNG, metadata.
+
+Storage format (one key per tensor, all fp32 unless trained otherwise):
+
+    model/<param name>                 the parameter (names as in GPTModel: global layer indices)
+    optim/<param name>/exp_avg         AdamW moments, sharded like their parameter
+    optim/<param name>/exp_avg_sq
+    optim/<param name>/step            scalar
+    rng/<global rank>                  that rank's RNG streams (bytes, weights_only)
+
+Geometry of a parameter's full shape (from its `tp_partition_dim`, `tp_chunks`, `real_rows`):
+- replicated over tp: its own shape (written once: DCP de-duplicates identical rectangles);
+- split over tp on dim d: the full shape, this rank's rectangle at offset tp_rank * local;
+- fused projections (tp_chunks = c, SwiGLU's gate+up): stored as [c, n/c, ...] so that each rank's
+  shard (one slice of every chunk) is one rectangle [c, n/(c*tp), ...];
+- vocabulary rows (`real_rows` = V): the unpadded [V, H] rows only (the padding to a multiple of
+  128*tp depends on tp); padding rows stay zero on load.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from megatron_sp.checkpointing.comm import _rank
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+META_FILENAME = "megatron_sp.json"
+FORMAT_VERSION = 1
+RELEASE = "release"
+
+# Model-config fields that change the parameters: they must match between checkpoint and model.
+ARCHITECTURE_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+    "kv_channels", "vocab_size", "normalization", "activation", "position_embedding_type",
+    "add_bias_linear", "add_qkv_bias", "tie_embeddings")
+# Fields that change the function but not the shapes (a finetune may change them on purpose,
+# e.g. a longer context's RoPE base): a difference is warned about, not refused.
+FUNCTION_FIELDS = ("rotary_base", "norm_epsilon")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete or does not fit the model: one clear sentence."""
+
+
+# Shard geometry ------------------------------------------------------------------------------------
+
+@dataclass
+class Shard:
+    """This rank's rectangle `local` of a global tensor of shape `global_shape` at `offsets`.
+
+    `local` is a view of the live tensor (parameter or optimizer state): loading writes into it.
+    """
+    local: torch.Tensor
+    global_shape: torch.Size
+    offsets: torch.Size
+
+
+def param_shard(param: torch.Tensor, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> Shard | None:
+    """The stored rectangle of `tensor` (the parameter itself or a state of the same shape).
+
+    None when this rank holds none of the stored rows (vocabulary padding only).
+    """
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise CheckpointError(f"state of shape {tuple(tensor.shape)} does not match its parameter "
+                              f"{tuple(param.shape)}.")
+    dim = getattr(param, "tp_partition_dim", None)
+    local = tensor.detach()
+    shape = list(local.shape)
+    if dim is None or tp_size == 1 and getattr(param, "real_rows", None) is None \
+            and getattr(param, "tp_chunks", 1) == 1:
+        return Shard(local, torch.Size(shape), torch.Size([0] * len(shape)))
+    chunks = getattr(param, "tp_chunks", 1)
+    real_rows = getattr(param, "real_rows", None)
+    if real_rows is not None:
+        if dim != 0 or chunks != 1:
+            raise CheckpointError("vocabulary rows must be split on dim 0 without chunks.")
+        start = tp_rank * shape[0]
+        rows = max(0, min(real_rows, start + shape[0]) - start)
+        if rows == 0:
+            return None
+        offsets = [0] * len(shape)
+        offsets[0] = start
+        return Shard(local[:rows], torch.Size([real_rows] + shape[1:]), torch.Size(offsets))
+    if chunks > 1:  # [.., n/tp, ..] = cat of c parts -> [.., c, n/(c tp), ..]
+        part = shape[dim] // chunks
+        view = local.unflatten(dim, (chunks, part))
+        gshape = shape[:dim] + [chunks, part * tp_size] + shape[dim + 1:]
+        offsets = [0] * len(gshape)
+        offsets[dim + 1] = tp_rank * part
+        return Shard(view, torch.Size(gshape), torch.Size(offsets))
+    gshape = list(shape)
+    gshape[dim] *= tp_size
+    offsets = [0] * len(shape)
+    offsets[dim] = tp_rank * shape[dim]
+    return Shard(local, torch.Size(gshape), torch.Size(offsets))
+
+
+def named_parameters(chunks) -> list[tuple[str, torch.nn.Parameter]]:
+    """(global name, parameter) over all model chunks; names are layout-independent."""
+    out, seen = [], set()
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((name, p))
+    return out
+
+
+def model_state(chunks, tp_rank: int, tp_size: int) -> dict[str, Shard]:
+    state = {}
+    for name, p in named_parameters(chunks):
+        shard = param_shard(p, p.data, tp_rank, tp_size)
+        if shard is not None:
+            state[f"model/{name}"] = shard
+    return state
+
+
+def _init_adam_state(optimizer, param):
+    """Empty AdamW state of `param` (zeros, step 0) as torch's AdamW creates it on first step
+    (the step on the parameter's device for fused/capturable AdamW, else on the CPU)."""
+    st = optimizer.state[param]
+    if "exp_avg" not in st:
+        group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), {})
+        on_device = group.get("fused") or group.get("capturable")
+        st["step"] = torch.zeros((), dtype=torch.float32,
+                                 device=param.device if on_device else "cpu")
+        st["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        st["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return st
+
+
+def optimizer_state(chunks, optimizer, tp_rank: int, tp_size: int, *, create: bool = False) -> dict:
+    """AdamW moments sharded like their parameters, and each parameter's step (scalar)."""
+    state = {}
+    for name, p in named_parameters(chunks):
+        st = _init_adam_state(optimizer, p) if create else optimizer.state.get(p, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in st:
+                shard = param_shard(p, st[key], tp_rank, tp_size)
+                if shard is not None:
+                    state[f"optim/{name}/{key}"] = shard
+        if "step" in st:
+            step = st["step"]
+            if not torch.is_tensor(step):
+                step = st["step"] = torch.tensor(float(step))
+            state[f"optim/{name}/step"] = step
+    return state
+
+
+# RNG (weights_only-friendly) ----------------------------------------------------------------------
+
+def _rng_to_storable(state: dict) -> dict:
+    out = dict(state)
+    np_state = state.get("numpy")
+    if np_state is not None:
+        name, keys, pos, has_gauss, cached = np_state
+        out["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss),
+                        float(cached))
+    return out
+
+
+def _rng_from_storable(state: dict) -> dict:
+    out = dict(state)
+    if out.get("numpy") is not None:
+        import numpy as np
+        name, keys, pos, has_gauss, cached = out["numpy"]
+        out["numpy"] = (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
+    if isinstance(out.get("python"), list):
+        out["python"] = (out["python"][0], tuple(out["python"][1]), out["python"][2])
+    return out
+
+
+# Metadata --------------------------------------------------------------------------------------------
+
+def iteration_dirname(iteration: int | str) -> str:
+    return RELEASE if iteration == RELEASE else f"iter_{int(iteration):07d}"
+
+
+def read_meta(folder: str) -> dict:
+    path = os.path.join(folder, META_FILENAME)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{folder} is not a megatron_sp checkpoint: {META_FILENAME} is missing.")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return repr(value)
+
+
+def check_config(saved: dict | None, config, where: str) -> None:
+    """Refuse a checkpoint whose model shapes differ from the model's, naming the fields."""
+    if saved is None or config is None:
+        return
+    current = config.to_dict()
+    fields = list(ARCHITECTURE_FIELDS)
+    if current.get("position_embedding_type") == "learned_absolute":
+        fields.append("max_position_embeddings")
+    diffs = [f"{k}={saved.get(k)!r} in the checkpoint but {current.get(k)!r} from the model flags"
+             for k in fields if k in saved and saved.get(k) != current.get(k)]
+    if diffs:
+        raise CheckpointError(f"checkpoint {where} does not fit the model: " + "; ".join(diffs) + ".")
+    changed = [f"{k}={saved[k]!r} in the checkpoint but {current.get(k)!r} now"
+               for k in FUNCTION_FIELDS if k in saved and saved[k] != current.get(k)]
+    if changed and _rank() == 0:
+        print(f"warning: checkpoint {where} was trained with other settings: " + "; ".join(changed)
+              + " (pass the checkpoint's values, e.g. --rotary-base, unless this is intended).",
+              file=sys.stderr, flush=True)

@@ -1,0 +1,299 @@
+"""Checkpoint I/O: DCP save and load (synchronous or in a background thread), the atomic publish
+of an iteration folder, and the tracker file.
+
+Folder layout (Megatron's): <save>/iter_0000100/ with DCP's files (.metadata, __<rank>_0.distcp)
+plus megatron_sp.json (iteration, consumed samples, scheduler, layout, model config, arguments);
+<save>/latest_checkpointed_iteration.txt names the newest complete one ("release" for converted
+weights, loaded as iteration 0 without optimizer or RNG). Saving is atomic: everything is written
+to iter_XXXXXXX.tmp, renamed when complete, and the tracker is replaced last, so a crash during a
+save leaves the previous checkpoint loadable.
+
+Security: DCP's .metadata file is a pickle. Load checkpoints only from sources you would trust
+with code. Tensors and RNG bytes are read with torch.load(weights_only=True).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from typing import Any
+
+import torch
+
+from megatron_sp.checkpointing.comm import _barrier, _dist, _rank
+from megatron_sp.checkpointing.format import (FORMAT_VERSION, META_FILENAME, RELEASE,
+                                              TRACKER_FILENAME, CheckpointError, Shard,
+                                              _jsonable, _rng_from_storable, _rng_to_storable,
+                                              check_config, iteration_dirname, model_state,
+                                              optimizer_state, read_meta)
+from megatron_sp.checkpointing.planners import _dcp_errors, _planners
+
+
+def _dcp_save(state: dict, path: str):
+    import torch.distributed.checkpoint as dcp
+    save_planner, _ = _planners()
+    with _dcp_errors():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, single_file_per_rank=True),
+                 planner=save_planner(), no_dist=not _dist())
+
+
+class _CloneStager:
+    """DCP async stager: a private host copy of every Shard and tensor, so that training can go on
+    changing the live ones while the background thread writes (DCP's own stager drops Shards)."""
+    _synchronize_after_execute = False
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        import copy
+        out = {}
+        for k, v in state_dict.items():
+            if isinstance(v, Shard):
+                out[k] = Shard(v.local.detach().to("cpu", copy=True), v.global_shape, v.offsets)
+            elif torch.is_tensor(v):
+                out[k] = v.detach().to("cpu", copy=True)
+            else:
+                out[k] = copy.deepcopy(v)
+        return out
+
+    def synchronize_staging(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def _dcp_async_save(state: dict, path: str, group):
+    """Write in a background thread over `group`, a dedicated gloo group (the mesh's
+    background_group), so that its collectives never interleave with the training's."""
+    import torch.distributed.checkpoint as dcp
+    save_planner, _ = _planners()
+    staged = _CloneStager().stage(state)
+    return dcp.async_save(staged, storage_writer=dcp.FileSystemWriter(path, single_file_per_rank=True),
+                          planner=save_planner(), process_group=group,
+                          async_stager=_CloneStager())
+
+
+def _dcp_load(state: dict, path: str, local: bool = False):
+    """Read `state` from `path`; collective over the world unless `local` (one process reads)."""
+    import torch.distributed.checkpoint as dcp
+    _, load_planner = _planners()
+    with _dcp_errors():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=load_planner(path),
+                 no_dist=local or not _dist())
+    return state
+
+
+# Folder layout ----------------------------------------------------------------------------------------
+
+def read_tracker(root: str) -> int | str | None:
+    """The iteration named by <root>/latest_checkpointed_iteration.txt (None when absent)."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if text == RELEASE:
+        return RELEASE
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path} should hold an iteration number or 'release', "
+                              f"found {text!r}.") from None
+
+
+def resolve_checkpoint(path: str) -> str | None:
+    """The checkpoint folder for `path`: a root with a tracker, or an iteration folder itself.
+
+    None when `path` holds no checkpoint at all; CheckpointError when the tracker names a folder
+    that is missing or incomplete.
+    """
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return path
+    iteration = read_tracker(path)
+    if iteration is None:
+        return None
+    folder = os.path.join(path, iteration_dirname(iteration))
+    if not os.path.isfile(os.path.join(folder, ".metadata")) or \
+            not os.path.isfile(os.path.join(folder, META_FILENAME)):
+        raise CheckpointError(f"{os.path.join(path, TRACKER_FILENAME)} names iteration {iteration}, "
+                              f"but {folder} is missing or incomplete (no .metadata or "
+                              f"{META_FILENAME}).")
+    return folder
+
+
+def _write_text_atomic(path: str, text: str):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+# Save ----------------------------------------------------------------------------------------------
+
+class _PendingSave:
+    """An asynchronous save whose files are still being written; `finalize()` publishes it."""
+
+    def __init__(self, future, root, iteration, tmp, final, meta):
+        self.future, self.root, self.iteration = future, root, iteration
+        self.tmp, self.final, self.meta = tmp, final, meta
+
+    def finalize(self):
+        if self.future is not None:
+            self.future.result()
+            self.future = None
+        _publish(self.root, self.iteration, self.tmp, self.final, self.meta)
+
+
+_pending: _PendingSave | None = None
+
+
+def _publish(root, iteration, tmp, final, meta):
+    """Every rank has written its files: rank 0 renames the folder, then replaces the tracker."""
+    _barrier()
+    if _rank() == 0:
+        _write_text_atomic(os.path.join(tmp, META_FILENAME), json.dumps(meta, indent=1))
+        if os.path.exists(final):           # saving an iteration again: move the old one away
+            old = final + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(root)
+        _write_text_atomic(os.path.join(root, TRACKER_FILENAME), str(iteration))
+    _barrier()
+
+
+def finalize_async_save():
+    """Wait for an asynchronous save in flight and publish it (every rank calls this)."""
+    global _pending
+    if _pending is not None:
+        pending, _pending = _pending, None
+        pending.finalize()
+
+
+def save_checkpoint(root: str, iteration: int | str, chunks, mesh, *, optimizer=None, scheduler=None,
+                    train_state=None, config=None, args=None, rng_tracker=None,
+                    async_save: bool = False) -> str:
+    """Save model (+ optimizer, scheduler, train state, RNG) under <root>/iter_XXXXXXX (collective).
+
+    Every rank of the world calls this. Returns the final folder. With `async_save` the files are
+    written in the background; the checkpoint appears (folder renamed, tracker updated) at the next
+    save or at `finalize_async_save()`.
+    """
+    global _pending
+    finalize_async_save()
+    t0 = time.time()
+    name = iteration_dirname(iteration)
+    final = os.path.join(root, name)
+    tmp = final + ".tmp"
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)   # leftovers of a save that crashed
+        os.makedirs(tmp)
+    _barrier()
+    state: dict[str, Any] = model_state(chunks, mesh.tp_rank, mesh.tp_size)
+    if optimizer is not None:
+        state.update(optimizer_state(chunks, optimizer, mesh.tp_rank, mesh.tp_size))
+    if rng_tracker is not None or optimizer is not None:
+        from megatron_sp.tensor_parallel.random import get_rng_state
+        state[f"rng/{mesh.rank}"] = _rng_to_storable(get_rng_state(rng_tracker))
+    d = mesh.dims
+    meta = {
+        "format": "megatron_sp", "format_version": FORMAT_VERSION,
+        "iteration": iteration if iteration == RELEASE else int(iteration),
+        "layout": {"tp": d.tp, "sp": d.sp, "dp": d.dp, "pp": d.pp, "world_size": d.world_size},
+        "has_optimizer": optimizer is not None,
+        "has_rng": f"rng/{mesh.rank}" in state,
+        "train_state": dataclasses.asdict(train_state) if train_state is not None else None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "config": config.to_dict() if config is not None else None,
+        "args": _jsonable(vars(args)) if args is not None else None,
+        "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    if async_save and _dist():
+        future = _dcp_async_save(state, tmp, mesh.background_group())
+        _pending = _PendingSave(future, root, iteration, tmp, final, meta)
+        if _rank() == 0:
+            print(f"> saving checkpoint {final} in the background (staged in "
+                  f"{time.time() - t0:.2f} s)", flush=True)
+        return final
+    _dcp_save(state, tmp)
+    _publish(root, iteration, tmp, final, meta)
+    if _rank() == 0:
+        print(f"> saved checkpoint {final} in {time.time() - t0:.2f} s", flush=True)
+    return final
+# Load ----------------------------------------------------------------------------------------------
+
+def load_checkpoint(path: str, chunks, mesh, *, optimizer=None, scheduler=None, train_state=None,
+                    config=None, rng_tracker=None, load_optim: bool = True, load_rng: bool = True,
+                    finetune: bool = False, missing_ok: bool = True) -> dict | None:
+    """Load a checkpoint saved in any layout into this one (collective). Returns its metadata.
+
+    `path`: the --load root (tracker) or an iteration folder. With no checkpoint there at all,
+    returns None (Megatron starts from scratch) unless `missing_ok` is False. `finetune` (and a
+    'release' checkpoint) loads the weights only and keeps iteration 0.
+    """
+    if not os.path.exists(path):
+        if missing_ok:
+            return None
+        raise CheckpointError(f"checkpoint path {path} does not exist.")
+    folder = resolve_checkpoint(path)
+    if folder is None:
+        if missing_ok:
+            return None
+        raise CheckpointError(f"{path} holds no checkpoint ({TRACKER_FILENAME} is missing).")
+    meta = read_meta(folder)
+    check_config(meta.get("config"), config, folder)
+    release = meta.get("iteration") == RELEASE
+    weights_only = finetune or release
+    state: dict[str, Any] = model_state(chunks, mesh.tp_rank, mesh.tp_size)
+    with_optim = optimizer is not None and load_optim and not weights_only and meta.get("has_optimizer")
+    if optimizer is not None and load_optim and not weights_only and not meta.get("has_optimizer"):
+        raise CheckpointError(f"checkpoint {folder} holds no optimizer state: load it with "
+                              f"--finetune or --no-load-optim.")
+    if with_optim:
+        state.update(optimizer_state(chunks, optimizer, mesh.tp_rank, mesh.tp_size, create=True))
+    saved_layout = meta.get("layout", {})
+    same_layout = all(saved_layout.get(k) == v for k, v in
+                      (("tp", mesh.tp_size), ("sp", mesh.sp_size), ("dp", mesh.dp_size),
+                       ("pp", mesh.pp_size)))
+    rng_key = f"rng/{mesh.rank}"
+    with_rng = load_rng and not weights_only and meta.get("has_rng") and same_layout
+    if with_rng:
+        state[rng_key] = None
+    _dcp_load(state, folder)
+    if not weights_only:
+        if scheduler is not None and meta.get("scheduler") is not None:
+            scheduler.load_state_dict(meta["scheduler"])
+        if train_state is not None and meta.get("train_state") is not None:
+            for k, v in meta["train_state"].items():
+                if hasattr(train_state, k):
+                    setattr(train_state, k, v)
+    if with_rng:
+        from megatron_sp.tensor_parallel.random import set_rng_state
+        set_rng_state(_rng_from_storable(state[rng_key]), rng_tracker)
+    elif load_rng and not weights_only and meta.get("has_rng") and _rank() == 0:
+        print(f"> layout changed ({saved_layout} -> tp={mesh.tp_size} sp={mesh.sp_size} "
+              f"dp={mesh.dp_size} pp={mesh.pp_size}): RNG states not restored (they are per rank).",
+              flush=True)
+    if _rank() == 0:
+        what = "weights only" if weights_only else ("weights, optimizer" if with_optim else "weights")
+        print(f"> loaded checkpoint {folder} ({what}) at iteration {meta.get('iteration')}",
+              flush=True)
+    return meta

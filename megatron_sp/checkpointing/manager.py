@@ -1,0 +1,113 @@
+"""The training loop's side of checkpoints: --save/--load/--save-interval, pre-emption signals and
+the exit conditions."""
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+from megatron_sp.checkpointing.comm import _rank, any_rank_flag
+from megatron_sp.checkpointing.io import finalize_async_save, load_checkpoint, save_checkpoint
+
+
+# Pre-emption ---------------------------------------------------------------------------------------
+
+class SignalHandler:
+    """Record SIGTERM / SIGUSR1 instead of dying; the loop saves and exits at an iteration's end."""
+
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)):
+        self.received = None
+        self._previous = {}
+        for sig in signals:
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = signum
+        print(f"> rank {_rank()}: received signal {signal.Signals(signum).name}; will save and exit "
+              f"at the end of this iteration", file=sys.stderr, flush=True)
+
+    def release(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+# The training loop's side: --save/--load/--save-interval and the exit conditions -------------------
+
+class CheckpointManager:
+    """Megatron's checkpoint and exit flags around a `Trainer` (one per run, every rank).
+
+        manager = CheckpointManager(args, trainer, config)
+        manager.load()                       # --load (--no-load-optim, --no-load-rng, --finetune)
+        while ...: trainer.train_step(...); if manager.after_step(): break
+        manager.finish()                     # final save, async saves published, handlers released
+
+    After each iteration the ranks agree (one all-reduce of two flags, `any_rank_flag`) on whether a
+    signal arrived (--exit-signal-handler) or --exit-duration-in-mins is spent; together with
+    --exit-interval and --save-interval that decides to save (when --save is given) and to stop.
+    """
+
+    def __init__(self, args, trainer, config=None):
+        self.args, self.trainer, self.config = args, trainer, config
+        self.mesh = trainer.mesh
+        self.start_time = time.time()
+        self.last_saved = None
+        self.exit_reason = None
+        self.signals = SignalHandler() if getattr(args, "exit_signal_handler", False) else None
+
+    def _rng_tracker(self):
+        return getattr(self.trainer.chunks[0], "rng_tracker", None)
+
+    def load(self) -> dict | None:
+        a, t = self.args, self.trainer
+        if not getattr(a, "load", None):
+            return None
+        meta = load_checkpoint(a.load, t.chunks, self.mesh, optimizer=t.optimizer,
+                               scheduler=t.scheduler, train_state=t.state, config=self.config,
+                               rng_tracker=self._rng_tracker(), load_optim=not a.no_load_optim,
+                               load_rng=not a.no_load_rng, finetune=a.finetune)
+        if meta is None and _rank() == 0:
+            print(f"> no checkpoint found under --load {a.load}: starting from scratch", flush=True)
+        self.last_saved = t.state.iteration if meta is not None and not a.finetune else None
+        return meta
+
+    def save(self):
+        a, t = self.args, self.trainer
+        if not getattr(a, "save", None) or self.last_saved == t.state.iteration:
+            return
+        save_checkpoint(a.save, t.state.iteration, t.chunks, self.mesh, optimizer=t.optimizer,
+                        scheduler=t.scheduler, train_state=t.state, config=self.config, args=a,
+                        rng_tracker=self._rng_tracker(), async_save=getattr(a, "async_save", False))
+        self.last_saved = t.state.iteration
+
+    def after_step(self) -> bool:
+        """Save and/or decide to stop after an iteration; True means leave the training loop."""
+        a, it = self.args, self.trainer.state.iteration
+        duration = getattr(a, "exit_duration_in_mins", None)
+        signal_flag, time_flag = False, False
+        if self.signals is not None or duration:
+            local_time = bool(duration) and (time.time() - self.start_time) / 60.0 > duration
+            local_signal = self.signals is not None and self.signals.received is not None
+            signal_flag, time_flag = any_rank_flag([local_signal, local_time])
+        interval = getattr(a, "exit_interval", None)
+        if signal_flag:
+            self.exit_reason = "a signal (SIGTERM/SIGUSR1)"
+        elif time_flag:
+            self.exit_reason = f"--exit-duration-in-mins {duration}"
+        elif interval and it % interval == 0:
+            self.exit_reason = f"--exit-interval {interval}"
+        save_interval = getattr(a, "save_interval", None)
+        if self.exit_reason or (save_interval and it % save_interval == 0):
+            self.save()
+        if self.exit_reason and _rank() == 0:
+            print(f"> exiting at iteration {it} after {self.exit_reason}", flush=True)
+        return self.exit_reason is not None
+
+    def finish(self):
+        """End of training: save the last iteration, publish an async save, release handlers."""
+        if self.trainer.state.iteration > 0 or self.exit_reason:
+            self.save()
+        finalize_async_save()
+        if self.signals is not None:
+            self.signals.release()

@@ -1,0 +1,94 @@
+"""One-process access to a checkpoint of any layout (conversion, inference): full tensors, a ready
+one-rank model, a consolidated safetensors export."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from megatron_sp.checkpointing.format import (TRACKER_FILENAME, CheckpointError, Shard, model_state,
+                                              read_meta)
+from megatron_sp.checkpointing.io import _dcp_load, resolve_checkpoint
+from megatron_sp.checkpointing.planners import _dcp_errors
+
+
+def read_full_tensors(path: str, prefix: str = "model/") -> dict[str, torch.Tensor]:
+    """Every stored tensor under `prefix` at its full stored shape (one process; no process group).
+
+    Fused projections come back as [c, n/c, ...] and vocabulary rows unpadded; see the module
+    docstring. For a ready model use `megatron_sp.load_pretrained`.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    folder = resolve_checkpoint(path)
+    if folder is None:
+        raise CheckpointError(f"{path} holds no checkpoint ({TRACKER_FILENAME} is missing).")
+    with _dcp_errors():
+        md = FileSystemReader(folder).read_metadata()
+    state = {k: Shard(torch.empty(m.size, dtype=m.properties.dtype), m.size,
+                      torch.Size([0] * len(m.size)))
+             for k, m in md.state_dict_metadata.items()
+             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    _dcp_load(state, folder, local=True)
+    return {k[len(prefix):]: v.local for k, v in state.items()}
+
+
+def load_pretrained(path: str, *, device="cpu", dtype: torch.dtype | None = None,
+                    attention_backend: str = "sdpa"):
+    """A one-rank GPTModel (eval mode) from a checkpoint of any layout or a consolidated export.
+
+    `path`: a --save root (newest checkpoint), an iter_XXXXXXX / release folder, or a
+    model.safetensors written by `export_safetensors` / convert.py --saver safetensors. Reads only
+    this process's files (no process group needed, none used even when one exists).
+    """
+    from megatron_sp.mesh import ParallelMesh
+    from megatron_sp.models import GPTConfig, GPTModel
+    if os.path.isfile(path) and path.endswith(".safetensors"):
+        from safetensors import safe_open
+        with safe_open(path, framework="pt") as f:
+            md = f.metadata() or {}
+            if "megatron_sp_config" not in md:
+                raise CheckpointError(f"{path} is not a megatron_sp export (no megatron_sp_config "
+                                      f"in its metadata).")
+            config = GPTConfig.from_dict(json.loads(md["megatron_sp_config"]))
+            model = GPTModel(config, ParallelMesh.single(), attention_backend=attention_backend)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name not in f.keys():
+                        raise CheckpointError(f"{path} has no tensor {name!r}.")
+                    t = f.get_tensor(name)
+                    rows = getattr(p, "real_rows", None)
+                    want = (rows,) + tuple(p.shape[1:]) if rows else tuple(p.shape)
+                    if tuple(t.shape) != want:
+                        raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)} in {path} "
+                                              f"but shape {want} in the model.")
+                    (p[:rows] if rows else p).copy_(t)
+    else:
+        folder = resolve_checkpoint(path) if os.path.exists(path) else None
+        if folder is None:
+            raise CheckpointError(f"{path} holds no checkpoint ({TRACKER_FILENAME} or .metadata "
+                                  f"missing).")
+        meta = read_meta(folder)
+        if not meta.get("config"):
+            raise CheckpointError(f"checkpoint {folder} records no model config.")
+        config = GPTConfig.from_dict(meta["config"])
+        model = GPTModel(config, ParallelMesh.single(), attention_backend=attention_backend)
+        _dcp_load(model_state([model], 0, 1), folder, local=True)
+    model.eval()
+    return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+
+
+def export_safetensors(path: str, out_file: str) -> str:
+    """Write one consolidated model.safetensors (our names, full shapes, vocabulary unpadded, the
+    model config in its metadata) from a checkpoint of any layout; `load_pretrained` reads it."""
+    from safetensors.torch import save_file
+    model = load_pretrained(path)
+    tensors = {}
+    for name, p in model.named_parameters():
+        rows = getattr(p, "real_rows", None)
+        tensors[name] = (p[:rows] if rows else p).detach().contiguous()
+    os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
+    save_file(tensors, out_file, metadata={"format": "pt", "megatron_sp_config":
+                                           json.dumps(model.config.to_dict())})
+    return out_file
