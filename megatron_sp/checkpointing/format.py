@@ -135,6 +135,8 @@ def _init_adam_state(optimizer, param):
 
 def optimizer_state(chunks, optimizer, tp_rank: int, tp_size: int, *, create: bool = False) -> dict:
     """AdamW moments sharded like their parameters, and each parameter's step (scalar)."""
+    if hasattr(optimizer, "checkpoint_state"):   # --use-distributed-optimizer: its rows, same keys
+        return optimizer.checkpoint_state(chunks, tp_rank, tp_size, create=create)
     state = {}
     for name, p in named_parameters(chunks):
         st = _init_adam_state(optimizer, p) if create else optimizer.state.get(p, {})
