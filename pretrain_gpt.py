@@ -226,8 +226,12 @@ def main(argv=None):
     chunks = build_model(config, mesh, args, device)
     print_rank0(mesh, f"> {mesh}\n> model: {config.num_parameters() / 1e6:.2f}M parameters, "
                       f"{config}\n> attention backend: {chunks[0].attention_backend_name}")
-    optimizer = build_optimizer(chunks, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2),
-                                args.adam_eps)
+    if args.use_distributed_optimizer:   # Adam state sharded over dp x sp (DESIGN 11)
+        from megatron_sp.sharding.distributed_optimizer import DistributedOptimizer
+        optimizer = DistributedOptimizer.from_args(chunks, mesh, args)
+    else:
+        optimizer = build_optimizer(chunks, args.lr, args.weight_decay,
+                                    (args.adam_beta1, args.adam_beta2), args.adam_eps)
     scheduler = LRScheduler(optimizer, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                             args.lr_decay_style, args.lr_wsd_decay_iters)
     trainer = Trainer(chunks, optimizer, scheduler, mesh, global_batch_size=args.global_batch_size,
@@ -294,6 +298,9 @@ def train(args, trainer, train_iter, valid_iter, metrics, checkpoints=None):
                 record["saved_bytes_per_rank"] = report["device_bytes"]
                 record["offloaded_bytes_per_rank"] = report["host_bytes"]
                 line += " | " + format_report(report, peak_device_memory(trainer.device))
+                if hasattr(trainer.optimizer, "model_state_bytes"):   # sharded model state (DESIGN 11)
+                    from megatron_sp.sharding.distributed_optimizer import model_state_report
+                    line += " | " + model_state_report(trainer.optimizer.model_state_bytes(), record)
             print_rank0(mesh, line)
             metrics.write(record)
             comm_stats.reset()

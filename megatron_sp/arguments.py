@@ -108,6 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
     par.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
 
+    sh = p.add_argument_group("sharded model state (DESIGN 11)")
+    _bool_flag(sh, "--use-distributed-optimizer", "shard the Adam state (and fp32 master weights of "
+               "16-bit parameters) over dp x sp; gradients reduce-scattered, parameters all-gathered")
+    _bool_flag(sh, "--overlap-grad-reduce", "overlap the gradient reduction with backward (always "
+               "on: buckets are launched from the gradient hooks of the last backward pass)")
+    _bool_flag(sh, "--overlap-param-gather", "distributed optimizer: launch the all-gathers of all "
+               "buckets at once after the step (not overlapped with the next forward)")
+    _bool_flag(sh, "--optimizer-cpu-offload", "distributed optimizer: the sharded master weights, "
+               "their gradients and Adam state, and the optimizer step, in (pinned) host memory")
+
     c = p.add_argument_group("checkpointing and exit")
     c.add_argument("--save", default=None)
     c.add_argument("--load", default=None)
@@ -178,6 +188,10 @@ def validate(args) -> None:
                                  f"--pipeline-model-parallel-size > 1.")
     # Layer split and micro-batch count are checked once the model and mesh are known
     # (megatron_sp.pipeline.partition), with the numbers.
+    for flag in ("overlap_param_gather", "optimizer_cpu_offload"):
+        if getattr(args, flag, False) and not args.use_distributed_optimizer \
+                and not getattr(args, "use_torch_fsdp2", False):
+            raise SystemExit(f"error: --{flag.replace('_', '-')} needs --use-distributed-optimizer.")
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # Megatron also drops it silently at tp=1: nothing to shard
 

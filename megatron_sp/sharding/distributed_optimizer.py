@@ -351,3 +351,17 @@ class DistributedOptimizer:
 
 def _nbytes(t) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+def model_state_report(state: dict, record: dict | None = None) -> str:
+    """--report-memory text for `model_state_bytes()`; also stores model_state/<where>/<kind> bytes
+    in `record` (the metrics line)."""
+    mb = 2 ** 20
+    parts = []
+    for where, kinds in state.items():
+        if record is not None:
+            record.update({f"model_state/{where}/{kind}": n for kind, n in kinds.items()})
+        if any(kinds.values()):
+            parts.append(f"{where} {sum(kinds.values()) / mb:.2f} (" + ", ".join(
+                f"{kind} {n / mb:.2f}" for kind, n in kinds.items()) + ")")
+    return "model state (MB/rank): " + ", ".join(parts)

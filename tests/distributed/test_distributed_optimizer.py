@@ -71,9 +71,11 @@ def _history(trainer, batches, mesh):
         tensors = {}
         for chunk in trainer.chunks:
             for name, p in chunk.named_parameters():
-                tensors[name] = gather_full_like(_full_grad(trainer.optimizer, p), p, mesh.tp_group)
+                if not result.skipped:
+                    tensors[name] = gather_full_like(_full_grad(trainer.optimizer, p), p, mesh.tp_group)
                 tensors[name + "#updated"] = gather_full_like(p.detach(), p, mesh.tp_group)
-        history.append((result.loss, result.grad_norm, tensors))
+        # A skipped (non-finite) step: compare the unchanged parameters only.
+        history.append((0.0, 0.0, tensors) if result.skipped else (result.loss, result.grad_norm, tensors))
     return history
 
 
@@ -94,6 +96,14 @@ def _check_bytes(optimizer, mesh):
     return got
 
 
+def _inject_nan(trainer, case, mesh):
+    """--nonfinite-loss skip, with a NaN loss on global rank 0 only at iteration case["nan_at"]."""
+    if case.get("nan_at"):
+        trainer.set_failure_policy("skip")
+        trainer.faults.nan_iters = {case["nan_at"]} if mesh.rank == 0 else set()
+    return trainer
+
+
 def check_distributed_optimizer(rank, world, cases):
     torch.manual_seed(1000 + rank)
     out = []
@@ -102,13 +112,15 @@ def check_distributed_optimizer(rank, world, cases):
         batches = global_batches(cfg.vocab_size, case["seq"], case["global_batch"], case["steps"],
                                  seed=case.get("data_seed", 11))
         one = ParallelMesh.single()
-        reference = _history(_trainer(one, cfg, case, distributed=None, micro_batch=case["global_batch"],
-                                      global_batch=case["global_batch"], steps=case["steps"]),
-                             batches, one)
+        reference = _history(_inject_nan(_trainer(one, cfg, case, distributed=None,
+                                                   micro_batch=case["global_batch"],
+                                                   global_batch=case["global_batch"],
+                                                   steps=case["steps"]), case, one), batches, one)
         mesh = ParallelMesh.from_sizes(tp=case.get("tp", 1), sp=case.get("sp", 1), pp=case.get("pp", 1))
         trainer = _trainer(mesh, cfg, case, distributed=case.get("distributed", {}),
                            global_batch=case["global_batch"], steps=case["steps"])
-        candidate = _history(trainer, batches, mesh)
+        candidate = _history(_inject_nan(trainer, case, mesh), batches, mesh)
+        assert trainer.state.skipped_iterations == (1 if case.get("nan_at") else 0)
         worst = compare(reference, candidate, case["name"])
         got = _check_bytes(trainer.optimizer, mesh) if case.get("bytes") else None
         out.append((case["name"], worst, got))
@@ -128,6 +140,8 @@ def test_two_rank_layouts():
         dict(LLAMA, name="llama sp2", sp=2, micro_batch=4, **common),
         dict(LLAMA, name="llama dp2 cpu offload", micro_batch=2, bytes=True,
              distributed=dict(cpu_offload=True), **common),
+        dict(GPT2, name="gpt2 dp2 NaN on rank 0 at step 2: skipped on every rank", micro_batch=1,
+             nan_at=2, **common),
         dict(GPT2, name="gpt2 dp2 overlap param gather, no clipping", micro_batch=2, clip=0.0,
              distributed=dict(overlap_param_gather=True), **common),
     ])
