@@ -24,6 +24,11 @@ views of the parameters themselves and the owned gradient rows views of p.grad: 
 --optimizer-cpu-offload: the owned master rows, their gradients and the Adam moments live in host
 memory (pinned on CUDA) and the step runs there; gradient rows are copied down, updated rows up.
 
+Transient memory: a bucket's gradients are copied into its rank-major [n, segment] buffer for the
+reduce-scatter; at most IN_FLIGHT (2) such buffers are alive during backward (the oldest is finished
+when a third is launched). The parameter all-gather holds one bucket's buffer at a time (all of
+them, 4 P_r, with --overlap-param-gather).
+
 --overlap-param-gather: the all-gathers of every bucket are launched at once after the step and
 unpacked as each completes (they overlap one another, not the next forward pass); without it each
 bucket is gathered and unpacked in turn.
@@ -39,6 +44,7 @@ from megatron_sp.optimizer import param_groups
 from megatron_sp.sharding import comm
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
+IN_FLIGHT = 2        # gradient buckets whose reduce-scatter may be pending during backward
 
 
 class _Piece:
@@ -112,13 +118,15 @@ class _Bucket:
         self.launched = True
 
     def finish_reduce(self, rank: int):
+        """Wait, copy the reduced owned rows into p.grad and free the buffers (once per step)."""
+        if self.out is None:
+            return
         if self.handle is not None:
             self.handle.wait()
         for pc in self.pieces:
             pc.piece(pc.param.grad, rank).copy_(pc.slot(self.out, rank))
         self.handle = self.buffer = self.out = None
-        self.ready = 0
-        self.launched = False
+
 
     def launch_gather(self, group, rank: int):
         mine = self._empty()                                                # [segment]
@@ -162,7 +170,7 @@ class DistributedOptimizer:
                    "weight_decay": g["weight_decay"]} for g in param_groups(chunks, weight_decay)]
         self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
         self.buckets = self._make_buckets(bucket_mb)
-        self._armed = False
+        self._armed, self._in_flight = False, []
         owner = {pc.param: b for b in self.buckets for pc in b.pieces}
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._make_hook(owner[p]))
@@ -213,6 +221,11 @@ class DistributedOptimizer:
             bucket.ready += 1
             if bucket.ready == len(bucket.pieces) and not bucket.launched:
                 bucket.launch_reduce(self.group)
+                self._in_flight.append(bucket)
+                # At most IN_FLIGHT buckets' [n, segment] copies alive: finish the oldest (by now
+                # usually complete), so the transient memory stays a few buckets, not 4 P_r.
+                while len(self._in_flight) > IN_FLIGHT:
+                    self._in_flight.pop(0).finish_reduce(self.rank)
         return hook
 
     def start_last_backward(self):
@@ -221,7 +234,7 @@ class DistributedOptimizer:
 
     def finish(self):
         """Complete every reduce-scatter; the owned rows of every gradient are then final."""
-        self._armed = False
+        self._armed, self._in_flight = False, []
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -230,6 +243,7 @@ class DistributedOptimizer:
                 bucket.launch_reduce(self.group)
         for bucket in self.buckets:
             bucket.finish_reduce(self.rank)
+            bucket.ready, bucket.launched = 0, False
         # Owned rows are the same rows of the same shapes on every tp rank / embedding stage.
         comm.all_reduce_views([self.owned_grad(p) for p in self.sp_params], self.mesh.tp_group,
                               "tp/all_reduce")
