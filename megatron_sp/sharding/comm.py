@@ -29,7 +29,8 @@ def reduce_scatter_sum(output: torch.Tensor, buffer: torch.Tensor, group):
         return None
     comm_stats.record("dp/reduce_scatter", comm_stats.gather_bytes(
         output.numel(), output.element_size(), group_size(group)))
-    return dist.reduce_scatter_single(output, buffer.reshape(-1), group=group, async_op=True)
+    flat = buffer.reshape(-1)                                          # [n, segment] -> [n * segment]
+    return dist.reduce_scatter_single(output, flat, group=group, async_op=True)
 
 
 def all_gather_segments(buffer: torch.Tensor, mine: torch.Tensor, group):
@@ -39,7 +40,8 @@ def all_gather_segments(buffer: torch.Tensor, mine: torch.Tensor, group):
         return None
     comm_stats.record("dp/all_gather", comm_stats.gather_bytes(
         mine.numel(), mine.element_size(), group_size(group)))
-    return dist.all_gather_single(buffer.reshape(-1), mine, group=group, async_op=True)
+    flat = buffer.reshape(-1)                           # [n, segment] -> [n * segment], same storage
+    return dist.all_gather_single(flat, mine, group=group, async_op=True)
 
 
 def all_reduce_views(tensors, group, kind: str) -> None:

@@ -23,6 +23,8 @@ Without offload and with fp32 parameters (our default: bf16 runs use autocast), 
 views of the parameters themselves and the owned gradient rows views of p.grad: nothing is copied.
 --optimizer-cpu-offload: the owned master rows, their gradients and the Adam moments live in host
 memory (pinned on CUDA) and the step runs there; gradient rows are copied down, updated rows up.
+16-bit parameters get fp32 master rows (and fp32 copies of their owned gradient rows); their
+gradients are reduce-scattered in the parameters' dtype.
 
 Transient memory: a bucket's gradients are copied into its rank-major [n, segment] buffer for the
 reduce-scatter; at most IN_FLIGHT (2) such buffers are alive during backward (the oldest is finished

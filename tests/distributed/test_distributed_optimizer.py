@@ -4,7 +4,11 @@ Every rank trains the one-rank reference (torch's AdamW, no communication) and t
 distributed optimizer (Adam state sharded over dp x sp, gradients reduce-scattered, parameters
 all-gathered) on the same seeded batches, then compares after every one of 3 optimizer steps: loss
 1e-5 relative, the full gradient (the owned rows of every rank, summed over dp x sp) and the full
-updated parameters 1e-4 absolute, and the grad norm 1e-4 (layout_utils.compare).
+updated parameters 1e-4 absolute, and the grad norm 1e-4 (layout_utils.compare). Also: a NaN on one
+rank skips the step on every rank; the per-rank model-state bytes equal DESIGN 11's formula (2% per
+rank for the ceil(rows / n) split, exact summed over ranks); bf16 parameters keep fp32 master rows;
+checkpoints saved with the distributed optimizer load unsharded in another layout and the reverse,
+bit-identical, with exact resume.
 """
 from __future__ import annotations
 
@@ -127,8 +131,37 @@ def check_distributed_optimizer(rank, world, cases):
     return out
 
 
-def _run(world, cases):
-    results = run_distributed(check_distributed_optimizer, world, cases)
+def check_16bit_parameters(rank, world):
+    """bf16 parameters (not this project's default): fp32 master rows, the parameters their rounding,
+    identical on every rank after 3 steps; bytes 2 P_r weights + 2 P_r grads + 4 P_r / n fp32 grad
+    rows + 12 P_r / n (Adam + master), exact."""
+    cfg = preset(LLAMA["model"], **LLAMA["overrides"])
+    mesh = ParallelMesh.from_sizes()
+    chunks, schedule = build_chunks(mesh, cfg)
+    chunks = [c.to(torch.bfloat16) for c in chunks]
+    opt = DistributedOptimizer(chunks, mesh, lr=1e-2, bucket_mb=0.05)
+    trainer = Trainer(chunks, opt, LRScheduler(opt, 1e-2, 1e-3, 0, 3), mesh, global_batch_size=4,
+                      micro_batch_size=2, seq_length=16, schedule=schedule)
+    before = [p.detach().clone() for p in opt.params]
+    for batch in global_batches(cfg.vocab_size, 16, 4, 3, seed=1):
+        assert not trainer.train_step(micro_batches(batch, 2, mesh.dp_rank, mesh.dp_size)).skipped
+    assert all(not torch.equal(b, p) for b, p in zip(before, opt.params))
+    for p, master in opt.master.items():
+        assert master.dtype == torch.float32 and torch.equal(opt._owned(p), master.to(torch.bfloat16))
+    sums = torch.stack([p.detach().double().sum() for p in opt.params])
+    assert torch.equal(all_reduce_sum(sums.clone(), opt.group), 2 * sums)
+    p_r = sum(p.numel() for p in opt.params)
+    assert opt.model_state_bytes()["device"] == {"params": 2 * p_r, "grads": 2 * p_r + 4 * p_r // 2,
+                                                 "optimizer": 12 * p_r // 2}
+
+
+def check_two_rank(rank, world, cases):
+    check_16bit_parameters(rank, world)
+    return check_distributed_optimizer(rank, world, cases)
+
+
+def _run(world, cases, fn=check_distributed_optimizer):
+    results = run_distributed(fn, world, cases)
     assert [r[0] for r in results[0]] == [c["name"] for c in cases]
     return results
 
@@ -144,7 +177,7 @@ def test_two_rank_layouts():
              nan_at=2, **common),
         dict(GPT2, name="gpt2 dp2 overlap param gather, no clipping", micro_batch=2, clip=0.0,
              distributed=dict(overlap_param_gather=True), **common),
-    ])
+    ], fn=check_two_rank)
 
 
 def _stored(folder):
