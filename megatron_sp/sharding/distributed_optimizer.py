@@ -59,7 +59,7 @@ class _Piece:
     def __init__(self, param: torch.Tensor, n: int):
         if param.dim() == 0:
             raise ValueError("the distributed optimizer needs parameters with at least one dimension.")
-        self.param = param
+        self.param, self.n = param, n
         self.chunks = getattr(param, "tp_chunks", 1)
         self.fused = self.chunks > 1 and getattr(param, "tp_partition_dim", None) == 0
         self.dim = 1 if self.fused else 0
@@ -69,6 +69,7 @@ class _Piece:
         shape[self.dim] = self.rows
         self.padded_shape = torch.Size(shape)
         self.numel = self.padded_shape.numel()
+        self.even = self.size == n * self.rows      # no padding: every rank's piece in one copy
         self.offset = 0
 
     def view(self, t: torch.Tensor) -> torch.Tensor:
@@ -83,6 +84,15 @@ class _Piece:
         """Rank `rank`'s rows of t (a view)."""
         lo, hi = self.span(rank)
         return self.view(t).narrow(self.dim, lo, hi - lo)
+
+    def all_pieces(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's piece of t at once, [n, padded piece shape] (a view; only when `even`)."""
+        split = self.view(t).unflatten(self.dim, (self.n, self.rows))   # [.., n*rows, ..] -> [.., n, rows, ..]
+        return split.movedim(self.dim, 0)                                # -> [n, .., rows, ..]
+
+    def all_slots(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This parameter's slots in every segment of a bucket buffer [n, segment]: [n, padded]."""
+        return buffer[:, self.offset:self.offset + self.numel].view(self.n, *self.padded_shape)
 
     def slot(self, segment: torch.Tensor, rank: int) -> torch.Tensor:
         """Where rank `rank`'s piece lies in a bucket segment [segment] (a view, padding cut off)."""
@@ -113,6 +123,9 @@ class _Bucket:
     def launch_reduce(self, group):
         self.buffer = self._empty(self.n)                                   # [n, segment]
         for pc in self.pieces:
+            if pc.even:
+                pc.all_slots(self.buffer).copy_(pc.all_pieces(pc.param.grad))
+                continue
             for r in range(self.n):
                 pc.slot(self.buffer[r], r).copy_(pc.piece(pc.param.grad, r))
         self.out = self._empty()                                            # [segment]
@@ -142,6 +155,9 @@ class _Bucket:
             self.handle.wait()
         with torch.no_grad():
             for pc in self.pieces:
+                if pc.even:     # own rows included: they are copied back unchanged
+                    pc.all_pieces(pc.param.detach()).copy_(pc.all_slots(self.buffer))
+                    continue
                 for r in range(self.n):
                     if r != rank:
                         pc.piece(pc.param.detach(), r).copy_(pc.slot(self.buffer[r], r))
