@@ -182,8 +182,9 @@ class DistributedOptimizer:
         self.sp_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         self.embedding_params = [p for p in self.params if getattr(p, "embedding_tied", False)]
         self.master = {p: self._master(p) for p in self.params if self._owned(p).numel() > 0}
-        self.host_grads = {p: torch.empty_like(m) for p, m in self.master.items()
-                           if not self._is_view(p)}
+        self.host_grads = {p: torch.empty(m.shape, dtype=m.dtype, device=m.device,
+                                          pin_memory=m.is_pinned())     # where the master lives
+                           for p, m in self.master.items() if not self._is_view(p)}
         groups = [{"params": [self.master[p] for p in g["params"] if p in self.master],
                    "weight_decay": g["weight_decay"]} for g in param_groups(chunks, weight_decay)]
         self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
