@@ -244,8 +244,8 @@ def main(argv=None):
     checkpoints = CheckpointManager(args, trainer, config)   # --load, --save, exit conditions
     try:
         checkpoints.load()
-    except CheckpointError as err:
-        raise SystemExit(f"error: {err}") from None
+    except CheckpointError as err:   # the ranks agreed on it (load_checkpoint): said once
+        raise SystemExit(f"error: {err}" if mesh.rank == 0 else 1) from None
     if args.train_samples is not None:   # resumed, maybe with another batch size: stop at the samples
         remaining = max(0, args.train_samples - trainer.state.consumed_train_samples)
         args.train_iters = trainer.state.iteration + remaining // args.global_batch_size

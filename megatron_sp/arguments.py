@@ -129,6 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--exit-interval", type=int, default=None)
     c.add_argument("--exit-duration-in-mins", type=float, default=None)
     _bool_flag(c, "--async-save", "write checkpoints in the background (published at the next save)")
+    c.add_argument("--ckpt-step", type=int, default=None,
+                   help="load this iteration of --load instead of the newest (Megatron's)")
+    _bool_flag(c, "--no-verify-checkpoint", "do not check checkpoint files against the CRC-32 "
+               "checksums recorded at save before loading them")
+    _bool_flag(c, "--override-opt_param-scheduler", "on resume, use the learning-rate schedule of "
+               "the command line even where it differs from the checkpoint's (Megatron's)")
+    _bool_flag(c, "--use-checkpoint-opt_param-scheduler", "on resume, use the checkpoint's "
+               "learning-rate schedule instead of the command line's (Megatron's)")
 
     lg = p.add_argument_group("logging")
     lg.add_argument("--log-interval", type=int, default=10)
