@@ -190,7 +190,11 @@ def build_model(config, mesh, args, device):
 
 
 def build_sharding(chunks, mesh, args, device):
-    """--use-torch-fsdp2 (+ --optimizer-cpu-offload): shard the chunks; None: replicated state."""
+    """The Trainer's state sharding (DESIGN 11): --use-distributed-optimizer (the optimizer that
+    shards itself), --use-torch-fsdp2 (shards the chunks); None: replicated state."""
+    if args.use_distributed_optimizer:
+        from megatron_sp.sharding.distributed_optimizer import DistributedOptimizer
+        return DistributedOptimizer.from_args(chunks, mesh, args)
     if not args.use_torch_fsdp2:
         return None
     from megatron_sp.sharding.fsdp import FSDPLayoutError, apply_fsdp2
@@ -240,8 +244,11 @@ def main(argv=None):
     sharding = build_sharding(chunks, mesh, args, device)
     print_rank0(mesh, f"> {mesh}\n> model: {config.num_parameters() / 1e6:.2f}M parameters, "
                       f"{config}\n> attention backend: {chunks[0].attention_backend_name}")
-    optimizer = build_optimizer(chunks, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2),
-                                args.adam_eps)
+    if args.use_distributed_optimizer:   # also the optimizer: Adam state sharded over dp x sp
+        optimizer = sharding
+    else:
+        optimizer = build_optimizer(chunks, args.lr, args.weight_decay,
+                                    (args.adam_beta1, args.adam_beta2), args.adam_eps)
     scheduler = LRScheduler(optimizer, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                             args.lr_decay_style, args.lr_wsd_decay_iters)
     trainer = Trainer(chunks, optimizer, scheduler, mesh, global_batch_size=args.global_batch_size,
@@ -254,8 +261,8 @@ def main(argv=None):
     checkpoints = CheckpointManager(args, trainer, config)   # --load, --save, exit conditions
     try:
         checkpoints.load()
-    except CheckpointError as err:
-        raise SystemExit(f"error: {err}") from None
+    except CheckpointError as err:   # the ranks agreed on it (load_checkpoint): said once
+        raise SystemExit(f"error: {err}" if mesh.rank == 0 else 1) from None
     if args.train_samples is not None:   # resumed, maybe with another batch size: stop at the samples
         remaining = max(0, args.train_samples - trainer.state.consumed_train_samples)
         args.train_iters = trainer.state.iteration + remaining // args.global_batch_size

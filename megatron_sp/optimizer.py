@@ -97,9 +97,16 @@ class LRScheduler:
     def lr(self) -> float:
         return self.lr_at(self.num_steps)
 
+    # The schedule itself is saved too: a resumed run compares it with its flags (checkpointing's
+    # --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler, as Megatron-LM).
+    SCHEDULE = ("max_lr", "min_lr", "warmup_iters", "decay_iters", "style", "wsd_decay_iters")
+
     def state_dict(self) -> dict:
-        return {"num_steps": self.num_steps}
+        return {"num_steps": self.num_steps, **{k: getattr(self, k) for k in self.SCHEDULE}}
 
     def load_state_dict(self, state: dict):
+        for k in self.SCHEDULE:
+            if k in state:
+                setattr(self, k, state[k])
         self.num_steps = int(state["num_steps"])
         self._apply()

@@ -186,10 +186,9 @@ class Trainer:
         self.schedule = schedule or forward_backward_no_pipelining
         self.flops_per_step = flops_per_step
         # The seam of sharded model state (megatron_sp.sharding): the object that owns gradient
-        # reduction, norm and clipping: FSDP2's, an optimizer that shards itself, or replicated.
-        self.sharding = sharding or (optimizer if hasattr(optimizer, "clip_grad_norm")
-                                     else Replicated(self.chunks, mesh, bucket_mb=bucket_mb))
-        self.device = getattr(self.sharding, "device", None) or next(self.chunks[0].parameters()).device
+        # reduction, norm and clipping: FSDP2's, the distributed optimizer, or replicated state.
+        self.sharding = sharding or Replicated(self.chunks, mesh, bucket_mb=bucket_mb)
+        self.device = self.sharding.device
         self.peak_tflops = device_peak_tflops(peak_tflops) if self.device.type == "cuda" else peak_tflops
         self.grad_sync = self.sharding          # what the schedules call start_last_backward() on
         self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
@@ -246,8 +245,7 @@ class Trainer:
             chunk.train()
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = self._count_tokens(micro_batches)
-        if hasattr(self.sharding, "begin_step"):
-            self.sharding.begin_step(self.num_micro_batches)
+        self.sharding.begin_step(self.num_micro_batches)
         start = time.perf_counter()
         hooks = self.faults.nan_hooks(iteration, self.chunks)
         try:

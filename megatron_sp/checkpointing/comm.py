@@ -1,4 +1,5 @@
-"""The checkpoint code's few collectives (barrier, broadcast, the exit-flag all-reduce).
+"""The checkpoint code's few collectives (barrier, broadcast, the exit-flag all-reduce, the
+checksums gathered at save, the verdict agreed at load).
 
 Every function is the identity / a no-op without an initialised process group, so one-process
 tools (conversion, inference) use the same code.
@@ -15,6 +16,10 @@ def _dist() -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if _dist() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _dist() else 1
 
 
 def _barrier():
@@ -42,3 +47,20 @@ def any_rank_flag(flags, group=None) -> list[bool]:
             t = t.cuda()
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return [bool(v) for v in t.cpu().tolist()]
+
+
+def _all_gather_object(obj) -> list:
+    """`obj` of every rank of the world, in rank order ([obj] with one process)."""
+    if not _dist():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def agree_on_error(message: str | None) -> str | None:
+    """The verdict of every rank on one step (collective): the first error message by rank order,
+    the same on every rank, or None when no rank failed. Lets every rank stop with one sentence
+    when any rank found a problem (a damaged file only it reads) instead of waiting in the next
+    collective."""
+    return next((m for m in _all_gather_object(message) if m), None)

@@ -139,6 +139,8 @@ def _init_adam_state(optimizer, param):
 
 def optimizer_state(chunks, optimizer, tp_rank: int, tp_size: int, *, create: bool = False) -> dict:
     """AdamW moments sharded like their parameters, and each parameter's step (scalar)."""
+    if hasattr(optimizer, "checkpoint_state"):   # --use-distributed-optimizer: its rows, same keys
+        return optimizer.checkpoint_state(chunks, tp_rank, tp_size, create=create)
     state = {}
     for name, p in named_parameters(chunks):
         st = _init_adam_state(optimizer, p) if create else optimizer.state.get(p, {})
@@ -184,12 +186,21 @@ def iteration_dirname(iteration: int | str) -> str:
     return RELEASE if iteration == RELEASE else f"iter_{int(iteration):07d}"
 
 
-def read_meta(folder: str) -> dict:
+def read_meta(folder: str, advice: str = "save it again or load another checkpoint.") -> dict:
+    """The folder's megatron_sp.json; a damaged one is refused naming the file, then `advice`."""
     path = os.path.join(folder, META_FILENAME)
     if not os.path.isfile(path):
         raise CheckpointError(f"{folder} is not a megatron_sp checkpoint: {META_FILENAME} is missing.")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        where = f"line {err.lineno} column {err.colno}" if hasattr(err, "lineno") else "its bytes"
+        raise CheckpointError(f"checkpoint file {path} is damaged (not valid JSON at {where}): "
+                              f"{advice}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint file {path} is damaged (not a JSON object): {advice}")
+    return meta
 
 
 def _jsonable(value):
@@ -220,3 +231,37 @@ def check_config(saved: dict | None, config, where: str) -> None:
         print(f"warning: checkpoint {where} was trained with other settings: " + "; ".join(changed)
               + " (pass the checkpoint's values, e.g. --rotary-base, unless this is intended).",
               file=sys.stderr, flush=True)
+
+
+# LRScheduler attributes that make the learning-rate schedule, with the flags that set them.
+SCHEDULE_FLAGS = {
+    "max_lr": "--lr", "min_lr": "--min-lr",
+    "warmup_iters": "--lr-warmup-iters (or --lr-warmup-fraction)",
+    "decay_iters": "--lr-decay-iters (or --train-iters, its default)",
+    "style": "--lr-decay-style", "wsd_decay_iters": "--lr-wsd-decay-iters"}
+OVERRIDE_FLAG = "--override-opt_param-scheduler"
+USE_CHECKPOINT_FLAG = "--use-checkpoint-opt_param-scheduler"
+
+
+def schedule_to_load(saved: dict, scheduler, policy: str | None, where: str) -> dict:
+    """The scheduler state to load from the checkpoint's `saved` one, as Megatron-LM decides:
+    with `policy` "override" (--override-opt_param-scheduler) the command line's schedule stays
+    and only the step count is loaded; with "checkpoint" (--use-checkpoint-opt_param-scheduler)
+    the checkpoint's schedule replaces the command line's; without a policy a schedule that
+    differs is refused, naming the flags (the learning rate would jump mid-run)."""
+    diffs = [(k, flag, getattr(scheduler, k, None), saved[k]) for k, flag in SCHEDULE_FLAGS.items()
+             if k in saved and saved[k] != getattr(scheduler, k, None)]
+    listed = "; ".join(f"{flag} {now!r} now but {then!r} in the checkpoint"
+                       for _, flag, now, then in diffs)
+    if diffs and policy in ("override", "checkpoint") and _rank() == 0:
+        flag, which = ((OVERRIDE_FLAG, "the command line's") if policy == "override" else
+                       (USE_CHECKPOINT_FLAG, "the checkpoint's"))
+        print(f"> {flag}: the learning-rate schedule differs ({listed}); {which} is used",
+              flush=True)
+    if not diffs or policy == "checkpoint":
+        return saved
+    if policy == "override":
+        return {"num_steps": saved["num_steps"]}
+    raise CheckpointError(f"the learning-rate schedule differs from the one of checkpoint {where} "
+                          f"({listed}): pass {OVERRIDE_FLAG} to follow the command line or "
+                          f"{USE_CHECKPOINT_FLAG} to keep the checkpoint's schedule.")

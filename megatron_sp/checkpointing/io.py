@@ -15,19 +15,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import re
 import shutil
 import time
 from typing import Any
 
 import torch
 
-from megatron_sp.checkpointing.comm import _barrier, _dist, _rank
+from megatron_sp.checkpointing.comm import (_all_gather_object, _barrier, _dist, _rank, _world,
+                                            agree_on_error)
 from megatron_sp.checkpointing.format import (FORMAT_VERSION, META_FILENAME, RELEASE,
                                               TRACKER_FILENAME, CheckpointError, Shard,
                                               _jsonable, _rng_from_storable, _rng_to_storable,
                                               check_config, iteration_dirname, model_state,
-                                              optimizer_state, read_meta)
+                                              optimizer_state, read_meta, schedule_to_load)
+from megatron_sp.checkpointing.integrity import (ALGORITHM, checksum_files, dcp_item_offsets,
+                                                 files_of_rank, verify_files)
 from megatron_sp.checkpointing.planners import _dcp_errors, _planners
 
 
@@ -75,14 +80,30 @@ def _dcp_async_save(state: dict, path: str, group):
                           async_stager=_CloneStager())
 
 
-def _dcp_load(state: dict, path: str, local: bool = False):
-    """Read `state` from `path`; collective over the world unless `local` (one process reads)."""
+def _dcp_load(state: dict, path: str, local: bool = False, verify: tuple[dict, str] | None = None,
+              advice: str | None = None):
+    """Read `state` from `path`; collective over the world unless `local` (one process reads).
+
+    `verify` = (recorded checksums, advice): each rank checks the files its plan opens first.
+    `advice` (what to do when a file cannot be read) turns DCP's failures into one CheckpointError.
+    """
     import torch.distributed.checkpoint as dcp
     _, load_planner = _planners()
-    with _dcp_errors():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=load_planner(path),
-                 no_dist=local or not _dist())
+    root_logger = logging.getLogger()     # DCP logs a traceback there per failed read: ours is
+    if advice is not None:                # one sentence (raised below)
+        root_logger.addFilter(_quiet_dcp)
+    try:
+        with _dcp_errors(path, advice):
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path),
+                     planner=load_planner(path, verify), no_dist=local or not _dist())
+    finally:
+        root_logger.removeFilter(_quiet_dcp)
     return state
+
+
+def _quiet_dcp(record: logging.LogRecord) -> bool:
+    """Logging filter: drop the records DCP's loader logs on the root logger."""
+    return "distributed/checkpoint" not in record.pathname.replace(os.sep, "/")
 
 
 # Folder layout ----------------------------------------------------------------------------------------
@@ -102,12 +123,52 @@ def read_tracker(root: str) -> int | str | None:
                               f"found {text!r}.") from None
 
 
-def resolve_checkpoint(path: str) -> str | None:
-    """The checkpoint folder for `path`: a root with a tracker, or an iteration folder itself.
+def _complete(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, ".metadata")) and \
+        os.path.isfile(os.path.join(folder, META_FILENAME))
+
+
+def complete_iterations(root: str) -> list[int]:
+    """The iterations under `root` whose folder is complete (published), oldest first."""
+    found = []
+    for name in os.listdir(root) if os.path.isdir(root) else ():
+        m = re.fullmatch(r"iter_(\d{7,})", name)
+        if m and _complete(os.path.join(root, name)):
+            found.append(int(m.group(1)))
+    return sorted(found)
+
+
+def fallback_advice(folder: str) -> str:
+    """What to do when the checkpoint in `folder` is damaged: the newest earlier complete
+    iteration of the same save folder, loaded with --ckpt-step (Megatron's flag)."""
+    root, name = os.path.split(os.path.normpath(folder))
+    m = re.fullmatch(r"iter_(\d+)", name)
+    if m is None:
+        return f"{name} is damaged; save or convert it again."
+    iteration = int(m.group(1))
+    earlier = [it for it in complete_iterations(root) if it < iteration]
+    if earlier:
+        return (f"iteration {iteration} is damaged; resume from iteration {earlier[-1]}, the newest "
+                f"earlier complete checkpoint, with --ckpt-step {earlier[-1]}.")
+    return (f"iteration {iteration} is damaged and {root} holds no earlier complete checkpoint; "
+            f"restore the file from a copy or start again without --load.")
+
+
+def resolve_checkpoint(path: str, step: int | None = None) -> str | None:
+    """The checkpoint folder for `path`: a root with a tracker, or an iteration folder itself;
+    with `step` (--ckpt-step), the root's iteration `step` whatever the tracker says.
 
     None when `path` holds no checkpoint at all; CheckpointError when the tracker names a folder
-    that is missing or incomplete.
+    that is missing or incomplete, or `step` names no complete iteration.
     """
+    if step is not None:
+        folder = os.path.join(path, iteration_dirname(step))
+        if not _complete(folder):
+            have = complete_iterations(path)
+            raise CheckpointError(f"--ckpt-step {step}: {folder} is missing or incomplete; the "
+                                  f"complete iterations under {path} are "
+                                  f"{', '.join(map(str, have)) if have else 'none'}.")
+        return folder
     if os.path.isfile(os.path.join(path, ".metadata")):
         return path
     iteration = read_tracker(path)
@@ -161,9 +222,21 @@ class _PendingSave:
 _pending: _PendingSave | None = None
 
 
+def _record_checksums(tmp: str, meta: dict) -> None:
+    """Every rank checksums the files it wrote (collective); rank 0 records them all in `meta`."""
+    mine = checksum_files(tmp, files_of_rank(tmp, _rank(), _world(), skip={META_FILENAME}),
+                          cuts=dcp_item_offsets(tmp))
+    files = {}
+    for part in _all_gather_object(mine):
+        files.update(part)
+    meta["checksums"] = {"algorithm": ALGORITHM, "files": dict(sorted(files.items()))}
+
+
 def _publish(root, iteration, tmp, final, meta):
-    """Every rank has written its files: rank 0 renames the folder, then replaces the tracker."""
+    """Every rank has written its files: they are checksummed, rank 0 writes the metadata (with the
+    checksums) under a temporary name, renames the folder, then replaces the tracker."""
     _barrier()
+    _record_checksums(tmp, meta)
     if _rank() == 0:
         _write_text_atomic(os.path.join(tmp, META_FILENAME), json.dumps(meta, indent=1))
         if os.path.exists(final):           # saving an iteration again: move the old one away
@@ -238,28 +311,64 @@ def save_checkpoint(root: str, iteration: int | str, chunks, mesh, *, optimizer=
     if _rank() == 0:
         print(f"> saved checkpoint {final} in {time.time() - t0:.2f} s", flush=True)
     return final
+
+
 # Load ----------------------------------------------------------------------------------------------
 
-def load_checkpoint(path: str, chunks, mesh, *, optimizer=None, scheduler=None, train_state=None,
-                    config=None, rng_tracker=None, load_optim: bool = True, load_rng: bool = True,
-                    finetune: bool = False, missing_ok: bool = True) -> dict | None:
-    """Load a checkpoint saved in any layout into this one (collective). Returns its metadata.
-
-    `path`: the --load root (tracker) or an iteration folder. With no checkpoint there at all,
-    returns None (Megatron starts from scratch) unless `missing_ok` is False. `finetune` (and a
-    'release' checkpoint) loads the weights only and keeps iteration 0.
-    """
+def _open_checkpoint(path, step, missing_ok, verify, config, scheduler, schedule, weights_only):
+    """Find, read and check the checkpoint before any tensor is read: (folder, meta, checksums,
+    advice), or None when there is none and `missing_ok`. Raises CheckpointError (one sentence)."""
     if not os.path.exists(path):
         if missing_ok:
             return None
         raise CheckpointError(f"checkpoint path {path} does not exist.")
-    folder = resolve_checkpoint(path)
+    folder = resolve_checkpoint(path, step)
     if folder is None:
         if missing_ok:
             return None
         raise CheckpointError(f"{path} holds no checkpoint ({TRACKER_FILENAME} is missing).")
-    meta = read_meta(folder)
+    advice = fallback_advice(folder)
+    meta = read_meta(folder, advice)
     check_config(meta.get("config"), config, folder)
+    checksums = (meta.get("checksums") or {}).get("files") if verify else None
+    if checksums is not None:
+        verify_files(folder, [".metadata"], checksums, advice)   # before DCP unpickles it
+    elif verify and _rank() == 0:
+        print(f"> checkpoint {folder} records no checksums (saved before integrity checks): "
+              f"its files are not verified", flush=True)
+    weights_only = weights_only or meta.get("iteration") == RELEASE
+    if scheduler is not None and not weights_only and meta.get("scheduler") is not None:
+        meta["scheduler"] = schedule_to_load(meta["scheduler"], scheduler, schedule, folder)
+    return folder, meta, checksums, advice
+
+
+def load_checkpoint(path: str, chunks, mesh, *, optimizer=None, scheduler=None, train_state=None,
+                    config=None, rng_tracker=None, load_optim: bool = True, load_rng: bool = True,
+                    finetune: bool = False, missing_ok: bool = True, step: int | None = None,
+                    verify: bool = True, schedule: str | None = None) -> dict | None:
+    """Load a checkpoint saved in any layout into this one (collective). Returns its metadata.
+
+    `path`: the --load root (tracker) or an iteration folder; `step` (--ckpt-step) loads that
+    iteration of the root instead of the newest. With no checkpoint there at all, returns None
+    (Megatron starts from scratch) unless `missing_ok` is False. `finetune` (and a 'release'
+    checkpoint) loads the weights only and keeps iteration 0. `verify` checks every file against
+    the checksums recorded at save before it is read (integrity.py). `schedule`: None refuses a
+    learning-rate schedule that differs from the checkpoint's, "override" keeps the scheduler's,
+    "checkpoint" takes the checkpoint's (Megatron's --override-opt_param-scheduler /
+    --use-checkpoint-opt_param-scheduler). The ranks agree on every refusal: all raise the same.
+    """
+    opened, error = None, None
+    try:
+        opened = _open_checkpoint(path, step, missing_ok, verify, config, scheduler, schedule,
+                                  finetune)
+    except CheckpointError as err:
+        error = str(err)
+    error = agree_on_error(error)
+    if error is not None:
+        raise CheckpointError(error)
+    if opened is None:
+        return None
+    folder, meta, checksums, advice = opened
     release = meta.get("iteration") == RELEASE
     weights_only = finetune or release
     state: dict[str, Any] = model_state(chunks, mesh.tp_rank, mesh.tp_size)
@@ -277,7 +386,10 @@ def load_checkpoint(path: str, chunks, mesh, *, optimizer=None, scheduler=None, 
     with_rng = load_rng and not weights_only and meta.get("has_rng") and same_layout
     if with_rng:
         state[rng_key] = None
-    _dcp_load(state, folder)
+    _dcp_load(state, folder, verify=(checksums, advice) if checksums is not None else None,
+              advice=advice)
+    if hasattr(optimizer, "sync_master_from_params"):   # sharded master copies follow the weights
+        optimizer.sync_master_from_params()
     if not weights_only:
         if scheduler is not None and meta.get("scheduler") is not None:
             scheduler.load_state_dict(meta["scheduler"])

@@ -7,6 +7,7 @@ import sys
 import time
 
 from megatron_sp.checkpointing.comm import _rank, any_rank_flag
+from megatron_sp.checkpointing.format import OVERRIDE_FLAG, USE_CHECKPOINT_FLAG, CheckpointError
 from megatron_sp.checkpointing.io import finalize_async_save, load_checkpoint, save_checkpoint
 
 
@@ -39,7 +40,8 @@ class CheckpointManager:
     """Megatron's checkpoint and exit flags around a `Trainer` (one per run, every rank).
 
         manager = CheckpointManager(args, trainer, config)
-        manager.load()                       # --load (--no-load-optim, --no-load-rng, --finetune)
+        manager.load()                       # --load (--no-load-optim, --no-load-rng, --finetune,
+                                             #   --ckpt-step, --no-verify-checkpoint, schedule flags)
         while ...: trainer.train_step(...); if manager.after_step(): break
         manager.finish()                     # final save, async saves published, handlers released
 
@@ -66,11 +68,24 @@ class CheckpointManager:
         meta = load_checkpoint(a.load, t.chunks, self.mesh, optimizer=t.optimizer,
                                scheduler=t.scheduler, train_state=t.state, config=self.config,
                                rng_tracker=self._rng_tracker(), load_optim=not a.no_load_optim,
-                               load_rng=not a.no_load_rng, finetune=a.finetune)
+                               load_rng=not a.no_load_rng, finetune=a.finetune,
+                               step=getattr(a, "ckpt_step", None),
+                               verify=not getattr(a, "no_verify_checkpoint", False),
+                               schedule=self._schedule_policy())
         if meta is None and _rank() == 0:
             print(f"> no checkpoint found under --load {a.load}: starting from scratch", flush=True)
         self.last_saved = t.state.iteration if meta is not None and not a.finetune else None
         return meta
+
+    def _schedule_policy(self) -> str | None:
+        """Which learning-rate schedule wins when it differs from the checkpoint's (Megatron's
+        flags): "override" (the command line), "checkpoint", or None (refuse the difference)."""
+        override = getattr(self.args, "override_opt_param_scheduler", False)
+        use_checkpoint = getattr(self.args, "use_checkpoint_opt_param_scheduler", False)
+        if override and use_checkpoint:
+            raise CheckpointError(f"{OVERRIDE_FLAG} and {USE_CHECKPOINT_FLAG} contradict each "
+                                  f"other: pass one of them.")
+        return "override" if override else "checkpoint" if use_checkpoint else None
 
     def save(self):
         a, t = self.args, self.trainer

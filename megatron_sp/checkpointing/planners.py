@@ -7,6 +7,7 @@ import warnings
 import torch
 
 from megatron_sp.checkpointing.format import CheckpointError, Shard
+from megatron_sp.checkpointing.integrity import verify_files
 
 
 # DCP planners ---------------------------------------------------------------------------------------
@@ -48,9 +49,9 @@ def _planners():
             return super().lookup_object(index)
 
     class ShardLoadPlanner(DefaultLoadPlanner):
-        def __init__(self, where: str):
+        def __init__(self, where: str, verify: tuple[dict, str] | None = None):
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-            self.where = where
+            self.where, self.verify = where, verify   # verify: (recorded checksums, advice)
 
         def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
             # Not DefaultLoadPlanner's: its meta-tensor pass turns unknown leaves (Shard) into None.
@@ -79,6 +80,12 @@ def _planners():
                     requests += create_read_items_for_chunk_list(fqn, md, [chunk])
                 else:
                     requests += _create_read_items(fqn, md, obj)
+            if self.verify is not None:   # the bytes this rank's plan reads, before any is read
+                ranges = {}
+                for r in requests:
+                    info = self.metadata.storage_data[r.storage_index]
+                    ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
+                verify_files(self.where, ranges, *self.verify)
             return LoadPlan(requests)
 
         def lookup_tensor(self, index):
@@ -92,16 +99,29 @@ def _planners():
 
 
 @contextlib.contextmanager
-def _dcp_errors():
-    """Quiet DCP's one-process warning; re-raise our own error out of DCP's per-rank wrapper."""
+def _dcp_errors(where: str | None = None, advice: str | None = None):
+    """Quiet DCP's one-process warning; re-raise our own error out of DCP's per-rank wrapper.
+
+    With `advice` (loading), any other failure of any rank (a file DCP could not open or decode:
+    checkpoints saved without checksums, or --no-verify-checkpoint) becomes one CheckpointError
+    naming the folder `where`, the first failure and what to do. Every rank sees the same failures
+    (DCP gathers them), so every rank raises the same sentence.
+    """
     from torch.distributed.checkpoint.api import CheckpointException
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
             yield
         except CheckpointException as err:
-            for failure in getattr(err, "failures", {}).values():
-                exc = failure[0] if isinstance(failure, tuple) else failure
+            failures = [f[0] if isinstance(f, tuple) else f
+                        for _, f in sorted(getattr(err, "failures", {}).items())]
+            for exc in failures:
                 if isinstance(exc, CheckpointError):
                     raise CheckpointError(str(exc)) from None
+            if advice is not None and failures:
+                first = failures[0]
+                text = (str(first).strip().splitlines() or [""])[0].split(". ")[0].rstrip(".")
+                text = text if len(text) <= 160 else text[:157] + "..."   # DCP's first sentence
+                raise CheckpointError(f"checkpoint {where} could not be read ({type(first).__name__}"
+                                      f"{': ' + text if text else ''}): {advice}") from None
             raise

@@ -7,10 +7,25 @@ import os
 
 import torch
 
-from megatron_sp.checkpointing.format import (TRACKER_FILENAME, CheckpointError, Shard, model_state,
-                                              read_meta)
-from megatron_sp.checkpointing.io import _dcp_load, resolve_checkpoint
+from megatron_sp.checkpointing.format import (META_FILENAME, TRACKER_FILENAME, CheckpointError, Shard,
+                                              model_state, read_meta)
+from megatron_sp.checkpointing.integrity import verify_files
+from megatron_sp.checkpointing.io import _dcp_load, fallback_advice, resolve_checkpoint
 from megatron_sp.checkpointing.planners import _dcp_errors
+
+
+def _open_local(folder: str):
+    """(megatron_sp.json or None, (checksums, advice) or None, advice) of `folder`, its .metadata
+    verified against the checksums recorded at save (shard files are verified as they are planned)."""
+    advice = fallback_advice(folder)
+    if not os.path.isfile(os.path.join(folder, META_FILENAME)):
+        return None, None, advice
+    meta = read_meta(folder, advice)
+    checksums = (meta.get("checksums") or {}).get("files")
+    if checksums is None:
+        return meta, None, advice
+    verify_files(folder, [".metadata"], checksums, advice)
+    return meta, (checksums, advice), advice
 
 
 def read_full_tensors(path: str, prefix: str = "model/") -> dict[str, torch.Tensor]:
@@ -24,13 +39,14 @@ def read_full_tensors(path: str, prefix: str = "model/") -> dict[str, torch.Tens
     folder = resolve_checkpoint(path)
     if folder is None:
         raise CheckpointError(f"{path} holds no checkpoint ({TRACKER_FILENAME} is missing).")
-    with _dcp_errors():
+    _, verify, advice = _open_local(folder)
+    with _dcp_errors(folder, advice):
         md = FileSystemReader(folder).read_metadata()
     state = {k: Shard(torch.empty(m.size, dtype=m.properties.dtype), m.size,
                       torch.Size([0] * len(m.size)))
              for k, m in md.state_dict_metadata.items()
              if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-    _dcp_load(state, folder, local=True)
+    _dcp_load(state, folder, local=True, verify=verify, advice=advice)
     return {k[len(prefix):]: v.local for k, v in state.items()}
 
 
@@ -69,12 +85,12 @@ def load_pretrained(path: str, *, device="cpu", dtype: torch.dtype | None = None
         if folder is None:
             raise CheckpointError(f"{path} holds no checkpoint ({TRACKER_FILENAME} or .metadata "
                                   f"missing).")
-        meta = read_meta(folder)
-        if not meta.get("config"):
+        meta, verify, advice = _open_local(folder)
+        if not (meta or {}).get("config"):
             raise CheckpointError(f"checkpoint {folder} records no model config.")
         config = GPTConfig.from_dict(meta["config"])
         model = GPTModel(config, ParallelMesh.single(), attention_backend=attention_backend)
-        _dcp_load(model_state([model], 0, 1), folder, local=True)
+        _dcp_load(model_state([model], 0, 1), folder, local=True, verify=verify, advice=advice)
     model.eval()
     return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
 

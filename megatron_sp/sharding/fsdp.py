@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from megatron_sp.grad_sync import _active, all_reduce_sum
 
-from .state_bytes import local_tensor, model_state_bytes
+from .state_bytes import local_tensor, model_state_bytes, optimizer_tensors
 
 
 class FSDPLayoutError(ValueError):
@@ -221,7 +221,11 @@ class FSDP2:
         return norm
 
     def model_state_bytes(self, optimizer) -> dict:
-        return model_state_bytes(self.chunks, optimizer, offloaded=self.offloaded)
+        """Local shards of the parameters, gradients and optimizer state: on the host when
+        offloaded (CPUOffloadPolicy), else on the device (16 P_r / n either way, DESIGN 11)."""
+        state = {"params": self.params, "grads": [p.grad for p in self.params],
+                 "optim": optimizer_tensors(optimizer)}
+        return model_state_bytes(self.device, **{"host" if self.offloaded else "device": state})
 
 
 # Checkpoints -----------------------------------------------------------------------------------

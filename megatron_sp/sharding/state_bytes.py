@@ -1,9 +1,10 @@
 """Model-state bytes per rank, measured from the tensors themselves (--report-memory, DESIGN 11).
 
-Parameters, gradients and optimizer state, each split into "device" and "host". A DTensor counts
-its local shard only (what this rank holds). Host means: a CPU tensor while the model computes on
-a GPU, or the sharded state that --optimizer-cpu-offload keeps on the host (on a CPU-only run the
-host is the device, so the offload policy decides the column).
+One measurement for every mode: parameters, gradients and optimizer state ("params", "grads",
+"optim"), each split into "device" and "host". A DTensor counts its local shard only (what this
+rank holds). Each mode says which of its tensors it keeps on the compute device and which in host
+memory (--optimizer-cpu-offload); on a GPU run every tensor is then placed by where it actually
+lives, on a CPU-only run (host memory is the device's) by the mode's word.
 """
 from __future__ import annotations
 
@@ -17,37 +18,29 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _where(t: torch.Tensor, compute_device: str, offloaded: bool) -> str:
-    if t.device.type == "cpu" and (compute_device != "cpu" or offloaded):
-        return "host"
-    return "device"
+def optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    """The optimizer's per-parameter state tensors (Adam moments), not the scalar step."""
+    return [t for st in optimizer.state.values() for t in st.values()
+            if torch.is_tensor(t) and t.dim() > 0]
 
 
-def model_state_bytes(chunks, optimizer=None, *, offloaded: bool = False) -> dict[str, int]:
-    """{params,grads,optim}_{device,host}_bytes and the device / host totals of this rank."""
-    params, seen = [], set()
-    for chunk in chunks:
-        for p in chunk.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-    on_gpu = any(local_tensor(p).is_cuda for p in params) or (offloaded and torch.cuda.is_available())
-    compute = "cuda" if on_gpu else "cpu"
+def model_state_bytes(compute_device: torch.device, device: dict | None = None,
+                      host: dict | None = None) -> dict[str, int]:
+    """{params,grads,optim}_{device,host}_bytes and the device / host totals of this rank.
+
+    device / host: {kind: tensors} the mode keeps on the compute device / in host memory (None
+    entries are skipped: a parameter without a gradient yet).
+    """
     out = {f"{k}_{w}_bytes": 0 for k in KINDS for w in ("device", "host")}
-
-    def add(kind, t):
-        if torch.is_tensor(t):
-            t = local_tensor(t)
-            out[f"{kind}_{_where(t, compute, offloaded)}_bytes"] += t.numel() * t.element_size()
-
-    for p in params:
-        add("params", p.detach())
-        if p.grad is not None:
-            add("grads", p.grad)
-        if optimizer is not None:
-            for value in optimizer.state.get(p, {}).values():
-                if torch.is_tensor(value) and value.dim() > 0:   # moments; not the scalar step
-                    add("optim", value)
+    on_gpu = torch.device(compute_device).type != "cpu"
+    for declared, kinds in (("device", device or {}), ("host", host or {})):
+        for kind, tensors in kinds.items():
+            for t in tensors:
+                if t is None:
+                    continue
+                t = local_tensor(t.detach())
+                where = ("host" if t.device.type == "cpu" else "device") if on_gpu else declared
+                out[f"{kind}_{where}_bytes"] += t.numel() * t.element_size()
     out["device_bytes"] = sum(out[f"{k}_device_bytes"] for k in KINDS)
     out["host_bytes"] = sum(out[f"{k}_host_bytes"] for k in KINDS)
     return out
@@ -59,4 +52,6 @@ def format_state_bytes(report: dict) -> str:
         return report[key] / 2**20
     return (f"model state per rank (MB): device {mb('device_bytes'):.1f} "
             f"(params {mb('params_device_bytes'):.1f}, grads {mb('grads_device_bytes'):.1f}, "
-            f"optimizer {mb('optim_device_bytes'):.1f}), host {mb('host_bytes'):.1f}")
+            f"optimizer {mb('optim_device_bytes'):.1f}), host {mb('host_bytes'):.1f} "
+            f"(params {mb('params_host_bytes'):.1f}, grads {mb('grads_host_bytes'):.1f}, "
+            f"optimizer {mb('optim_host_bytes'):.1f})")

@@ -11,8 +11,10 @@ The per-rank model-state bytes measured from the tensors (local shards) equal DE
 exactly: 16 P_r / n on the device (0 on the host); with CPU offload 0 on the device, 16 P_r / n on
 the host (P_r: parameters of the rank's (tp, pp) slice, n = dp*sp; every dim 0 divides by n here,
 so FSDP2 pads nothing and the shards are equal).
-Checkpoints: saved under FSDP2 and loaded unsharded / into another dp x sp (and the reverse), the
-full tensors are bit-identical; a resumed run continues with bit-identical losses.
+Checkpoints across all modes: saved unsharded, with the distributed optimizer and under FSDP2 in
+sp2 x dp2, each loads into each other mode (sharded targets also with CPU offload) in tp2 x dp2 with
+bit-identical full parameters and Adam moments; FSDP2's files hold the full tensors; a resumed run
+continues with bit-identical losses under FSDP2 and under the distributed optimizer.
 """
 from __future__ import annotations
 
@@ -23,10 +25,12 @@ import pytest
 import torch
 
 from megatron_sp.checkpointing import load_checkpoint, read_full_tensors, save_checkpoint
+from megatron_sp.grad_sync import all_reduce_sum
 from megatron_sp.memory import MemoryOptions
 from megatron_sp.mesh import ParallelMesh
 from megatron_sp.models import preset
 from megatron_sp.optimizer import LRScheduler, build_optimizer
+from megatron_sp.sharding.distributed_optimizer import DistributedOptimizer
 from megatron_sp.sharding.fsdp import apply_fsdp2, full_tensor
 from megatron_sp.tensor_parallel import gather_full_like
 from megatron_sp.testing import free_port, metrics_losses, run_distributed
@@ -40,13 +44,18 @@ SMALL_LLAMA = {"hidden_size": 128, "ffn_hidden_size": 352}   # llama-tiny, narro
 SEQ, GLOBAL_BATCH, STEPS = 32, 8, 3
 
 
-def _trainer(mesh, cfg, micro_batch, *, fsdp=None, sequence_parallel=False, pipeline=None,
-             memory=None, seed=7):
+def _trainer(mesh, cfg, micro_batch, *, fsdp=None, distopt=None, sequence_parallel=False,
+             pipeline=None, memory=None, seed=7):
+    """fsdp / distopt: the keyword arguments of apply_fsdp2 / DistributedOptimizer (None: not)."""
     chunks, schedule = build_chunks(mesh, cfg, sequence_parallel=sequence_parallel,
                                     pipeline=pipeline, seed=seed,
                                     model_kwargs={"memory": MemoryOptions(**(memory or {}))})
     sharding = apply_fsdp2(chunks, mesh, **fsdp) if fsdp is not None else None
-    optimizer = build_optimizer(chunks, lr=1e-3, weight_decay=0.1)
+    if distopt is not None:
+        sharding = optimizer = DistributedOptimizer(chunks, mesh, lr=1e-3, weight_decay=0.1,
+                                                    bucket_mb=0.05, **distopt)
+    else:
+        optimizer = build_optimizer(chunks, lr=1e-3, weight_decay=0.1)
     scheduler = LRScheduler(optimizer, 1e-3, 1e-4, warmup_iters=1, decay_iters=STEPS, style="cosine")
     return Trainer(chunks, optimizer, scheduler, mesh, global_batch_size=GLOBAL_BATCH,
                    micro_batch_size=micro_batch, seq_length=SEQ, clip_grad=1.0, bucket_mb=0.05,
@@ -127,6 +136,18 @@ def _check_cases(rank, world, cases):
     return results
 
 
+def _full_moment(trainer, p, key, mesh):
+    """The full Adam moment `key` of parameter p: the distributed optimizer's owned rows of every
+    rank summed over dp x sp (zeros elsewhere: exact), FSDP2's DTensor gathered, then over tp."""
+    opt = trainer.optimizer
+    if not isinstance(opt, DistributedOptimizer):
+        return _full(opt.state[p][key], p, mesh)
+    full = torch.zeros_like(p.detach())
+    if p in opt.master:
+        opt.pieces[p].piece(full, opt.rank).copy_(opt.state[opt.master[p]][key])
+    return gather_full_like(all_reduce_sum(full, opt.group), p, mesh.tp_group)
+
+
 def _full_state(trainer, mesh):
     """{name: full parameter}, {name/moment: full Adam moment} of a trainer, gathered."""
     params, moments = {}, {}
@@ -134,7 +155,7 @@ def _full_state(trainer, mesh):
         for name, p in chunk.named_parameters():
             params[name] = _full(p.detach(), p, mesh)
             for key in ("exp_avg", "exp_avg_sq"):
-                moments[f"{name}/{key}"] = _full(trainer.optimizer.state[p][key], p, mesh)
+                moments[f"{name}/{key}"] = _full_moment(trainer, p, key, mesh)
     return params, moments
 
 
@@ -148,17 +169,19 @@ def _assert_identical(a: dict, b: dict, what: str):
         assert torch.equal(t, u), f"{what}: {name} is not bit-identical"
 
 
+MODES = {"unsharded": {}, "distributed optimizer": {"distopt": {}}, "FSDP2": {"fsdp": {}}}
+OFFLOAD = {"distributed optimizer": {"distopt": {"cpu_offload": True}},
+           "FSDP2": {"fsdp": {"cpu_offload": True}}}
+
+
 def _check_checkpoints(rank, world, folder):
-    """FSDP2 sp2 x dp2 <-> unsharded tp2 x dp2 and FSDP2 tp2 x dp2; exact resume under FSDP2."""
+    """Save in each mode (sp2 x dp2), load into each other mode (tp2 x dp2), sharded targets
+    without and with CPU offload: full parameters and Adam moments bit-identical; FSDP2's files
+    hold the full tensors; exact resume under FSDP2 and under the distributed optimizer."""
     torch.manual_seed(200 + rank)
     cfg = preset("llama-tiny", **SMALL_LLAMA)
     batches = global_batches(cfg.vocab_size, SEQ, GLOBAL_BATCH, STEPS, seed=21)
     sp2dp2, tp2dp2 = ParallelMesh.from_sizes(sp=2), ParallelMesh.from_sizes(tp=2)
-
-    def save(trainer, mesh, root):
-        return save_checkpoint(root, trainer.state.iteration, trainer.chunks, mesh,
-                               optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-                               train_state=trainer.state, config=cfg)
 
     def load(trainer, mesh, path):
         load_checkpoint(path, trainer.chunks, mesh, optimizer=trainer.optimizer,
@@ -166,34 +189,40 @@ def _check_checkpoints(rank, world, folder):
                         load_rng=False, missing_ok=False)
         return trainer
 
-    sharded = _trainer(sp2dp2, cfg, 2, fsdp={})
-    _train(sharded, batches[:2], sp2dp2)
-    saved = save(sharded, sp2dp2, os.path.join(folder, "fsdp"))
-    params, moments = _full_state(sharded, sp2dp2)
+    saved = {}
+    for mode, kwargs in MODES.items():
+        trainer = _trainer(sp2dp2, cfg, 2, **kwargs)
+        _train(trainer, batches[:2], sp2dp2)
+        path = save_checkpoint(os.path.join(folder, mode.replace(" ", "_")), 2, trainer.chunks,
+                               sp2dp2, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                               train_state=trainer.state, config=cfg)
+        saved[mode] = (trainer, path, _full_state(trainer, sp2dp2))
     # The files hold the full tensors (read in one process, no process group).
-    _assert_identical(params, read_full_tensors(saved), "FSDP2 save -> files")
-    stored = read_full_tensors(saved, prefix="optim/")
+    _, path, (params, moments) = saved["FSDP2"]
+    _assert_identical(params, read_full_tensors(path), "FSDP2 save -> files")
+    stored = read_full_tensors(path, prefix="optim/")
     _assert_identical(moments, {k: v for k, v in stored.items() if not k.endswith("/step")},
                       "FSDP2 save -> files (Adam moments)")
-    # FSDP2 sp2 x dp2 -> unsharded tp2 x dp2 and -> FSDP2 tp2 x dp2 (another dp x sp).
-    unsharded = load(_trainer(tp2dp2, cfg, 2, seed=99), tp2dp2, saved)
-    _assert_identical(_full_state(unsharded, tp2dp2)[0], params, "FSDP2 -> unsharded")
-    _assert_identical(_full_state(unsharded, tp2dp2)[1], moments, "FSDP2 -> unsharded (Adam)")
-    other = load(_trainer(tp2dp2, cfg, 2, fsdp={}, seed=99), tp2dp2, saved)
-    _assert_identical(_full_state(other, tp2dp2)[0], params, "FSDP2 -> FSDP2 tp2 x dp2")
-    _assert_identical(_full_state(other, tp2dp2)[1], moments, "FSDP2 -> FSDP2 tp2 x dp2 (Adam)")
-    # Unsharded tp2 x dp2 -> FSDP2 sp2 x dp2.
-    saved_unsharded = save(unsharded, tp2dp2, os.path.join(folder, "unsharded"))
-    back = load(_trainer(sp2dp2, cfg, 2, fsdp={}, seed=99), sp2dp2, saved_unsharded)
-    _assert_identical(_full_state(back, sp2dp2)[0], params, "unsharded -> FSDP2")
-    _assert_identical(_full_state(back, sp2dp2)[1], moments, "unsharded -> FSDP2 (Adam)")
-    # Exact resume: the third step of the saved run and of the resumed one are bit-identical.
-    resumed = load(_trainer(sp2dp2, cfg, 2, fsdp={}, seed=99), sp2dp2, saved)
-    (l0, n0, _, p0), = _train(sharded, batches[2:], sp2dp2)
-    (l1, n1, _, p1), = _train(resumed, batches[2:], sp2dp2)
-    assert (l1, n1) == (l0, n0), f"resume: loss/norm {(l1, n1)} != {(l0, n0)}"
-    _assert_identical(p1, p0, "resume: updated parameters")
-    return True
+    # Every mode -> every other mode (and its offloaded variant), in another layout.
+    hops = 0
+    for source, (_, path, (params, moments)) in saved.items():
+        targets = [(m, MODES[m]) for m in MODES if m != source]
+        targets += [(m + " + offload", OFFLOAD[m]) for m in OFFLOAD if m != source]
+        for target, kwargs in targets:
+            loaded = load(_trainer(tp2dp2, cfg, 2, seed=99, **kwargs), tp2dp2, path)
+            got_params, got_moments = _full_state(loaded, tp2dp2)
+            _assert_identical(got_params, params, f"{source} -> {target} tp2 x dp2")
+            _assert_identical(got_moments, moments, f"{source} -> {target} tp2 x dp2 (Adam)")
+            hops += 1
+    # Exact resume in each sharded mode: the third step of the saved run and of the resumed one.
+    for mode in OFFLOAD:
+        trainer, path, _ = saved[mode]
+        resumed = load(_trainer(sp2dp2, cfg, 2, seed=99, **MODES[mode]), sp2dp2, path)
+        (l0, n0, _, p0), = _train(trainer, batches[2:], sp2dp2)
+        (l1, n1, _, p1), = _train(resumed, batches[2:], sp2dp2)
+        assert (l1, n1) == (l0, n0), f"{mode} resume: loss/norm {(l1, n1)} != {(l0, n0)}"
+        _assert_identical(p1, p0, f"{mode} resume: updated parameters")
+    return hops
 
 
 def _check_nonfinite_skip(rank, world):
@@ -265,16 +294,27 @@ def test_fsdp2_four_ranks_layouts_memory_bf16_checkpoints(tmp_path):
     ]
     outputs = run_distributed(_four_rank_checks, 4, cases, str(tmp_path))
     print("worst full gradient / parameter difference per case:", outputs[0][0])
-    for rank_results, checkpoints in outputs:
-        assert [name for name, _ in rank_results] == [c["name"] for c in cases] and checkpoints
+    for rank_results, hops in outputs:
+        assert [name for name, _ in rank_results] == [c["name"] for c in cases]
+        assert hops == 10     # from unsharded 4 targets, from each sharded mode 3
+
+
+def _eight_rank_checks(rank, world, cases):
+    """FSDP2's cases and the distributed optimizer's tp2 x sp2 x pp2 case in one spawn (8 ranks
+    cost ~9 s to start)."""
+    from test_distributed_optimizer import EIGHT_RANK_CASE, check_distributed_optimizer
+    return _check_cases(rank, world, cases), check_distributed_optimizer(rank, world,
+                                                                         [EIGHT_RANK_CASE])
 
 
 @pytest.mark.timeout(300)
-def test_fsdp2_eight_ranks_tp2_sp2_pp2():
+def test_eight_ranks_tp2_sp2_pp2_both_modes():
     cases = [_case("tp2 x sp2 x pp2 llama", "llama-tiny", 9, 4, tp=2, sp=2, pp=2,
                    sequence_parallel=True, overrides=dict(SMALL_LLAMA, num_layers=2))]
-    for rank_results in run_distributed(_check_cases, 8, cases, timeout_s=280):
-        assert [name for name, _ in rank_results] == [c["name"] for c in cases]
+    for fsdp_results, distopt_results in run_distributed(_eight_rank_checks, 8, cases,
+                                                         timeout_s=280):
+        assert [name for name, _ in fsdp_results] == [c["name"] for c in cases]
+        assert [name for name, *_ in distopt_results] == ["llama tp2 x sp2 x pp2 sequence-parallel"]
 
 
 TORCHRUN_ARGS = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--hidden-size", "64",

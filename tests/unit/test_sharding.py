@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from megatron_sp.arguments import parse_args
+from megatron_sp.mesh import ParallelMesh
 from megatron_sp.models import GPTModel, preset
 from megatron_sp.optimizer import build_optimizer
-from megatron_sp.sharding import model_state_bytes
+from megatron_sp.sharding import Replicated
 from megatron_sp.sharding.fsdp import FSDPLayoutError, check_shardable, fsdp_rows
 
 
@@ -28,11 +29,27 @@ def test_fused_rows_that_would_straddle_parts_are_refused_at_start_up():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--optimizer-cpu-offload"], "add --use-torch-fsdp2"),
+    (["--optimizer-cpu-offload"], "error: --optimizer-cpu-offload acts on sharded model state: add "
+                                  "--use-distributed-optimizer or --use-torch-fsdp2."),
+    (["--overlap-param-gather"], "error: --overlap-param-gather acts on sharded model state: add "
+                                 "--use-distributed-optimizer or --use-torch-fsdp2."),
+    (["--use-torch-fsdp2", "--use-distributed-optimizer"],
+     "error: --use-torch-fsdp2 and --use-distributed-optimizer are two sharding modes: choose one."),
 ])
 def test_refused_flag_combinations_say_one_sentence(argv, message, capsys):
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(SystemExit) as err:
         parse_args(argv)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("argv", [
+    ["--use-distributed-optimizer", "--optimizer-cpu-offload", "--overlap-param-gather",
+     "--overlap-grad-reduce"],
+    ["--use-torch-fsdp2", "--optimizer-cpu-offload"],
+])
+def test_accepted_sharded_state_flags(argv):
+    args = parse_args(argv)
+    assert args.optimizer_cpu_offload and args.use_distributed_optimizer != args.use_torch_fsdp2
 
 
 def test_replicated_model_state_bytes_are_sixteen_per_parameter():
@@ -41,7 +58,7 @@ def test_replicated_model_state_bytes_are_sixteen_per_parameter():
     optimizer = build_optimizer([model], lr=1e-3)
     model(input_ids=torch.randint(0, 100, (1, 8)), labels=torch.randint(0, 100, (1, 8))).sum().backward()
     optimizer.step()
-    report = model_state_bytes([model], optimizer)
+    report = Replicated([model], ParallelMesh.single()).model_state_bytes(optimizer)
     p = sum(t.numel() for t in model.parameters())
     assert report["params_device_bytes"] == report["grads_device_bytes"] == 4 * p
     assert report["optim_device_bytes"] == 8 * p
