@@ -30,6 +30,7 @@ from megatron_sp.training import (MetricsWriter, NonFiniteLossError, Trainer, fo
 from megatron_sp.memory import MemoryOptions, SavedTensorAccountant, format_report, peak_device_memory
 from megatron_sp.models import GPTConfig, GPTModel, preset
 from megatron_sp.models.init import init_parameters
+from megatron_sp.sharding.state_bytes import format_state_bytes
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron_sp")
 
@@ -296,6 +297,22 @@ def build_model(config, mesh, args, device):
     return chunks
 
 
+def build_sharding(chunks, mesh, args, device):
+    """The Trainer's state sharding (DESIGN 11): --use-distributed-optimizer (the optimizer that
+    shards itself), --use-torch-fsdp2 (shards the chunks); None: replicated state."""
+    if args.use_distributed_optimizer:
+        from megatron_sp.sharding.distributed_optimizer import DistributedOptimizer
+        return DistributedOptimizer.from_args(chunks, mesh, args)
+    if not args.use_torch_fsdp2:
+        return None
+    from megatron_sp.sharding.fsdp import FSDPLayoutError, apply_fsdp2
+    try:
+        return apply_fsdp2(chunks, mesh, bf16=args.bf16, cpu_offload=args.optimizer_cpu_offload,
+                           device=device)
+    except FSDPLayoutError as err:
+        raise SystemExit(f"error: {err}") from None
+
+
 def build_schedule(chunks, mesh, args):
     """No pipelining, 1F1B or interleaved 1F1B; refuses a micro-batch count it cannot run."""
     num_micro_batches = args.global_batch_size // (args.micro_batch_size * mesh.dp_size)
@@ -343,10 +360,14 @@ def main(argv=None):
                          f"shards (sp={mesh.sp_size}" + (f" x tp={mesh.tp_size}" if args.sequence_parallel
                                                          else "") + ").")
     chunks = build_model(config, mesh, args, device)
+    sharding = build_sharding(chunks, mesh, args, device)
     print_rank0(mesh, f"> {mesh}\n> model: {config.num_parameters() / 1e6:.2f}M parameters, "
                       f"{config}\n> attention backend: {chunks[0].attention_backend_name}")
-    optimizer = build_optimizer(chunks, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2),
-                                args.adam_eps)
+    if args.use_distributed_optimizer:   # also the optimizer: Adam state sharded over dp x sp
+        optimizer = sharding
+    else:
+        optimizer = build_optimizer(chunks, args.lr, args.weight_decay,
+                                    (args.adam_beta1, args.adam_beta2), args.adam_eps)
     scheduler = LRScheduler(optimizer, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                             args.lr_decay_style, args.lr_wsd_decay_iters)
     trainer = Trainer(chunks, optimizer, scheduler, mesh, global_batch_size=args.global_batch_size,
@@ -355,7 +376,7 @@ def main(argv=None):
                       flops_per_step=flops_for_config(config, args.global_batch_size, args.seq_length,
                                                       mesh.tp_size),
                       peak_tflops=args.peak_tflops, bucket_mb=args.grad_bucket_size_mb,
-                      schedule=build_schedule(chunks, mesh, args))
+                      schedule=build_schedule(chunks, mesh, args), sharding=sharding)
     checkpoints = CheckpointManager(args, trainer, config)   # --load, --save, exit conditions
     try:
         checkpoints.load()
@@ -421,6 +442,9 @@ def train(args, trainer, train_iter, valid_iter, metrics, checkpoints=None):
                 record["saved_bytes_per_rank"] = report["device_bytes"]
                 record["offloaded_bytes_per_rank"] = report["host_bytes"]
                 line += " | " + format_report(report, peak_device_memory(trainer.device))
+                state_bytes = trainer.sharding.model_state_bytes(trainer.optimizer)
+                record.update({f"model_state_{k}": v for k, v in state_bytes.items()})
+                line += " | " + format_state_bytes(state_bytes)
             print_rank0(mesh, line)
             metrics.write(record)
             comm_stats.reset()

@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(t, "--offload-activations", "keep saved activations of the transformer layers (with "
                "full recompute: the checkpointed layer inputs) in pinned host memory until backward")
     _bool_flag(t, "--report-memory", "print activation bytes saved for backward per rank and layer, "
-               "and peak device memory, with the log line")
+               "peak device memory and the model-state bytes per rank (parameters, gradients, "
+               "optimizer state on device and on host), with the log line")
     t.add_argument("--attention-backend", default="auto", choices=["auto", "te", "flash", "sdpa"])
     t.add_argument("--grad-bucket-size-mb", type=float, default=25.0)
     t.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
@@ -122,6 +123,25 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
     par.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
     par.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+
+    sh = p.add_argument_group("sharded model state over dp x sp (DESIGN 11)")
+    _bool_flag(sh, "--use-distributed-optimizer", "ZeRO-1/2: shard the Adam state (and fp32 master "
+               "weights of 16-bit parameters) over the dp x sp ranks; gradients reduce-scattered, "
+               "updated parameters all-gathered")
+    _bool_flag(sh, "--use-torch-fsdp2", "ZeRO-3 with torch's FSDP2: parameters, gradients and "
+               "optimizer state sharded over the dp x sp ranks, one FSDP unit per transformer "
+               "layer (all-gathered just before use, next layer prefetched), gradients "
+               "reduce-scattered; with --bf16 the gathered parameters and the gradients on the "
+               "wire are bf16 and the sharded master weights fp32")
+    _bool_flag(sh, "--optimizer-cpu-offload", "keep the sharded state in (pinned) host memory and "
+               "step the optimizer there: with --use-distributed-optimizer the master rows, their "
+               "gradients and the Adam state; with --use-torch-fsdp2 the sharded parameters, "
+               "gradients and optimizer state (CPUOffloadPolicy), the device holding only the "
+               "layers in flight")
+    _bool_flag(sh, "--overlap-grad-reduce", "overlap the gradient reduction with backward (always "
+               "on: buckets are launched from the gradient hooks of the last backward pass)")
+    _bool_flag(sh, "--overlap-param-gather", "distributed optimizer: launch the all-gathers of all "
+               "buckets at once after the step (FSDP2 always prefetches the next layer's)")
 
     c = p.add_argument_group("checkpointing and exit")
     c.add_argument("--save", default=None)
@@ -208,6 +228,13 @@ def validate(args) -> None:
                                  f"--pipeline-model-parallel-size > 1.")
     # Layer split and micro-batch count are checked once the model and mesh are known
     # (megatron_sp.pipeline.partition), with the numbers.
+    if args.use_torch_fsdp2 and args.use_distributed_optimizer:
+        raise SystemExit("error: --use-torch-fsdp2 and --use-distributed-optimizer are two sharding "
+                         "modes: choose one.")
+    for flag in ("optimizer_cpu_offload", "overlap_param_gather"):
+        if getattr(args, flag) and not (args.use_torch_fsdp2 or args.use_distributed_optimizer):
+            raise SystemExit(f"error: --{flag.replace('_', '-')} acts on sharded model state: add "
+                             f"--use-distributed-optimizer or --use-torch-fsdp2.")
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # Megatron also drops it silently at tp=1: nothing to shard
 

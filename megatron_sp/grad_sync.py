@@ -131,21 +131,27 @@ class GradientSync:
             offset += g.numel()
 
 
-def global_grad_norm(params, mesh) -> float:
-    """L2 norm of the full gradient over every rank: tp shards summed, stages summed, copies once."""
-    device = _device(params)
+def global_grad_norm(params, mesh, grads=None, shard_group=None) -> float:
+    """L2 norm of the full gradient over every rank: tp shards summed, stages summed, copies once.
+
+    `grads`: the gradients to measure, one per parameter (default: each p.grad); `shard_group`: the
+    group over which they are sharded, summed over too (the distributed optimizer's dp x sp rows).
+    """
+    grads = [p.grad for p in params] if grads is None else grads
+    device = next((g.device for g in grads if g is not None), _device(params))
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
-    for p in params:   # summed on the device: no host sync per parameter
-        if p.grad is None or getattr(p, "embedding_copy", False):
+    for p, grad in zip(params, grads):   # summed on the device: no host sync per parameter
+        if grad is None or getattr(p, "embedding_copy", False):
             continue
-        sq = p.grad.detach().double().pow(2).sum()
+        sq = grad.detach().double().pow(2).sum()
         if getattr(p, "tp_partition_dim", None) is not None:
             sharded += sq
         else:
             replicated += sq
     # Replicated parameters hold the same gradient on every tp rank: count them once.
     total = torch.stack([sharded, replicated / mesh.tp_size])
+    all_reduce_sum(total, shard_group, "dp/all_reduce")
     all_reduce_sum(total, mesh.tp_group, "tp/all_reduce")
     total = total.sum()
     all_reduce_sum(total, mesh.pp_group, "pp/all_reduce")
@@ -158,15 +164,18 @@ def _device(params):
     return torch.device("cpu")
 
 
-def clip_grad_norm(params, max_norm: float, mesh) -> float:
-    """Scale every gradient so the global norm is at most max_norm (max_norm <= 0: only measure)."""
+def clip_grad_norm(params, max_norm: float, mesh, grads=None, shard_group=None) -> float:
+    """Scale every gradient so the global norm is at most max_norm (max_norm <= 0: only measure).
+
+    `grads` / `shard_group` as in global_grad_norm (default: each p.grad, not sharded)."""
     params = list(params)
-    norm = global_grad_norm(params, mesh)
+    grads = [p.grad for p in params] if grads is None else list(grads)
+    norm = global_grad_norm(params, mesh, grads, shard_group)
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         coef = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+        for grad in grads:
+            if grad is not None:
+                grad.mul_(coef)
     return norm
 
 

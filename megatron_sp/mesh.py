@@ -124,7 +124,7 @@ class ParallelMesh:
         self.device_type = device_type
         c = dims.coords(rank)
         self.tp_rank, self.sp_rank, self.dp_rank, self.pp_rank = c["tp"], c["sp"], c["dp"], c["pp"]
-        self.device_mesh = None
+        self.device_mesh = self.dp_sp_mesh = None
         self.tp_group = self.sp_group = self.dp_group = self.pp_group = None
         self.dp_sp_group = self.embedding_group = None
         if dims.world_size > 1:
@@ -155,7 +155,8 @@ class ParallelMesh:
         self.sp_group = mesh["sp"].get_group()
         self.dp_group = mesh["dp"].get_group()
         self.pp_group = mesh["pp"].get_group()
-        self.dp_sp_group = mesh["dp", "sp"]._flatten("dp_sp").get_group()
+        self.dp_sp_mesh = mesh["dp", "sp"]._flatten("dp_sp")   # 1-D: FSDP2 shards over it
+        self.dp_sp_group = self.dp_sp_mesh.get_group()
         if self.dims.pp > 1:
             # new_group is collective: every rank creates every embedding group, keeps its own.
             mine = self.dims.embedding_ranks(self.rank)

@@ -27,12 +27,15 @@ def build_optimizer(modules, lr: float, weight_decay: float = 0.01, betas=(0.9, 
                     eps: float = 1e-8) -> torch.optim.Optimizer:
     groups = param_groups(modules, weight_decay)
     on_cuda = any(p.is_cuda for g in groups for p in g["params"])
-    if on_cuda:
+    sharded = any(hasattr(p, "to_local") for g in groups for p in g["params"])   # FSDP2 DTensors
+    if on_cuda and not sharded:
         try:
             from apex.optimizers import FusedAdam  # NVIDIA apex, optional
             return FusedAdam(groups, lr=lr, betas=betas, eps=eps, adam_w_mode=True)
         except ImportError:
             return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+    if on_cuda:
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
 
 

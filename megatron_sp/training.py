@@ -45,8 +45,8 @@ import torch.distributed as dist
 from megatron_sp import comm_stats
 from megatron_sp.errors import ConfigError, UserError
 from megatron_sp.flops import device_peak_tflops
-from megatron_sp.grad_sync import (GradientSync, all_reduce_sum, clip_grad_norm, gather_step_times,
-                                   reduce_loss_and_count)
+from megatron_sp.grad_sync import all_reduce_sum, gather_step_times, reduce_loss_and_count
+from megatron_sp.sharding import Replicated
 from megatron_sp.schedules import forward_backward_no_pipelining
 
 
@@ -224,7 +224,8 @@ class Trainer:
                  micro_batch_size: int, seq_length: int, clip_grad: float = 1.0, bf16: bool = False,
                  schedule=None, flops_per_step: float = 0.0, peak_tflops: float | None = None,
                  bucket_mb: float = 25.0, nonfinite_loss: str = "stop",
-                 collective_timeout_minutes: float | None = None, max_skipped_steps: int = 10):
+                 collective_timeout_minutes: float | None = None, max_skipped_steps: int = 10,
+                 sharding=None):
         self.chunks = list(model_chunks)
         self.optimizer, self.scheduler, self.mesh = optimizer, scheduler, mesh
         per_step = micro_batch_size * mesh.dp_size
@@ -237,9 +238,12 @@ class Trainer:
         self.clip_grad, self.bf16 = clip_grad, bf16
         self.schedule = schedule or forward_backward_no_pipelining
         self.flops_per_step = flops_per_step
-        self.device = next(self.chunks[0].parameters()).device
+        # The seam of sharded model state (megatron_sp.sharding): the object that owns gradient
+        # reduction, norm and clipping: FSDP2's, the distributed optimizer, or replicated state.
+        self.sharding = sharding or Replicated(self.chunks, mesh, bucket_mb=bucket_mb)
+        self.device = self.sharding.device
         self.peak_tflops = device_peak_tflops(peak_tflops) if self.device.type == "cuda" else peak_tflops
-        self.grad_sync = GradientSync(self.chunks, mesh, bucket_mb=bucket_mb)
+        self.grad_sync = self.sharding          # what the schedules call start_last_backward() on
         self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
         self.state = TrainState()
         self.consecutive_skipped = 0     # optimizer steps skipped in a row (non-finite)
@@ -302,6 +306,7 @@ class Trainer:
             chunk.train()
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = self._count_tokens(micro_batches)
+        self.sharding.begin_step(self.num_micro_batches)
         start = time.perf_counter()
         hooks = self.faults.nan_hooks(iteration, self.chunks)
         try:
@@ -314,8 +319,8 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._compute_seconds += time.perf_counter() - start
-        self.grad_sync.finish()
-        grad_norm = clip_grad_norm(self.params, self.clip_grad, self.mesh)
+        self.sharding.finish()
+        grad_norm = self.sharding.clip_grad_norm(self.clip_grad)
         # Reduced over every rank before deciding, so every rank takes the same branch.
         loss = reduce_loss_and_count(loss.to(self.device), self.mesh).item()
         finite = math.isfinite(loss) and math.isfinite(grad_norm)

@@ -69,6 +69,10 @@ def param_shard(param: torch.Tensor, tensor: torch.Tensor, tp_rank: int, tp_size
 
     None when this rank holds none of the stored rows (vocabulary padding only).
     """
+    from megatron_sp.sharding import fsdp
+    if fsdp.is_sharded(tensor):   # FSDP2: its dp x sp rows narrow the (tp, pp) slice's rectangle
+        return fsdp.checkpoint_rectangle(
+            param, tensor, lambda slice_: param_shard(param, slice_, tp_rank, tp_size), Shard)
     if tuple(tensor.shape) != tuple(param.shape):
         raise CheckpointError(f"state of shape {tuple(tensor.shape)} does not match its parameter "
                               f"{tuple(param.shape)}.")
@@ -140,6 +144,8 @@ def _init_adam_state(optimizer, param):
 
 def optimizer_state(chunks, optimizer, tp_rank: int, tp_size: int, *, create: bool = False) -> dict:
     """AdamW moments sharded like their parameters, and each parameter's step (scalar)."""
+    if hasattr(optimizer, "checkpoint_state"):   # --use-distributed-optimizer: its rows, same keys
+        return optimizer.checkpoint_state(chunks, tp_rank, tp_size, create=create)
     state = {}
     for name, p in named_parameters(chunks):
         st = _init_adam_state(optimizer, p) if create else optimizer.state.get(p, {})

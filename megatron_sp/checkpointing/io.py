@@ -410,6 +410,8 @@ def load_checkpoint(path: str, chunks, mesh, *, optimizer=None, scheduler=None, 
         state[rng_key] = None
     _dcp_load(state, folder, verify=(checksums, advice) if checksums is not None else None,
               advice=advice)
+    if hasattr(optimizer, "sync_master_from_params"):   # sharded master copies follow the weights
+        optimizer.sync_master_from_params()
     if not weights_only:
         if scheduler is not None and meta.get("scheduler") is not None:
             scheduler.load_state_dict(meta["scheduler"])
