@@ -220,7 +220,8 @@ def verify_files(folder: str, files, checksums: dict, advice: str,
     size or with another digest than recorded in `checksums` (see `checksum_files`; each file is
     verified with the digest its record names); `advice` ends the sentence (what to do). `files`:
     names (every segment verified) or {name: [(offset, length)] or None}, the byte ranges a load
-    plan reads (only the segments they touch are read). Segments are checked on `threads` threads."""
+    plan reads (only the segments they touch are read). Segments are checked on `threads`
+    threads."""
     ranges = dict(files) if isinstance(files, dict) else {n: None for n in files}
     names = sorted(ranges)
     paths = [os.path.join(folder, n) for n in names]
