@@ -18,7 +18,8 @@ setup(
         "megatron_sp.checkpointing", "megatron_sp.sharding",
     ],
     package_dir={"megatron_sp.models": "models", "megatron_sp.data": "data"},
-    install_requires=["torch>=2.4", "numpy", "sentencepiece", "tqdm"],
+    install_requires=["torch>=2.4", "numpy", "sentencepiece", "tqdm",
+                      "xxhash"],   # checkpoint checksums (XXH3); CRC-32 without it
     extras_require={
         # Test-only: megatron-core is the reference for dataset indices, transformers for conversion.
         "test": ["pytest", "pytest-timeout", "megatron-core==0.16.1", "transformers>=4.40",

@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(c, "--async-save", "write checkpoints in the background (published at the next save)")
     c.add_argument("--ckpt-step", type=int, default=None,
                    help="load this iteration of --load instead of the newest (Megatron's)")
-    _bool_flag(c, "--no-verify-checkpoint", "do not check checkpoint files against the CRC-32 "
+    _bool_flag(c, "--no-verify-checkpoint", "do not check checkpoint files against the "
                "checksums recorded at save before loading them")
     _bool_flag(c, "--override-opt_param-scheduler", "on resume, use the learning-rate schedule of "
                "the command line even where it differs from the checkpoint's (Megatron's)")

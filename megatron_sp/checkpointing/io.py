@@ -32,8 +32,8 @@ from megatron_sp.checkpointing.format import (FORMAT_VERSION, META_FILENAME, REL
                                               _jsonable, _rng_from_storable, _rng_to_storable,
                                               check_config, iteration_dirname, model_state,
                                               optimizer_state, read_meta, schedule_to_load)
-from megatron_sp.checkpointing.integrity import (ALGORITHM, checksum_files, dcp_item_offsets,
-                                                 files_of_rank, verify_files)
+from megatron_sp.checkpointing.integrity import (algorithms_of, checksum_files, dcp_item_offsets,
+                                                 files_of_rank, require_digests, verify_files)
 from megatron_sp.checkpointing.planners import _dcp_errors, _planners
 
 
@@ -139,20 +139,25 @@ def complete_iterations(root: str) -> list[int]:
     return sorted(found)
 
 
-def fallback_advice(folder: str) -> str:
+def fallback_advice(folder: str, training: bool = True) -> str:
     """What to do when the checkpoint in `folder` is damaged: the newest earlier complete
-    iteration of the same save folder, loaded with --ckpt-step (Megatron's flag)."""
+    iteration of the same save folder, loaded with --ckpt-step (Megatron's flag) when `training`
+    (pretrain_gpt.py), or named as a folder otherwise (load_pretrained, conversion)."""
     root, name = os.path.split(os.path.normpath(folder))
     m = re.fullmatch(r"iter_(\d+)", name)
     if m is None:
         return f"{name} is damaged; save or convert it again."
     iteration = int(m.group(1))
     earlier = [it for it in complete_iterations(root) if it < iteration]
-    if earlier:
+    if earlier and training:
         return (f"iteration {iteration} is damaged; resume from iteration {earlier[-1]}, the newest "
                 f"earlier complete checkpoint, with --ckpt-step {earlier[-1]}.")
+    if earlier:
+        return (f"iteration {iteration} is damaged; load an earlier iteration folder instead, e.g. "
+                f"{os.path.join(root, iteration_dirname(earlier[-1]))}, the newest complete one.")
     return (f"iteration {iteration} is damaged and {root} holds no earlier complete checkpoint; "
-            f"restore the file from a copy or start again without --load.")
+            f"restore the file from a copy" + (" or start again without --load." if training
+                                               else "."))
 
 
 def resolve_checkpoint(path: str, step: int | None = None) -> str | None:
@@ -210,7 +215,7 @@ class _PendingSave:
     """An asynchronous save whose files are still being written; `finalize()` publishes it.
 
     A helper thread waits for the write and checksums this rank's files in the background too, so
-    that publishing (at the next save or at exit) does not stop training for the CRCs."""
+    that publishing (at the next save or at exit) does not stop training for the checksums."""
 
     def __init__(self, future, root, iteration, tmp, final, meta):
         self.future, self.root, self.iteration = future, root, iteration
@@ -248,7 +253,8 @@ def _record_checksums(tmp: str, meta: dict, mine: dict | None = None) -> None:
     files = {}
     for part in _all_gather_object(_own_checksums(tmp) if mine is None else mine):
         files.update(part)
-    meta["checksums"] = {"algorithm": ALGORITHM, "files": dict(sorted(files.items()))}
+    meta["checksums"] = {"algorithm": "+".join(algorithms_of(files)),   # one name unless the
+                         "files": dict(sorted(files.items()))}           # ranks' installs differ
 
 
 def _publish(root, iteration, tmp, final, meta, checksums=None):
@@ -352,6 +358,7 @@ def _open_checkpoint(path, step, missing_ok, verify, config, scheduler, schedule
     check_config(meta.get("config"), config, folder)
     checksums = (meta.get("checksums") or {}).get("files") if verify else None
     if checksums is not None:
+        require_digests(checksums, folder, "pass --no-verify-checkpoint to load it unverified")
         verify_files(folder, [".metadata"], checksums, advice)   # before DCP unpickles it
     elif verify and _rank() == 0:
         print(f"> checkpoint {folder} records no checksums (saved before integrity checks): "

@@ -9,55 +9,74 @@ import torch
 
 from megatron_sp.checkpointing.format import (META_FILENAME, TRACKER_FILENAME, CheckpointError, Shard,
                                               model_state, read_meta)
-from megatron_sp.checkpointing.integrity import verify_files
+from megatron_sp.checkpointing.integrity import require_digests, verify_files
 from megatron_sp.checkpointing.io import _dcp_load, fallback_advice, resolve_checkpoint
 from megatron_sp.checkpointing.planners import _dcp_errors
 
 
-def _open_local(folder: str):
+def _open_local(folder: str, verify: bool = True):
     """(megatron_sp.json or None, (checksums, advice) or None, advice) of `folder`, its .metadata
-    verified against the checksums recorded at save (shard files are verified as they are planned)."""
-    advice = fallback_advice(folder)
+    verified against the checksums recorded at save unless not `verify` (shard files are verified
+    as they are planned). The advice names an earlier iteration folder (not a training flag)."""
+    advice = fallback_advice(folder, training=False)
     if not os.path.isfile(os.path.join(folder, META_FILENAME)):
         return None, None, advice
     meta = read_meta(folder, advice)
-    checksums = (meta.get("checksums") or {}).get("files")
+    checksums = (meta.get("checksums") or {}).get("files") if verify else None
     if checksums is None:
         return meta, None, advice
+    require_digests(checksums, folder, "pass verify=False to load it unverified")
     verify_files(folder, [".metadata"], checksums, advice)
     return meta, (checksums, advice), advice
 
 
-def read_full_tensors(path: str, prefix: str = "model/") -> dict[str, torch.Tensor]:
+def _read_dcp_metadata(folder: str, advice: str):
+    """DCP's .metadata of `folder`; any failure to read or unpickle it (a damaged file of a
+    checkpoint without checksums, or unverified) is one CheckpointError naming the file."""
+    from torch.distributed.checkpoint import FileSystemReader
+    path = os.path.join(folder, ".metadata")
+    try:
+        with _dcp_errors(folder, advice):
+            return FileSystemReader(folder).read_metadata()
+    except CheckpointError:
+        raise
+    except Exception as err:   # EOFError, UnpicklingError, AttributeError...: its first line
+        text = (str(err).strip().splitlines() or [""])[0][:160]
+        raise CheckpointError(f"checkpoint file {path} could not be read ({type(err).__name__}"
+                              f"{': ' + text if text else ''}): {advice}") from None
+
+
+def read_full_tensors(path: str, prefix: str = "model/",
+                      verify: bool = True) -> dict[str, torch.Tensor]:
     """Every stored tensor under `prefix` at its full stored shape (one process; no process group).
 
     Fused projections come back as [c, n/c, ...] and vocabulary rows unpadded; see the module
-    docstring. For a ready model use `megatron_sp.load_pretrained`.
+    docstring. For a ready model use `megatron_sp.load_pretrained`. `verify`: check the files
+    against the checksums recorded at save first (integrity.py).
     """
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     folder = resolve_checkpoint(path)
     if folder is None:
         raise CheckpointError(f"{path} holds no checkpoint ({TRACKER_FILENAME} is missing).")
-    _, verify, advice = _open_local(folder)
-    with _dcp_errors(folder, advice):
-        md = FileSystemReader(folder).read_metadata()
+    _, checks, advice = _open_local(folder, verify)
+    md = _read_dcp_metadata(folder, advice)
     state = {k: Shard(torch.empty(m.size, dtype=m.properties.dtype), m.size,
                       torch.Size([0] * len(m.size)))
              for k, m in md.state_dict_metadata.items()
              if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-    _dcp_load(state, folder, local=True, verify=verify, advice=advice)
+    _dcp_load(state, folder, local=True, verify=checks, advice=advice)
     return {k[len(prefix):]: v.local for k, v in state.items()}
 
 
 def load_pretrained(path: str, *, device="cpu", dtype: torch.dtype | None = None,
-                    attention_backend: str = "sdpa"):
+                    attention_backend: str = "sdpa", verify: bool = True):
     """A one-rank GPTModel (eval mode) from a checkpoint of any layout or a consolidated export.
 
     `path`: a --save root (newest checkpoint), an iter_XXXXXXX / release folder, a
     model.safetensors written by `export_safetensors` / convert.py --saver safetensors, or a Hugging
     Face model folder of a supported family (megatron_sp.models.families). Reads only
-    this process's files (no process group needed, none used even when one exists).
+    this process's files (no process group needed, none used even when one exists). `verify`:
+    check a checkpoint's files against the checksums recorded at save before reading them.
     """
     from megatron_sp.mesh import ParallelMesh
     from megatron_sp.models import GPTConfig, GPTModel
@@ -93,12 +112,14 @@ def load_pretrained(path: str, *, device="cpu", dtype: torch.dtype | None = None
         if folder is None:
             raise CheckpointError(f"{path} holds no checkpoint ({TRACKER_FILENAME} or .metadata "
                                   f"missing).")
-        meta, verify, advice = _open_local(folder)
+        meta, checks, advice = _open_local(folder, verify)
         if not (meta or {}).get("config"):
             raise CheckpointError(f"checkpoint {folder} records no model config.")
+        if checks is None:   # unverified: a damaged .metadata is named as such, not by DCP
+            _read_dcp_metadata(folder, advice)
         config = GPTConfig.from_dict(meta["config"])
         model = GPTModel(config, ParallelMesh.single(), attention_backend=attention_backend)
-        _dcp_load(model_state([model], 0, 1), folder, local=True, verify=verify, advice=advice)
+        _dcp_load(model_state([model], 0, 1), folder, local=True, verify=checks, advice=advice)
     model.eval()
     return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
 

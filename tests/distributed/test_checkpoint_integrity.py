@@ -79,6 +79,7 @@ def _params(seed):
 @pytest.mark.parametrize("seed", [11])
 def test_damaged_checkpoint_one_sentence_and_ckpt_step(tmp_path, seed):
     from megatron_sp import checkpointing as ck
+    from megatron_sp.checkpointing import integrity
     from megatron_sp.mesh import ParallelMesh
     mesh, root = ParallelMesh.single(), str(tmp_path / "ck")
     saved = {}
@@ -87,7 +88,7 @@ def test_damaged_checkpoint_one_sentence_and_ckpt_step(tmp_path, seed):
         ck.save_checkpoint(root, it, [model], mesh)
         saved[it] = [p.detach().clone() for p in model]
     meta = json.load(open(os.path.join(root, "iter_0000004", "megatron_sp.json")))
-    assert meta["checksums"]["algorithm"] == "crc32"
+    assert meta["checksums"]["algorithm"] == integrity.algorithm()   # xxh3 where xxhash is
     assert sorted(meta["checksums"]["files"]) == [".metadata", "__0_0.distcp"]
     folder = os.path.join(root, "iter_0000004")
     pristine = str(tmp_path / "pristine")
@@ -138,6 +139,129 @@ def test_damaged_checkpoint_one_sentence_and_ckpt_step(tmp_path, seed):
     _flip(os.path.join(root, "iter_0000002", "__0_0.distcp"))
     with pytest.raises(ck.CheckpointError, match="holds no earlier complete checkpoint; restore"):
         ck.load_checkpoint(root, [target], mesh, step=2)
+
+
+def _no_xxhash(monkeypatch):
+    """Make `import xxhash` fail, as on a machine installed without it (pip --no-deps)."""
+    monkeypatch.setitem(sys.modules, "xxhash", None)
+
+
+@pytest.mark.parametrize("seed", [23])
+def test_digest_recorded_and_crc32_fallback(tmp_path, monkeypatch, seed):
+    """The save records its digest (xxh3 with xxhash, crc32 without) and the load verifies with the
+    recorded one: a CRC-32 checkpoint verifies either way, an XXH3 one without xxhash stops with
+    one sentence (pip install xxhash, or skip verification), and flipped bytes are caught by both."""
+    from megatron_sp import checkpointing as ck
+    from megatron_sp.checkpointing import integrity
+    from megatron_sp.mesh import ParallelMesh
+    mesh, root = ParallelMesh.single(), str(tmp_path / "ck")
+    have_xxhash = integrity._digest_function("xxh3") is not None
+    saved = {}
+
+    def save(it):
+        model = _params(seed + it)
+        ck.save_checkpoint(root, it, [model], mesh)
+        saved[it] = [p.detach().clone() for p in model]
+        return json.load(open(os.path.join(root, ck.iteration_dirname(it), "megatron_sp.json")))
+
+    def loads(it, **kw):
+        target = _params(99)
+        ck.load_checkpoint(root, [target], mesh, step=it, **kw)
+        return all(torch.equal(p, q) for p, q in zip(target, saved[it]))
+
+    if have_xxhash:
+        meta = save(2)
+        assert meta["checksums"]["algorithm"] == "xxh3"
+        assert all(set(r) == {"size", "ends", "xxh3"} for r in meta["checksums"]["files"].values())
+        assert loads(2)
+    with monkeypatch.context() as m:
+        _no_xxhash(m)
+        assert integrity.algorithm() == "crc32"
+        meta = save(4)
+        assert meta["checksums"]["algorithm"] == "crc32"
+        assert all(set(r) == {"size", "ends", "crc32"} for r in meta["checksums"]["files"].values())
+        assert loads(4)                                  # the fallback verifies its own checkpoints
+        if have_xxhash:                                  # an xxh3 one needs xxhash: one sentence
+            with pytest.raises(ck.CheckpointError) as err:
+                loads(2)
+            assert str(err.value) == (
+                f"checkpoint {os.path.join(root, 'iter_0000002')} records xxh3 checksums, but the "
+                f"xxhash package is not installed: pip install xxhash to verify them, or pass "
+                f"--no-verify-checkpoint to load it unverified.")
+            with pytest.raises(ck.CheckpointError, match=r"pip install xxhash .*, or pass "
+                                                         r"verify=False to load it unverified\.$"):
+                ck.read_full_tensors(os.path.join(root, "iter_0000002"))
+            assert loads(2, verify=False)
+    assert loads(4)                                      # CRC-32 verifies with xxhash present too
+    if have_xxhash:   # ranks whose installs differ: each file is verified with its own digest
+        folder = os.path.join(root, "iter_0000002")
+        mixed = {**integrity.checksum_files(folder, [".metadata"], digest="crc32"),
+                 **integrity.checksum_files(folder, ["__0_0.distcp"], digest="xxh3")}
+        assert integrity.algorithms_of(mixed) == ["crc32", "xxh3"]
+        integrity.verify_files(folder, sorted(mixed), mixed, "advice")
+    for it, name in ((4, "CRC-32"),) + (((2, "XXH3-64"),) if have_xxhash else ()):
+        _flip(os.path.join(root, ck.iteration_dirname(it), "__0_0.distcp"))
+        with pytest.raises(ck.CheckpointError, match=f"has changed since it was saved \\(the "
+                                                     f"{name} of bytes"):
+            loads(it)
+
+
+def _tiny_gpt_checkpoint(root, seed):
+    """Iterations 2 and 4 of a one-layer GPT (config recorded) under `root`."""
+    from megatron_sp import checkpointing as ck
+    from megatron_sp.mesh import ParallelMesh
+    from megatron_sp.models import GPTConfig, GPTModel
+    torch.manual_seed(seed)
+    config = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=50)
+    for it in (2, 4):
+        ck.save_checkpoint(root, it, [GPTModel(config, ParallelMesh.single())],
+                           ParallelMesh.single(), config=config)
+
+
+@pytest.mark.parametrize("seed", [31])
+def test_damaged_checkpoint_outside_training(tmp_path, seed):
+    """read_full_tensors / load_pretrained (no training flags): a damaged .metadata of an old
+    checkpoint (no checksums recorded) is one sentence naming the file, and the advice names an
+    earlier iteration folder, never --ckpt-step or --load."""
+    import megatron_sp
+    from megatron_sp import checkpointing as ck
+    root = str(tmp_path / "ck")
+    _tiny_gpt_checkpoint(root, seed)
+    folder = os.path.join(root, "iter_0000004")
+    pristine = str(tmp_path / "pristine")
+    shutil.copytree(folder, pristine)
+    earlier = (f"iteration 4 is damaged; load an earlier iteration folder instead, e.g. "
+               f"{os.path.join(root, 'iter_0000002')}, the newest complete one.")
+
+    def refusal(fn):
+        with pytest.raises(ck.CheckpointError) as err:
+            fn(root)
+        msg = str(err.value)
+        assert "\n" not in msg and "--ckpt-step" not in msg and "--load" not in msg, msg
+        return msg
+
+    # An old checkpoint (no checksums) with a truncated .metadata: DCP's unpickling error, named.
+    meta_path = os.path.join(folder, ck.META_FILENAME)
+    meta = json.load(open(meta_path))
+    meta.pop("checksums")
+    json.dump(meta, open(meta_path, "w"))
+    _truncate(os.path.join(folder, ".metadata"))
+    for fn in (ck.read_full_tensors, megatron_sp.load_pretrained):
+        msg = refusal(fn)
+        assert msg.startswith(f"checkpoint file {os.path.join(folder, '.metadata')} could not be "
+                              f"read (UnpicklingError"), msg
+        assert msg.endswith(earlier), msg
+    # With checksums: a damaged shard, verified; the same advice.
+    shutil.rmtree(folder)
+    shutil.copytree(pristine, folder)
+    _flip(os.path.join(folder, "__0_0.distcp"))
+    for fn in (ck.read_full_tensors, megatron_sp.load_pretrained):
+        assert refusal(fn).endswith(earlier)
+    # The oldest iteration damaged: nothing earlier to name.
+    _truncate(os.path.join(root, "iter_0000002", "__0_0.distcp"))
+    with pytest.raises(ck.CheckpointError, match=r"holds no earlier complete checkpoint; restore "
+                                                 r"the file from a copy\.$"):
+        megatron_sp.load_pretrained(os.path.join(root, "iter_0000002"))
 
 
 def test_schedule_change_refused_overridden_or_taken_from_checkpoint(tmp_path):
@@ -227,8 +351,8 @@ def test_torchrun_damaged_shard_said_once_then_cli_flags(tmp_path):
     before = _snapshot(save)
     rc, logs, out = torchrun(["--train-iters", "6", "--lr-decay-iters", "4", "--load", str(save),
                          "--save", str(save)], "resume")
-    sentence = (re.escape(f"error: checkpoint file {shard} has changed since it was saved (the "
-                          f"CRC-32 of bytes ") + r"\d+-\d+" +
+    sentence = (re.escape(f"error: checkpoint file {shard} has changed since it was saved (the ") +
+                r"(XXH3-64|CRC-32) of bytes \d+-\d+" +
                 re.escape(" differs from the one recorded at save): iteration 4 is damaged; "
                           "resume from iteration 2, the newest earlier complete checkpoint, with "
                           "--ckpt-step 2."))
