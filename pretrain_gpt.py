@@ -152,19 +152,28 @@ def build_datasets(args, tokenizer, data_path, mesh, state):
     first_prefix = parse_data_path(data_path)[0][0]
     cache = args.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(first_prefix)),
                                                  "cache", "GPTDataset_indices")
-    train, valid, _ = msdata.build_gpt_datasets(
-        data_path, args.split, args.seq_length, args.seed, (train_samples, eval_samples, 0),
-        tokenizer.eod, tokenizer.pad, cache,
-        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss, return_document_ids=args.reset_attention_mask,
-        rank=mesh.rank, world_size=mesh.world_size, barrier=lambda: barrier(mesh))
+    try:
+        train, valid, _ = msdata.build_gpt_datasets(
+            data_path, args.split, args.seq_length, args.seed,
+            (train_samples, eval_samples if args.eval_iters > 0 else 0, 0),
+            tokenizer.eod, tokenizer.pad, cache,
+            reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+            eod_mask_loss=args.eod_mask_loss, return_document_ids=args.reset_attention_mask,
+            rank=mesh.rank, world_size=mesh.world_size, barrier=lambda: barrier(mesh))
+    except msdata.DataError as err:
+        raise SystemExit(f"error: {err}") from None
     return train, valid
 
 
-def loader(dataset, consumed, args, mesh):
-    from megatron_sp.data import PretrainingDataLoader
-    return iter(PretrainingDataLoader(dataset, consumed, args.micro_batch_size, mesh.dp_rank,
-                                      mesh.dp_size))
+def loader(dataset, consumed, args, mesh, vocab_size=None):
+    """This dp rank's micro-batches; token ids outside the vocabulary stop the run with one line."""
+    from megatron_sp.data import DataError, PretrainingDataLoader
+    batches = PretrainingDataLoader(dataset, consumed, args.micro_batch_size, mesh.dp_rank,
+                                    mesh.dp_size, vocab_size=vocab_size)
+    try:
+        yield from batches
+    except DataError as err:
+        raise SystemExit(f"error: rank {mesh.rank}: {err}") from None
 
 
 def build_model(config, mesh, args, device):
@@ -246,8 +255,8 @@ def main(argv=None):
         remaining = max(0, args.train_samples - trainer.state.consumed_train_samples)
         args.train_iters = trainer.state.iteration + remaining // args.global_batch_size
     train_ds, valid_ds = build_datasets(args, tokenizer, data_path, mesh, trainer.state)
-    train_iter = loader(train_ds, trainer.state.consumed_train_samples, args, mesh)
-    valid_iter = (loader(valid_ds, trainer.state.consumed_valid_samples, args, mesh)
+    train_iter = loader(train_ds, trainer.state.consumed_train_samples, args, mesh, tokenizer.vocab_size)
+    valid_iter = (loader(valid_ds, trainer.state.consumed_valid_samples, args, mesh, tokenizer.vocab_size)
                   if valid_ds is not None else None)
     trainer.set_failure_policy(args.nonfinite_loss, args.distributed_timeout_minutes)
     metrics = MetricsWriter(mesh, args.metrics_jsonl, args.tensorboard_dir)

@@ -221,6 +221,13 @@ class BlendedDataset:
     def __len__(self):
         return len(self.dataset_index)
 
+    def locate(self, idx):
+        """Where sample idx comes from: the blended sample and its dataset's own description."""
+        k = int(self.dataset_index[idx])
+        inner = self.datasets[k]
+        where = getattr(inner, "locate", lambda i: f"sample {i} of dataset {k}")
+        return f"blended sample {idx}: {where(int(self.dataset_sample_index[idx]))}"
+
     def __getitem__(self, idx):
         k = int(self.dataset_index[idx])
         return self.datasets[k][int(self.dataset_sample_index[idx])]

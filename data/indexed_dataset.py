@@ -4,6 +4,7 @@
 sequence_count u64, document_count u64, int32 sequence_lengths[S], int64 sequence_pointers[S]
 (byte offsets into .bin), int64 document_indices[D] (0 ... S). The .bin is the raw tokens.
 """
+import hashlib
 import mmap
 import os
 import shutil
@@ -19,7 +20,12 @@ DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.
 CODES = {np.dtype(v): k for k, v in DTYPES.items()}
 
 
-class DataFileError(ValueError):
+class DataError(ValueError):
+    """A user mistake in the data or the data flags; the message is one sentence (what, where,
+    what to do) that entry points print as `error: ...` without a traceback."""
+
+
+class DataFileError(DataError):
     """A .bin/.idx file that cannot be read as an indexed dataset (the message says why)."""
 
 
@@ -139,6 +145,14 @@ class IndexedDataset:
         ptr = (ptr >> self._shift) + offset
         return self._tokens[ptr:ptr + length]
 
+    def fingerprint(self):
+        """Identity of the .idx contents: its size and a blake2b hash of its bytes (the index is
+        small: 12 bytes per sequence). Sample indices depend on nothing else in the pair."""
+        if getattr(self, "_fingerprint", None) is None:
+            digest = hashlib.blake2b(self._idx_buf, digest_size=16).hexdigest()
+            self._fingerprint = f"{len(self._idx_buf)}-{digest}"
+        return self._fingerprint
+
     @property
     def num_tokens(self):
         """Total number of tokens in the .bin."""
@@ -184,8 +198,9 @@ class IndexedDatasetBuilder:
             if arr.size and np.issubdtype(self.dtype, np.integer):
                 info = np.iinfo(self.dtype)
                 if arr.min() < info.min or arr.max() > info.max:
-                    raise ValueError(f"{self.bin_path}: token ids {arr.min()}..{arr.max()} do not "
-                                     f"fit {self.dtype.name}; build with a wider dtype (int32).")
+                    raise DataError(f"{self.bin_path}: token ids {arr.min()}..{arr.max()} do not "
+                                    f"fit {self.dtype.name}; preprocess with a wider dtype "
+                                    f"(tools/preprocess_data.py --dtype int32).")
             arr = arr.astype(self.dtype)
         return np.ascontiguousarray(arr.reshape(-1))
 
