@@ -149,6 +149,7 @@ def preprocess(input, output_prefix, tokenizer_type, tokenizer_model=None, json_
     Nothing appears under the final names unless the whole file was processed; ids outside the
     vocabulary are refused. Ends with one line: documents, tokens and MB/s (when log_interval).
     """
+    start = time.time()
     if not os.path.isfile(input):
         raise DataError(f"{input}: input file not found; pass --input with a jsonl file.")
     folder = os.path.dirname(os.path.abspath(output_prefix))
@@ -164,7 +165,6 @@ def preprocess(input, output_prefix, tokenizer_type, tokenizer_model=None, json_
     try:
         results = (map(encode_lines, _tasks(input)) if pool is None else
                    pool.imap(encode_lines, _tasks(input), chunksize=1))
-        start = time.time()
         docs, tokens, nbytes = _consume(results, builders, log_interval, log,
                                         os.path.getsize(input))
         for k, b in builders.items():
@@ -176,6 +176,7 @@ def preprocess(input, output_prefix, tokenizer_type, tokenizer_model=None, json_
     finally:
         if pool is not None:
             pool.terminate()
+        _worker.clear()
     if log_interval:
         dt = max(time.time() - start, 1e-9)
         print(f"done: {docs} documents, {tokens} tokens, {nbytes / 1e6:.1f} MB in {dt:.1f} s "

@@ -95,6 +95,26 @@ def test_preprocess_cli_errors_and_dtype(tmp_path):
     assert IndexedDataset(str(tmp_path / "o_text_document")).dtype == np.int32
 
 
+def test_preprocess_report_and_progress_bar(tmp_path, monkeypatch):
+    """On a terminal a tqdm bar follows the input bytes (shown at once here); the run ends with
+    one line: documents, tokens, MB/s."""
+    import io
+    module = sys.modules["megatron_sp.data.preprocess"]     # the package exports the function
+    monkeypatch.setattr(module, "PROGRESS_DELAY_S", 0.0)
+    monkeypatch.setattr(module, "BLOCK_BYTES", 4096)
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    src = str(tmp_path / "ids.jsonl")
+    write_ids_jsonl(src, np.random.default_rng(8), 600)
+    log = Terminal()
+    preprocess(src, str(tmp_path / "o"), "NullTokenizer", vocab_size=1000, workers=2, log=log)
+    text = log.getvalue()
+    assert "preprocessing: 100%" in text and "\r" in text
+    assert text.rstrip().splitlines()[-1].startswith("done: 600 documents, 12000 tokens, ")
+
+
 def test_reprocessed_prefix_never_reuses_stale_indices(tmp_path):
     """The same prefix written again (another tokenizer: other lengths) under the same cache: the
     indices are rebuilt, equal to a build without cache, for a GPT and a blended dataset."""
