@@ -99,8 +99,9 @@ def check_splits(prefix, split, matrix, sizes):
 def _prefix_sizes(weights, sizes, matrix, n_prefixes):
     """Sample counts asked of each prefix's splits (megatron-core's per-dataset targets plus its
     surplus when blending with weights; None = the whole split)."""
-    if weights is None:
-        return [list(sizes)] if n_prefixes == 1 else [[None] * 3 for _ in range(n_prefixes)]
+    if weights is None:      # blended by size: whole splits, except those nobody reads
+        return [list(sizes)] if n_prefixes == 1 else [[0 if s == 0 else None for s in sizes]
+                                                      for _ in range(n_prefixes)]
     if any(s is None for s, m in zip(sizes, matrix) if m is not None):
         raise ValueError("blending with weights needs a sample count for every used split")
     return [[int(math.ceil(math.ceil(s * w) * (1 + BLEND_SURPLUS))) if s is not None else None
