@@ -62,17 +62,21 @@ def row(name, ours, theirs, unit, higher_is_better):
 
 
 PREPROCESS_RUNS = """
-import json, os, sys, time
+import json, os, resource, sys, time
 from megatron_sp.data import preprocess
 path, model, runs = sys.argv[1], sys.argv[2], int(sys.argv[3])
-times = {1: [], 2: []}
+cpu = lambda who: sum(resource.getrusage(who)[:2])
+times, main_cpu, worker_cpu = {1: [], 2: []}, {1: [], 2: []}, {1: [], 2: []}
 for _ in range(runs):                   # 1 and 2 workers alternate: load hits both alike
     for workers in (1, 2):
-        t = time.perf_counter()
+        t, m, c = time.perf_counter(), cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN)
         preprocess(path, path + f".w{workers}", "SentencePieceTokenizer", model, append_eod=True,
                    workers=workers, log_interval=0)
         times[workers].append(time.perf_counter() - t)
-print(json.dumps({"torch_loaded": "torch" in sys.modules, **times}))
+        main_cpu[workers].append(cpu(resource.RUSAGE_SELF) - m)
+        worker_cpu[workers].append(cpu(resource.RUSAGE_CHILDREN) - c)
+print(json.dumps({"torch_loaded": "torch" in sys.modules, "wall": times, "main": main_cpu,
+                  "workers": worker_cpu}))
 """
 
 
@@ -91,12 +95,19 @@ def bench_preprocess(d, mb, runs):
                                 os.path.join(d, "sp"), 1000)
     out = subprocess.run([sys.executable, "-c", PREPROCESS_RUNS, path, model, str(runs)],
                          capture_output=True, text=True, check=True)
-    times = json.loads(out.stdout.strip().splitlines()[-1])
-    rates = {w: size / statistics.median(times[str(w)]) / 1e6 for w in (1, 2)}
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    med = {k: {w: statistics.median(res[k][str(w)]) for w in (1, 2)} for k in ("wall", "main", "workers")}
+    rates = {w: size / med["wall"][w] / 1e6 for w in (1, 2)}
     for workers in (1, 2):
         row(f"preprocess MB/s, {workers} worker(s)", rates[workers], None, "MB/s", True)
     print(f"{'preprocess MB/s, 2 workers / 1 worker':<40} {rates[2] / rates[1]:>12.2f}"
-          f"{'':>14}(torch loaded there: {times['torch_loaded']})")
+          f"{'':>14}(torch loaded there: {res['torch_loaded']})")
+    # CPU seconds, which machine load does not inflate as it does wall time: with two free cores
+    # the 2-worker run cannot beat max(all its CPU / 2, one worker's share).
+    one, main, workers = med["main"][1], med["main"][2], med["workers"][2]
+    print(f"{'preprocess CPU s: 1 worker | 2: main, workers':<40} {one:>12.3f} {main:>12.3f}"
+          f"  {workers:.3f}")
+    print(f"{'preprocess 2/1 bound from CPU, 2 cores':<40} {one / max((main + workers) / 2, workers / 2):>12.2f}")
 
 
 def bench_reads(d, runs, n_docs=200_000, n_reads=200_000):
