@@ -12,7 +12,8 @@ from .indexed_dataset import DataError, IndexedDatasetBuilder, optimal_dtype
 from .tokenizers import build_tokenizer
 
 LINES_PER_TASK = 256               # kept for compatibility; tasks are now blocks of whole lines
-BLOCK_BYTES = 1 << 18              # input bytes per task (whole lines, ~10 ms of tokenizing)
+BLOCK_BYTES = 1 << 19              # most input bytes per task (whole lines, ~20 ms of tokenizing)
+MIN_BLOCK_BYTES = 1 << 16          # least, for small inputs: every worker gets several tasks
 PROGRESS_DELAY_S = 3.0             # the progress bar appears once a run has taken this long
 DTYPES = {"uint16": np.uint16, "int32": np.int32}
 _worker = {}
@@ -23,7 +24,7 @@ def _init_worker(tokenizer, json_keys, append_eod, path, dtype=None):
     workers inherit the tokenizer instead of each loading it again."""
     if isinstance(tokenizer, tuple):
         tokenizer = build_tokenizer(*tokenizer)
-    _worker.update(tok=tokenizer, keys=json_keys, eod=append_eod, path=path,
+    _worker.update(tok=tokenizer, keys=json_keys, eod=append_eod, path=path, fd=None,
                    dtype=None if dtype is None else np.dtype(dtype))
 
 
@@ -54,14 +55,25 @@ def _check_ids(tokens, lengths, lines, vocab_size, path):
                     f"or tokenizer.")
 
 
+def _read_block(offset, length):
+    """Bytes [offset, offset + length) of the input, read by the worker itself: the parent sends
+    only the range, no text goes through the pool's pipes."""
+    if _worker.get("fd") is None:
+        _worker["fd"] = os.open(_worker["path"], os.O_RDONLY)
+    return os.pread(_worker["fd"], length, offset)
+
+
 def encode_lines(task):
-    """(first line number, raw lines as a list or one bytes block of whole lines) ->
-    (n_bytes, {key: (tokens, per-document lengths)}).
+    """(first line number, raw lines as a list, one bytes block of whole lines, or the
+    (offset, length) of such a block in the input) -> (n_bytes, {key: (tokens, per-document
+    lengths)}).
 
     The texts of a task are tokenized in one call, in line order; an unreadable line is reported
     after the texts before it (so the first error in file order is the one raised).
     """
     first, lines = task
+    if isinstance(lines, tuple):
+        lines = _read_block(*lines)
     if isinstance(lines, (bytes, bytearray)):
         n_bytes, lines = len(lines), lines.split(b"\n")
     else:
@@ -114,18 +126,26 @@ def _narrow(tokens, dtype):
     return tokens.astype(dtype)
 
 
-def _tasks(path):
-    """Blocks of whole lines (bytes) with the number of their first line, numbered from 1."""
+def _block_bytes(size, workers):
+    """Bytes per task: large blocks keep the parent's per-task work (pipes, threads) small; small
+    inputs get smaller ones so that the workers finish together (8 tasks per worker at least)."""
+    return int(min(BLOCK_BYTES, max(MIN_BLOCK_BYTES, size // (8 * max(1, workers)))))
+
+
+def _tasks(path, block_bytes=None):
+    """Blocks of whole lines as (number of their first line from 1, (offset, length))."""
+    block_bytes = block_bytes or BLOCK_BYTES
     with open(path, "rb") as f:
-        first = 1
+        first, offset = 1, 0
         while True:
-            block = f.read(BLOCK_BYTES)
+            block = f.read(block_bytes)
             if not block:
                 return
             if not block.endswith(b"\n"):
                 block += f.readline()
-            yield first, block
+            yield first, (offset, len(block))
             first += block.count(b"\n")
+            offset += len(block)
 
 
 def _output_dtype(dtype, vocab_size):
@@ -163,8 +183,9 @@ def preprocess(input, output_prefix, tokenizer_type, tokenizer_model=None, json_
     _init_worker(tokenizer, tuple(json_keys), append_eod, input, dtype)   # inherited by the pool
     pool = mp.get_context("fork").Pool(workers) if workers > 1 else None
     try:
-        results = (map(encode_lines, _tasks(input)) if pool is None else
-                   pool.imap(encode_lines, _tasks(input), chunksize=1))
+        tasks = _tasks(input, _block_bytes(os.path.getsize(input), workers))
+        results = (map(encode_lines, tasks) if pool is None else
+                   pool.imap(encode_lines, tasks, chunksize=1))
         docs, tokens, nbytes = _consume(results, builders, log_interval, log,
                                         os.path.getsize(input))
         for k, b in builders.items():
@@ -176,6 +197,8 @@ def preprocess(input, output_prefix, tokenizer_type, tokenizer_model=None, json_
     finally:
         if pool is not None:
             pool.terminate()
+        if _worker.get("fd") is not None:
+            os.close(_worker["fd"])
         _worker.clear()
     if log_interval:
         dt = max(time.time() - start, 1e-9)

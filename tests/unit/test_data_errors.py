@@ -102,6 +102,7 @@ def test_preprocess_report_and_progress_bar(tmp_path, monkeypatch):
     module = sys.modules["megatron_sp.data.preprocess"]     # the package exports the function
     monkeypatch.setattr(module, "PROGRESS_DELAY_S", 0.0)
     monkeypatch.setattr(module, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(module, "MIN_BLOCK_BYTES", 4096)
 
     class Terminal(io.StringIO):
         def isatty(self):
