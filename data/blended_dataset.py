@@ -167,7 +167,7 @@ def build_blending_indices(weights, size):
     n = len(wl)
     size = int(size)
     W = int(min(256, max(16, 2 * n, np.ceil(2.0 / max(float(w.min()), 1e-9)))))
-    lanes = min(10000, max(500, 2 ** 15 // n))             # the [n, lanes] arrays stay in cache
+    lanes = min(10000, max(64, 2 ** 15 // n))              # the [n, lanes] arrays stay in cache
     L = max(W + 1, 2 * W, -(-size // lanes))
     if size < 4 * L or n >= 2 ** 15:
         dataset_index = np.empty(size, np.int16)
