@@ -157,8 +157,9 @@ def build_datasets(args, tokenizer, data_path, mesh, state):
             data_path, args.split, args.seq_length, args.seed,
             (train_samples, eval_samples if args.eval_iters > 0 else 0, 0),
             tokenizer.eod, tokenizer.pad, cache,
-            reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
-            eod_mask_loss=args.eod_mask_loss, return_document_ids=args.reset_attention_mask,
+            reset_position_ids=args.reset_position_ids,
+            reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+            return_document_ids=args.reset_attention_mask,
             rank=mesh.rank, world_size=mesh.world_size, barrier=lambda: barrier(mesh))
     except msdata.DataError as err:
         raise SystemExit(f"error: {err}") from None
@@ -255,8 +256,9 @@ def main(argv=None):
         remaining = max(0, args.train_samples - trainer.state.consumed_train_samples)
         args.train_iters = trainer.state.iteration + remaining // args.global_batch_size
     train_ds, valid_ds = build_datasets(args, tokenizer, data_path, mesh, trainer.state)
-    train_iter = loader(train_ds, trainer.state.consumed_train_samples, args, mesh, tokenizer.vocab_size)
-    valid_iter = (loader(valid_ds, trainer.state.consumed_valid_samples, args, mesh, tokenizer.vocab_size)
+    vocab = tokenizer.vocab_size                              # each micro-batch is checked
+    train_iter = loader(train_ds, trainer.state.consumed_train_samples, args, mesh, vocab)
+    valid_iter = (loader(valid_ds, trainer.state.consumed_valid_samples, args, mesh, vocab)
                   if valid_ds is not None else None)
     trainer.set_failure_policy(args.nonfinite_loss, args.distributed_timeout_minutes)
     metrics = MetricsWriter(mesh, args.metrics_jsonl, args.tensorboard_dir)

@@ -96,7 +96,8 @@ def bench_preprocess(d, mb, runs):
     out = subprocess.run([sys.executable, "-c", PREPROCESS_RUNS, path, model, str(runs)],
                          capture_output=True, text=True, check=True)
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    med = {k: {w: statistics.median(res[k][str(w)]) for w in (1, 2)} for k in ("wall", "main", "workers")}
+    med = {k: {w: statistics.median(res[k][str(w)]) for w in (1, 2)}
+           for k in ("wall", "main", "workers")}
     rates = {w: size / med["wall"][w] / 1e6 for w in (1, 2)}
     for workers in (1, 2):
         row(f"preprocess MB/s, {workers} worker(s)", rates[workers], None, "MB/s", True)
@@ -107,7 +108,8 @@ def bench_preprocess(d, mb, runs):
     one, main, workers = med["main"][1], med["main"][2], med["workers"][2]
     print(f"{'preprocess CPU s: 1 worker | 2: main, workers':<40} {one:>12.3f} {main:>12.3f}"
           f"  {workers:.3f}")
-    print(f"{'preprocess 2/1 bound from CPU, 2 cores':<40} {one / max((main + workers) / 2, workers / 2):>12.2f}")
+    bound = one / max((main + workers) / 2, workers / 2)
+    print(f"{'preprocess 2/1 bound from CPU, 2 cores':<40} {bound:>12.2f}")
 
 
 def bench_reads(d, runs, n_docs=200_000, n_reads=200_000):

@@ -25,9 +25,9 @@ def parse_data_path(data_path):
         return items, None
     for text, w, prefix in zip(items[0::2], weights, items[1::2]):   # as Megatron-LM refuses
         if not (math.isfinite(w) and w > 0):
-            raise DataError(f"--data-path gives {prefix} the weight {text}, which is not a positive "
-                            f"number; give every dataset a weight above 0 (leave a dataset out of "
-                            f"--data-path to skip it).")
+            raise DataError(f"--data-path gives {prefix} the weight {text}, which is not a "
+                            f"positive number; give every dataset a weight above 0 (leave a "
+                            f"dataset out of --data-path to skip it).")
     return items[1::2], weights
 
 

@@ -8,7 +8,7 @@ INT_KEYS = ("tokens", "labels", "position_ids", "document_ids")
 
 def collate(items):
     """List of item dicts -> dict of torch tensors [batch, s] (int64, loss_mask float32)."""
-    import torch    # here, so that preprocessing (megatron_sp.data without the loader) never loads it
+    import torch    # here: preprocessing imports megatron_sp.data and must not load torch
     out = {}
     for key in items[0]:
         arr = np.stack([np.asarray(it[key]) for it in items])
@@ -62,7 +62,7 @@ class PretrainingDataLoader:
 
 def check_vocab(batch, indices, dataset, vocab_size):
     """Every token id of the micro-batch in [0, vocab_size) (one min and max per field), else a
-    DataError naming the dataset, the sample and the id: the embedding would fail or read garbage."""
+    DataError naming the dataset, the sample and the id (the embedding would fail on it)."""
     for key in ("tokens", "labels"):
         ids = batch[key]
         lo, hi = ids.aminmax()

@@ -1,4 +1,5 @@
 """jsonl -> Megatron .bin/.idx, the core of tools/preprocess_data.py (importable without tools/)."""
+import collections
 import json
 import multiprocessing as mp
 import os
@@ -14,6 +15,7 @@ from .tokenizers import build_tokenizer
 LINES_PER_TASK = 256               # kept for compatibility; tasks are now blocks of whole lines
 BLOCK_BYTES = 1 << 19              # most input bytes per task (whole lines, ~20 ms of tokenizing)
 MIN_BLOCK_BYTES = 1 << 16          # least, for small inputs: every worker gets several tasks
+IN_FLIGHT_PER_WORKER = 4           # tasks submitted ahead of the one being written, per worker
 PROGRESS_DELAY_S = 3.0             # the progress bar appears once a run has taken this long
 DTYPES = {"uint16": np.uint16, "int32": np.int32}
 _worker = {}
@@ -110,7 +112,7 @@ def encode_lines(task):
         tokens = np.fromiter(chain.from_iterable(docs), np.int64, int(lengths.sum()))
         _check_ids(tokens, lengths, numbers, tok.vocab_size, path)
         packed[key] = (_narrow(tokens, _worker.get("dtype")), lengths)
-    if problem is not None:         # after the lines before it were checked: the first in file order
+    if problem is not None:         # after the lines before it: the first error in file order
         raise problem
     return n_bytes, packed
 
@@ -182,21 +184,27 @@ def preprocess(input, output_prefix, tokenizer_type, tokenizer_model=None, json_
     builders = {k: IndexedDatasetBuilder(p + ".bin", dtype) for k, p in prefixes.items()}
     _init_worker(tokenizer, tuple(json_keys), append_eod, input, dtype)   # inherited by the pool
     pool = mp.get_context("fork").Pool(workers) if workers > 1 else None
+    interrupted = False
     try:
         tasks = _tasks(input, _block_bytes(os.path.getsize(input), workers))
         results = (map(encode_lines, tasks) if pool is None else
-                   pool.imap(encode_lines, tasks, chunksize=1))
+                   _in_order(pool, tasks, IN_FLIGHT_PER_WORKER * workers))
         docs, tokens, nbytes = _consume(results, builders, log_interval, log,
                                         os.path.getsize(input))
         for k, b in builders.items():
             b.finalize(prefixes[k] + ".idx")
-    except BaseException:
+    except BaseException as err:
+        interrupted = not isinstance(err, Exception)
         for b in builders.values():
             b.abort()
         raise
     finally:
-        if pool is not None:
-            pool.terminate()
+        if pool is not None:    # waits for the few tasks in flight: terminating a worker while it
+            if interrupted:     # writes its result would leave the result pipe's lock taken
+                pool.terminate()
+            else:
+                pool.close()
+                pool.join()
         if _worker.get("fd") is not None:
             os.close(_worker["fd"])
         _worker.clear()
@@ -205,6 +213,18 @@ def preprocess(input, output_prefix, tokenizer_type, tokenizer_model=None, json_
         print(f"done: {docs} documents, {tokens} tokens, {nbytes / 1e6:.1f} MB in {dt:.1f} s "
               f"({nbytes / dt / 1e6:.2f} MB/s, {workers} worker(s))", file=log, flush=True)
     return prefixes
+
+
+def _in_order(pool, tasks, in_flight):
+    """encode_lines of each task in the pool, results in task order, at most in_flight tasks
+    submitted ahead (a stop after an error waits for those few, never for the whole file)."""
+    pending = collections.deque()
+    for task in tasks:
+        pending.append(pool.apply_async(encode_lines, (task,)))
+        if len(pending) >= in_flight:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
 
 
 def _progress(total, log, enabled):
