@@ -262,18 +262,21 @@ def build_datasets(args, tokenizer, data_path, mesh, state):
     cache = args.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(first_prefix)),
                                                  "cache", "GPTDataset_indices")
     train, valid, _ = msdata.build_gpt_datasets(
-        data_path, args.split, args.seq_length, args.seed, (train_samples, eval_samples, 0),
+        data_path, args.split, args.seq_length, args.seed,
+        (train_samples, eval_samples if args.eval_iters > 0 else 0, 0),
         tokenizer.eod, tokenizer.pad, cache,
-        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss, return_document_ids=args.reset_attention_mask,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        return_document_ids=args.reset_attention_mask,
         rank=mesh.rank, world_size=mesh.world_size, barrier=lambda: barrier(mesh))
     return train, valid
 
 
-def loader(dataset, consumed, args, mesh):
+def loader(dataset, consumed, args, mesh, vocab_size=None):
+    """This dp rank's micro-batches; token ids outside the vocabulary stop the run with one line."""
     from megatron_sp.data import PretrainingDataLoader
     return iter(PretrainingDataLoader(dataset, consumed, args.micro_batch_size, mesh.dp_rank,
-                                      mesh.dp_size))
+                                      mesh.dp_size, vocab_size=vocab_size))
 
 
 def build_model(config, mesh, args, device):
@@ -387,8 +390,9 @@ def main(argv=None):
         args.train_iters = trainer.state.iteration + remaining // args.global_batch_size
     with reraise_as(DataError, ValueError, TimeoutError):
         train_ds, valid_ds = build_datasets(args, tokenizer, data_path, mesh, trainer.state)
-    train_iter = loader(train_ds, trainer.state.consumed_train_samples, args, mesh)
-    valid_iter = (loader(valid_ds, trainer.state.consumed_valid_samples, args, mesh)
+    vocab = tokenizer.vocab_size                              # each micro-batch is checked
+    train_iter = loader(train_ds, trainer.state.consumed_train_samples, args, mesh, vocab)
+    valid_iter = (loader(valid_ds, trainer.state.consumed_valid_samples, args, mesh, vocab)
                   if valid_ds is not None else None)
     trainer.set_failure_policy(args.nonfinite_loss, args.distributed_timeout_minutes,
                                args.max_skipped_steps)

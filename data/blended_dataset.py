@@ -61,70 +61,80 @@ def _guess_counts(w, steps):
     return counts
 
 
-def _blocks(w, size, L, W):
-    """Block-parallel greedy: B blocks of L steps run side by side (numpy over blocks, one Python
-    step at a time), each from guessed counts W steps before its start (the rule forgets its start
+class _Step:
+    """One greedy step for all blocks at once; counts C and errors E are [n, B], so every numpy
+    call runs over the B blocks. x is held tiled as X [n, B] and advanced in place (x + 1 is
+    exact), so the products w * x come from one same-shape multiply. The first maximum (Megatron's
+    tie rule): the largest error, the rows equal to it, the highest rank (n for row 0) among them.
+    """
+
+    def __init__(self, w, counts, first):
+        n, B = counts.shape
+        self.C, self.n = counts, n
+        self.W = np.repeat(w[:, None], B, axis=1)       # [n, B]
+        self.X = np.repeat(first[None, :], n, axis=0)   # [n, B]: x of each block, every row
+        self.X[:, 0] = 1.0                              # Megatron uses max(i, 1)
+        self.E, self.best = np.empty((n, B)), np.empty(B)
+        rank_dtype = np.int8 if n < 127 else np.int16
+        self.rank = np.arange(n, 0, -1, dtype=rank_dtype)[:, None]   # row d -> n - d
+        self.equal, self.scores = np.empty((n, B), bool), np.empty((n, B), rank_dtype)
+        self.top, self.idx = np.empty(B, rank_dtype), np.empty(B, np.intp)
+
+    def pick(self, t):
+        """The dataset each block takes at its step t (x advanced first, except at steps 0, 1)."""
+        X, E = self.X, self.E
+        if t > 0:
+            X += 1.0
+            if t == 1:
+                X[:, 0] = 1.0                           # step 1 of block 0: x = max(1, 1)
+        np.multiply(self.W, X, out=E)                   # [n, B]
+        np.subtract(E, self.C, out=E)
+        np.max(E, axis=0, out=self.best)
+        np.equal(E, self.best, out=self.equal)          # [n, B]
+        np.multiply(self.equal, self.rank, out=self.scores)
+        np.max(self.scores, axis=0, out=self.top)
+        return np.subtract(self.n, self.top, out=self.idx)
+
+
+def _blocks(w, size, L, W, K=32):
+    """Block-parallel greedy: B blocks of L steps run side by side, one numpy step over all blocks
+    at a time, each from guessed counts W steps before its start (the rule forgets its start
     quickly, so the guess has almost always been corrected by the block start; block 0 starts from
-    the exact zeros). Returns the outputs and, per block, the counts at its start and at its end.
+    the exact zeros and needs no warm-up). Per step and block: the n errors w * max(i, 1) - counts
+    (the helper's float64 arithmetic), their first maximum, one count incremented. Returns the
+    outputs (block-major) and, per block, the counts at its start and at its end.
     """
     n = len(w)
     B = -(-size // L)
     first = np.arange(B, dtype=np.float64) * L - W
     first[0] = 0.0
-    C = _guess_counts(w, first)
+    C = _guess_counts(w, first)                         # [n, B] counts of each block
     C[:, 0] = 0.0
+    step = _Step(w, C, first)
+    counts = C.reshape(-1)                              # counts[d * B + b]
+    lanes = np.arange(B, dtype=np.intp)
     T = W + L
-    K = 16                                              # steps per write-out chunk
-    picks = np.empty((K, B), np.int16)
-    taken = np.empty((K, B))
     dataset_index = np.empty((B, L), np.int16)
     sample_index = np.empty((B, L), np.int64)
-    head = np.empty((2, L))                             # block 0 has no warm-up: its first L steps
-    E = np.empty((n, B))
-    best = np.empty(B)
-    greater = np.empty(B, bool)
-    candidate = np.empty(B, np.int16)
+    head = (np.empty(L, np.int16), np.empty(L, np.int64))   # block 0's steps [0, L)
+    picks, taken = np.empty((K, B), np.int16), np.empty((K, B))
     flat = np.empty(B, np.intp)
-    plus_one = np.empty(B)
-    x = np.empty(B)
-    wc = w[:, None]
-    lanes = np.arange(B, dtype=np.intp)
-    flat_counts = C.reshape(-1)                         # counts[d, b] at d * B + b
-    errors = [E[d] for d in range(n)]
     start = end0 = None
     for t in range(T):
         if t == W:
             start = C.copy()
         if t == L:
             end0 = C[:, 0].copy()
-        np.add(first, t, out=x)
-        if t == 0:
-            x[0] = 1.0                                  # Megatron uses max(i, 1)
-        np.multiply(wc, x, out=E)
-        np.subtract(E, C, out=E)
+        idx = step.pick(t)
         r = t % K
-        idx, row = picks[r], taken[r]                   # the choice and its count before it
-        if n == 1:
-            idx.fill(0)
-        else:                                           # branch-free argmax, first on ties
-            np.greater(errors[1], errors[0], out=greater)   # strict: ties keep the lower index
-            np.copyto(idx, greater)
-            if n > 2:
-                np.maximum(errors[0], errors[1], out=best)
-            for d in range(2, n):
-                e = errors[d]
-                np.greater(e, best, out=greater)
-                if d < n - 1:
-                    np.maximum(best, e, out=best)
-                np.multiply(greater, d, out=candidate)
-                np.maximum(idx, candidate, out=idx)     # d exceeds every earlier index
-        np.multiply(idx, B, out=flat, dtype=np.intp)
-        np.add(flat, lanes, out=flat)
-        np.take(flat_counts, flat, out=row)
-        np.add(row, 1.0, out=plus_one)
-        flat_counts[flat] = plus_one
+        picks[r] = idx
+        np.multiply(idx, B, out=flat)
+        flat += lanes
+        row = taken[r]
+        np.take(counts, flat, out=row, mode="clip")     # the count before this pick
+        counts[flat] = row + 1.0
         if t < L:
-            head[0, t], head[1, t] = idx[0], row[0]
+            head[0][t], head[1][t] = idx[0], row[0]
         if r == K - 1 or t == T - 1:                    # write the chunk out, block-major
             lo = max(t - r, W)
             if lo <= t:
@@ -136,10 +146,10 @@ def _blocks(w, size, L, W):
     if end0 is None:
         end0 = C[:, 0].copy()
     start[:, 0] = 0.0
-    C[:, 0] = end0
-    dataset_index[0] = head[0]
-    sample_index[0] = head[1]
-    return dataset_index.reshape(-1)[:size], sample_index.reshape(-1)[:size], start, C
+    end = C.copy()
+    end[:, 0] = end0
+    dataset_index[0], sample_index[0] = head
+    return dataset_index.reshape(-1)[:size], sample_index.reshape(-1)[:size], start, end
 
 
 def build_blending_indices(weights, size):
@@ -157,8 +167,9 @@ def build_blending_indices(weights, size):
     n = len(wl)
     size = int(size)
     W = int(min(256, max(16, 2 * n, np.ceil(2.0 / max(float(w.min()), 1e-9)))))
-    L = max(W + 1, 2 * W, -(-size // 10000))
-    if size < 32 * L or n >= 2 ** 15:
+    lanes = min(10000, max(64, 2 ** 15 // n))              # the [n, lanes] arrays stay in cache
+    L = max(W + 1, 2 * W, -(-size // lanes))
+    if size < 4 * L or n >= 2 ** 15:
         dataset_index = np.empty(size, np.int16)
         sample_index = np.empty(size, np.int64)
         _greedy(wl, 0, size, [0.0] * n, dataset_index, sample_index)
@@ -220,6 +231,13 @@ class BlendedDataset:
 
     def __len__(self):
         return len(self.dataset_index)
+
+    def locate(self, idx):
+        """Where sample idx comes from: the blended sample and its dataset's own description."""
+        k = int(self.dataset_index[idx])
+        inner = self.datasets[k]
+        where = getattr(inner, "locate", lambda i: f"sample {i} of dataset {k}")
+        return f"blended sample {idx}: {where(int(self.dataset_sample_index[idx]))}"
 
     def __getitem__(self, idx):
         k = int(self.dataset_index[idx])

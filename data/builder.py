@@ -6,7 +6,7 @@ import numpy as np
 
 from .blended_dataset import BlendedDataset, normalize
 from .gpt_dataset import GPTDataset, GPTDatasetConfig
-from .indexed_dataset import IndexedDataset
+from .indexed_dataset import DataError, IndexedDataset
 
 SPLIT_NAMES = ("train", "valid", "test")
 BLEND_SURPLUS = 0.005   # megatron-core's mid_level_dataset_surplus
@@ -23,6 +23,11 @@ def parse_data_path(data_path):
         weights = [float(w) for w in items[0::2]]
     except ValueError:
         return items, None
+    for text, w, prefix in zip(items[0::2], weights, items[1::2]):   # as Megatron-LM refuses
+        if not (math.isfinite(w) and w > 0):
+            raise DataError(f"--data-path gives {prefix} the weight {text}, which is not a "
+                            f"positive number; give every dataset a weight above 0 (leave a "
+                            f"dataset out of --data-path to skip it).")
     return items[1::2], weights
 
 
@@ -44,12 +49,63 @@ def split_documents(bookends, n):
     return np.arange(beg, end, dtype=np.int32)
 
 
+def _read(bookends, size):
+    """Whether a split is built: it has documents in --split and someone asks for its samples
+    (a count of 0, e.g. the test split without test iterations, is never read)."""
+    return bookends is not None and size != 0
+
+
 def _gpt_splits(prefix, matrix, sizes, config, build):
     indexed = IndexedDataset(prefix)
-    return [None if bookends is None else
-            GPTDataset(indexed, prefix, split_documents(bookends, len(indexed)), size, name,
-                       config, build)
+    return [GPTDataset(indexed, prefix, split_documents(bookends, len(indexed)), size, name,
+                       config, build) if _read(bookends, size) else None
             for bookends, size, name in zip(matrix, sizes, SPLIT_NAMES)]
+
+
+def _split_tokens(lengths, matrix, read):
+    """Tokens of each split that is read (None for the others)."""
+    return [int(lengths[split_documents(b, len(lengths))].sum(dtype=np.int64)) if r else None
+            for b, r in zip(matrix, read)]
+
+
+def suggest_split(lengths, read):
+    """A --split (percentages) under which every split that is read holds at least 2 tokens: the
+    smallest share for validation/test that works, the rest for training; None if none does."""
+    for share in (1, 2, 3, 5, 10, 20, 30, 40):
+        weights = [100 - share * sum(read[1:])] + [share if r else 0 for r in read[1:]]
+        tokens = _split_tokens(lengths, split_matrix(weights), read)
+        if all(t is None or t >= 2 for t in tokens):
+            return ",".join(map(str, weights))
+    return None
+
+
+def check_splits(prefix, split, matrix, sizes):
+    """One sentence when a split that will be read holds fewer than 2 tokens (which split, how
+    many documents the data has, a --split that works)."""
+    lengths = IndexedDataset(prefix).sequence_lengths
+    read = [_read(b, s) for b, s in zip(matrix, sizes)]
+    for name, tokens, bookends in zip(SPLIT_NAMES, _split_tokens(lengths, matrix, read), matrix):
+        if tokens is None or tokens >= 2:
+            continue
+        docs = split_documents(bookends, len(lengths))
+        held = f"documents {docs[0]}..{docs[-1]}" if len(docs) else "no document"
+        better = suggest_split(lengths, read)
+        todo = (f"pass --split {better}" if better else
+                "use more data, or --split 100,0,0 with --eval-iters 0 (no validation)")
+        raise DataError(f"the {name} split of {prefix} is empty: --split {split} gives it {held} "
+                        f"({tokens} tokens) of the {len(lengths)} documents the data has; {todo}.")
+
+
+def _prefix_sizes(weights, sizes, matrix, n_prefixes):
+    """Sample counts asked of each prefix's splits (megatron-core's per-dataset targets plus its
+    surplus when blending with weights; None = the whole split)."""
+    if weights is None:      # blended by size: whole splits, except those nobody reads
+        return [list(sizes)] if n_prefixes == 1 else [[0 if s == 0 else None for s in sizes]
+                                                      for _ in range(n_prefixes)]
+    if any(s is None for s, m in zip(sizes, matrix) if m is not None):
+        raise ValueError("blending with weights needs a sample count for every used split")
+    return [[int(math.ceil(math.ceil(s * w) * (1 + BLEND_SURPLUS))) if s is not None else None
+             for s in sizes] for w in normalize(weights)]
 
 
 def _build_all(prefixes, weights, matrix, sizes, config, build):
@@ -59,16 +115,11 @@ def _build_all(prefixes, weights, matrix, sizes, config, build):
         weights = normalize(weights)
         targets = [[int(math.ceil(s * w)) if s is not None else None for s in sizes]
                    for w in weights]
-        if any(s is None for s, m in zip(sizes, matrix) if m is not None):
-            raise ValueError("blending with weights needs a sample count for every used split")
-        buffers = [[int(math.ceil(t * (1 + BLEND_SURPLUS))) if t is not None else None
-                    for t in row] for row in targets]
-    else:
-        buffers = [[None] * 3 for _ in prefixes]
+    buffers = _prefix_sizes(weights, sizes, matrix, len(prefixes))
     per_prefix = [_gpt_splits(p, matrix, b, config, build) for p, b in zip(prefixes, buffers)]
     out = []
     for i, bookends in enumerate(matrix):
-        if bookends is None:
+        if not _read(bookends, sizes[i]):
             out.append(None)
             continue
         parts = [splits[i] for splits in per_prefix]
@@ -85,7 +136,8 @@ def build_gpt_datasets(data_path, split, seq_length, seed, num_samples, eod_id, 
                        *, reset_position_ids=False, reset_attention_mask=False,
                        eod_mask_loss=False, return_document_ids=False, rank=0, world_size=1,
                        barrier=None):
-    """(train, valid, test) datasets equal to megatron-core's for the same settings.
+    """(train, valid, test) datasets equal to megatron-core's for the same settings; a split
+    with no documents in --split or a sample count of 0 is None (never built).
 
     Rank 0 builds (and caches) the indices; the others wait (barrier, or polling the cache when
     no barrier is given) and memory-map them.
@@ -95,6 +147,8 @@ def build_gpt_datasets(data_path, split, seq_length, seed, num_samples, eod_id, 
                               reset_attention_mask, eod_mask_loss, return_document_ids)
     matrix = split_matrix(split)
     sizes = list(num_samples) + [None] * (3 - len(num_samples))
+    for prefix, row in zip(prefixes, _prefix_sizes(weights, sizes, matrix, len(prefixes))):
+        check_splits(prefix, split, matrix, row)     # every rank: all stop together, none waits
     result = None
     if rank == 0:
         result = _build_all(prefixes, weights, matrix, sizes, config, build=True)

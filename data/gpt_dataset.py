@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .indexed_dataset import DataError
+
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 
 
@@ -245,9 +247,9 @@ class GPTDataset:
         self.num_samples = num_samples
         self.documents = np.asarray(documents, np.int32)
         self.pad_id = -1 if config.pad_id == config.eod_id else config.pad_id
-        stat = os.stat(path_prefix + ".idx")
-        self.description = {
-            "class": "GPTDataset", "path": os.path.abspath(path_prefix), "idx_size": stat.st_size,
+        self.description = {   # the cache key: the .idx contents, not only its path
+            "class": "GPTDataset", "path": os.path.abspath(path_prefix),
+            "idx": indexed.fingerprint(),
             "documents": [int(self.documents[0]), int(self.documents[-1]) + 1]
             if len(self.documents) else [0, 0],
             "num_samples": num_samples, "split": split_name, "seq_length": config.seq_length,
@@ -266,13 +268,19 @@ class GPTDataset:
         except ValueError as err:   # name the split and the file: the user picks the fix
             lo, hi = self.description["documents"]
             held = f"documents {lo}..{hi - 1}" if len(self.documents) else "no document"
-            raise ValueError(
+            raise DataError(
                 f"the {self.split_name} split of {self.description['path']} ({held} of "
                 f"{len(self.indexed)}) cannot be built: {err}; give it documents with another "
                 f"--split (a weight of 0 skips a split, e.g. 98,2,0) or use more data.") from None
 
     def __len__(self):
         return len(self.sample_index) - 1
+
+    def locate(self, idx):
+        """Where sample idx comes from, for messages: the data file, split and first document."""
+        row = int(self.sample_index[int(self.shuffle_index[idx])][0])
+        return (f"sample {idx} of the {self.split_name} split of {self.description['path']} "
+                f"(from document {int(self.document_index[row])})")
 
     def text(self, idx):
         """The seq_length + 1 token ids of sample idx (after shuffling), as int64."""

@@ -4,6 +4,7 @@
 sequence_count u64, document_count u64, int32 sequence_lengths[S], int64 sequence_pointers[S]
 (byte offsets into .bin), int64 document_indices[D] (0 ... S). The .bin is the raw tokens.
 """
+import hashlib
 import mmap
 import os
 import shutil
@@ -11,7 +12,7 @@ import struct
 
 import numpy as np
 
-from megatron_sp.errors import UserError
+from megatron_sp.errors import DataError  # noqa: F401  (re-exported: megatron_sp.data.DataError)
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -21,7 +22,7 @@ DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.
 CODES = {np.dtype(v): k for k, v in DTYPES.items()}
 
 
-class DataFileError(UserError, ValueError):
+class DataFileError(DataError):
     """A .bin/.idx file that cannot be read as an indexed dataset (the message says why)."""
 
 
@@ -141,6 +142,14 @@ class IndexedDataset:
         ptr = (ptr >> self._shift) + offset
         return self._tokens[ptr:ptr + length]
 
+    def fingerprint(self):
+        """Identity of the .idx contents: its size and a blake2b hash of its bytes (the index is
+        small: 12 bytes per sequence). Sample indices depend on nothing else in the pair."""
+        if getattr(self, "_fingerprint", None) is None:
+            digest = hashlib.blake2b(self._idx_buf, digest_size=16).hexdigest()
+            self._fingerprint = f"{len(self._idx_buf)}-{digest}"
+        return self._fingerprint
+
     @property
     def num_tokens(self):
         """Total number of tokens in the .bin."""
@@ -186,8 +195,9 @@ class IndexedDatasetBuilder:
             if arr.size and np.issubdtype(self.dtype, np.integer):
                 info = np.iinfo(self.dtype)
                 if arr.min() < info.min or arr.max() > info.max:
-                    raise ValueError(f"{self.bin_path}: token ids {arr.min()}..{arr.max()} do not "
-                                     f"fit {self.dtype.name}; build with a wider dtype (int32).")
+                    raise DataError(f"{self.bin_path}: token ids {arr.min()}..{arr.max()} do not "
+                                    f"fit {self.dtype.name}; preprocess with a wider dtype "
+                                    f"(tools/preprocess_data.py --dtype int32).")
             arr = arr.astype(self.dtype)
         return np.ascontiguousarray(arr.reshape(-1))
 

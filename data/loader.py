@@ -1,12 +1,14 @@
 """The trainer's data loader: Megatron's MegatronPretrainingSampler order, resumable."""
 import numpy as np
-import torch
+
+from .indexed_dataset import DataError
 
 INT_KEYS = ("tokens", "labels", "position_ids", "document_ids")
 
 
 def collate(items):
     """List of item dicts -> dict of torch tensors [batch, s] (int64, loss_mask float32)."""
+    import torch    # here: preprocessing imports megatron_sp.data and must not load torch
     out = {}
     for key in items[0]:
         arr = np.stack([np.asarray(it[key]) for it in items])
@@ -22,7 +24,7 @@ class PretrainingDataLoader:
     """
 
     def __init__(self, dataset, consumed_samples, micro_batch_size, dp_rank, dp_size,
-                 drop_last=True):
+                 drop_last=True, vocab_size=None):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size}); pass the rank's index "
                              f"in its data-parallel group.")
@@ -31,7 +33,7 @@ class PretrainingDataLoader:
                              f"{len(dataset)} samples; build the dataset with more samples.")
         self.dataset, self.consumed_samples = dataset, consumed_samples
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
-        self.drop_last = drop_last
+        self.drop_last, self.vocab_size = drop_last, vocab_size
 
     def index_batches(self):
         """Sample indices of each micro-batch of this rank."""
@@ -52,4 +54,24 @@ class PretrainingDataLoader:
 
     def __iter__(self):
         for indices in self.index_batches():
-            yield collate([self.dataset[i] for i in indices])
+            batch = collate([self.dataset[i] for i in indices])
+            if self.vocab_size is not None:
+                check_vocab(batch, indices, self.dataset, self.vocab_size)
+            yield batch
+
+
+def check_vocab(batch, indices, dataset, vocab_size):
+    """Every token id of the micro-batch in [0, vocab_size) (one min and max per field), else a
+    DataError naming the dataset, the sample and the id (the embedding would fail on it)."""
+    for key in ("tokens", "labels"):
+        ids = batch[key]
+        lo, hi = ids.aminmax()
+        if lo >= 0 and hi < vocab_size:
+            continue
+        bad = (ids < 0) | (ids >= vocab_size)                # [batch, s]
+        row = int(bad.any(dim=1).nonzero()[0])
+        value = int(ids[row][bad[row]][0])
+        where = getattr(dataset, "locate", lambda i: f"sample {i}")(indices[row])
+        raise DataError(f"{where} holds token id {value}, outside the vocabulary of {vocab_size} "
+                        f"ids; preprocess the data with the tokenizer used for training "
+                        f"(tools/preprocess_data.py) or pass that tokenizer.")

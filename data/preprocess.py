@@ -1,4 +1,5 @@
 """jsonl -> Megatron .bin/.idx, the core of tools/preprocess_data.py (importable without tools/)."""
+import collections
 import json
 import multiprocessing as mp
 import os
@@ -8,57 +9,98 @@ from itertools import chain
 
 import numpy as np
 
-from .indexed_dataset import IndexedDatasetBuilder, optimal_dtype
+from .indexed_dataset import DataError, IndexedDatasetBuilder, optimal_dtype
 from .tokenizers import build_tokenizer
 
 LINES_PER_TASK = 256               # kept for compatibility; tasks are now blocks of whole lines
-BLOCK_BYTES = 1 << 18              # input bytes per task (whole lines, ~10 ms of tokenizing)
+BLOCK_BYTES = 1 << 19              # most input bytes per task (whole lines, ~20 ms of tokenizing)
+MIN_BLOCK_BYTES = 1 << 16          # least, for small inputs: every worker gets several tasks
+IN_FLIGHT_PER_WORKER = 4           # tasks submitted ahead of the one being written, per worker
+PROGRESS_DELAY_S = 3.0             # the progress bar appears once a run has taken this long
+DTYPES = {"uint16": np.uint16, "int32": np.int32}
 _worker = {}
 
 
-def _init_worker(tokenizer_args, json_keys, append_eod, path, dtype=None):
-    _worker.update(tok=build_tokenizer(*tokenizer_args), keys=json_keys, eod=append_eod, path=path,
+def _init_worker(tokenizer, json_keys, append_eod, path, dtype=None):
+    """The per-process state of encode_lines. Called in the parent before the pool forks, so the
+    workers inherit the tokenizer instead of each loading it again."""
+    if isinstance(tokenizer, tuple):
+        tokenizer = build_tokenizer(*tokenizer)
+    _worker.update(tok=tokenizer, keys=json_keys, eod=append_eod, path=path, fd=None,
                    dtype=None if dtype is None else np.dtype(dtype))
 
 
-def _tokenize_all(tok, texts):
+def _tokenize_all(tok, texts, lines, path):
+    """Token ids of every text; a text the tokenizer refuses (e.g. NullTokenizer text that is not
+    integers) is reported with its file:line."""
     batch = getattr(tok, "tokenize_batch", None)
-    return batch(texts) if batch is not None else [tok.tokenize(t) for t in texts]
+    try:
+        return batch(texts) if batch is not None else [tok.tokenize(t) for t in texts]
+    except ValueError:
+        for text, n in zip(texts, lines):
+            try:
+                tok.tokenize(text)
+            except ValueError as e:
+                raise DataError(f"{path}:{n}: {e}; fix that line or pick the right "
+                                f"--tokenizer-type.") from None
+        raise
+
+
+def _check_ids(tokens, lengths, lines, vocab_size, path):
+    """Refuse ids outside [0, vocab_size) with the file:line of the first one (min/max per task)."""
+    if not tokens.size or (tokens.min() >= 0 and tokens.max() < vocab_size):
+        return
+    at = int(np.flatnonzero((tokens < 0) | (tokens >= vocab_size))[0])
+    doc = int(np.searchsorted(np.cumsum(lengths), at, side="right"))
+    raise DataError(f"{path}:{lines[doc]}: token id {int(tokens[at])} is outside the tokenizer's "
+                    f"vocabulary of {vocab_size} ids; fix the text or pass the right --vocab-size "
+                    f"or tokenizer.")
+
+
+def _read_block(offset, length):
+    """Bytes [offset, offset + length) of the input, read by the worker itself: the parent sends
+    only the range, no text goes through the pool's pipes."""
+    if _worker.get("fd") is None:
+        _worker["fd"] = os.open(_worker["path"], os.O_RDONLY)
+    return os.pread(_worker["fd"], length, offset)
 
 
 def encode_lines(task):
-    """(first line number, raw lines as a list or one bytes block of whole lines) ->
-    (n_bytes, {key: (tokens, per-document lengths)}).
+    """(first line number, raw lines as a list, one bytes block of whole lines, or the
+    (offset, length) of such a block in the input) -> (n_bytes, {key: (tokens, per-document
+    lengths)}).
 
     The texts of a task are tokenized in one call, in line order; an unreadable line is reported
     after the texts before it (so the first error in file order is the one raised).
     """
     first, lines = task
+    if isinstance(lines, tuple):
+        lines = _read_block(*lines)
     if isinstance(lines, (bytes, bytearray)):
         n_bytes, lines = len(lines), lines.split(b"\n")
     else:
         n_bytes = sum(len(r) for r in lines)
     tok, keys, path = _worker["tok"], _worker["keys"], _worker["path"]
-    texts, problem = [], None
+    texts, numbers, problem = [], [], None
     for n, raw in enumerate(lines, first):
         if not raw.strip():
             continue
         try:
             record = json.loads(raw)
         except ValueError as e:
-            problem = ValueError(f"{path}:{n}: not valid JSON ({e}); fix or remove that line.")
+            problem = DataError(f"{path}:{n}: not valid JSON ({e}); fix or remove that line.")
             break
         for key in keys:
             if not isinstance(record, dict) or not isinstance(record.get(key), str):
-                problem = ValueError(f"{path}:{n}: no string field {key!r}; check --json-keys or "
-                                     f"fix that line.")
+                problem = DataError(f"{path}:{n}: no string field {key!r}; check --json-keys or "
+                                    f"fix that line.")
                 break
             texts.append(record[key])
         if problem is not None:
             break
-    ids = _tokenize_all(tok, texts)
-    if problem is not None:
-        raise problem
+        numbers.append(n)
+    texts = texts[:len(numbers) * len(keys)]                # whole records only
+    ids = _tokenize_all(tok, texts, [n for n in numbers for _ in keys], path)
     eod = tok.eod if _worker["eod"] else None
     packed = {}
     for k, key in enumerate(keys):
@@ -68,7 +110,10 @@ def encode_lines(task):
             lengths += lengths > 0                          # eod after every non-empty text
             docs = [d for doc in docs for d in (doc, (eod,)) if doc]
         tokens = np.fromiter(chain.from_iterable(docs), np.int64, int(lengths.sum()))
+        _check_ids(tokens, lengths, numbers, tok.vocab_size, path)
         packed[key] = (_narrow(tokens, _worker.get("dtype")), lengths)
+    if problem is not None:         # after the lines before it: the first error in file order
+        raise problem
     return n_bytes, packed
 
 
@@ -83,66 +128,134 @@ def _narrow(tokens, dtype):
     return tokens.astype(dtype)
 
 
-def _tasks(path):
-    """Blocks of whole lines (bytes) with the number of their first line, numbered from 1."""
+def _block_bytes(size, workers):
+    """Bytes per task: large blocks keep the parent's per-task work (pipes, threads) small; small
+    inputs get smaller ones so that the workers finish together (8 tasks per worker at least)."""
+    return int(min(BLOCK_BYTES, max(MIN_BLOCK_BYTES, size // (8 * max(1, workers)))))
+
+
+def _tasks(path, block_bytes=None):
+    """Blocks of whole lines as (number of their first line from 1, (offset, length))."""
+    block_bytes = block_bytes or BLOCK_BYTES
     with open(path, "rb") as f:
-        first = 1
+        first, offset = 1, 0
         while True:
-            block = f.read(BLOCK_BYTES)
+            block = f.read(block_bytes)
             if not block:
                 return
             if not block.endswith(b"\n"):
                 block += f.readline()
-            yield first, block
+            yield first, (offset, len(block))
             first += block.count(b"\n")
+            offset += len(block)
+
+
+def _output_dtype(dtype, vocab_size):
+    """--dtype (uint16 / int32) or Megatron's default for the vocabulary."""
+    if dtype is None:
+        return np.dtype(optimal_dtype(vocab_size))
+    if str(dtype) not in DTYPES:
+        raise DataError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}; pick one of them.")
+    dtype = np.dtype(DTYPES[str(dtype)])
+    if vocab_size > np.iinfo(dtype).max + 1:
+        raise DataError(f"--dtype {dtype.name} holds ids up to {np.iinfo(dtype).max} but the "
+                        f"tokenizer has {vocab_size} ids; pass --dtype int32.")
+    return dtype
 
 
 def preprocess(input, output_prefix, tokenizer_type, tokenizer_model=None, json_keys=("text",),
                append_eod=False, workers=1, log_interval=10000, vocab_size=None, log=sys.stderr,
-               vocab_file=None, merge_file=None):
+               dtype=None, vocab_file=None, merge_file=None):
     """Tokenise a jsonl file into {output_prefix}_{key}_document.bin/.idx; returns the prefixes.
 
-    Nothing appears under the final names unless the whole file was processed.
+    Nothing appears under the final names unless the whole file was processed; ids outside the
+    vocabulary are refused. Ends with one line: documents, tokens and MB/s (when log_interval).
     """
+    start = time.time()
     if not os.path.isfile(input):
-        raise ValueError(f"{input}: input file not found; pass --input with a jsonl file.")
-    args = (tokenizer_type, tokenizer_model, vocab_size, vocab_file, merge_file)
-    dtype = optimal_dtype(build_tokenizer(*args).vocab_size)
+        raise DataError(f"{input}: input file not found; pass --input with a jsonl file.")
+    folder = os.path.dirname(os.path.abspath(output_prefix))
+    if not os.path.isdir(folder):
+        raise DataError(f"the output folder {folder} does not exist; create it (mkdir -p) or pass "
+                        f"another --output-prefix.")
+    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size, vocab_file, merge_file)
+    dtype = _output_dtype(dtype, tokenizer.vocab_size)
     prefixes = {k: f"{output_prefix}_{k}_document" for k in json_keys}
     builders = {k: IndexedDatasetBuilder(p + ".bin", dtype) for k, p in prefixes.items()}
-    init = (args, tuple(json_keys), append_eod, input, dtype)
-    pool = mp.get_context("fork").Pool(workers, _init_worker, init) if workers > 1 else None
+    _init_worker(tokenizer, tuple(json_keys), append_eod, input, dtype)   # inherited by the pool
+    pool = mp.get_context("fork").Pool(workers) if workers > 1 else None
+    interrupted = False
     try:
-        if pool is None:
-            _init_worker(*init)
-            results = map(encode_lines, _tasks(input))
-        else:
-            results = pool.imap(encode_lines, _tasks(input), chunksize=1)
-        _consume(results, builders, log_interval, log)
+        tasks = _tasks(input, _block_bytes(os.path.getsize(input), workers))
+        results = (map(encode_lines, tasks) if pool is None else
+                   _in_order(pool, tasks, IN_FLIGHT_PER_WORKER * workers))
+        docs, tokens, nbytes = _consume(results, builders, log_interval, log,
+                                        os.path.getsize(input))
         for k, b in builders.items():
             b.finalize(prefixes[k] + ".idx")
-    except BaseException:
+    except BaseException as err:
+        interrupted = not isinstance(err, Exception)
         for b in builders.values():
             b.abort()
         raise
     finally:
-        if pool is not None:
-            pool.terminate()
+        if pool is not None:    # waits for the few tasks in flight: terminating a worker while it
+            if interrupted:     # writes its result would leave the result pipe's lock taken
+                pool.terminate()
+            else:
+                pool.close()
+                pool.join()
+        if _worker.get("fd") is not None:
+            os.close(_worker["fd"])
+        _worker.clear()
+    if log_interval:
+        dt = max(time.time() - start, 1e-9)
+        print(f"done: {docs} documents, {tokens} tokens, {nbytes / 1e6:.1f} MB in {dt:.1f} s "
+              f"({nbytes / dt / 1e6:.2f} MB/s, {workers} worker(s))", file=log, flush=True)
     return prefixes
 
 
-def _consume(results, builders, log_interval, log):
-    """Write encoded chunks in order, reporting documents/s and MB/s."""
-    start, docs, nbytes, next_log = time.time(), 0, 0, log_interval
-    for size, packed in results:
-        nbytes += size
-        for key, (tokens, lengths) in packed.items():
-            builders[key].add_documents(tokens, lengths)
-        docs += len(next(iter(packed.values()))[1])
-        if log_interval and docs >= next_log:
-            next_log += log_interval
-            dt = max(time.time() - start, 1e-9)
-            print(f"processed {docs} documents ({docs / dt:.0f} docs/s, {nbytes / dt / 1e6:.2f} MB/s)",
-                  file=log, flush=True)
-    return docs, nbytes
+def _in_order(pool, tasks, in_flight):
+    """encode_lines of each task in the pool, results in task order, at most in_flight tasks
+    submitted ahead (a stop after an error waits for those few, never for the whole file)."""
+    pending = collections.deque()
+    for task in tasks:
+        pending.append(pool.apply_async(encode_lines, (task,)))
+        if len(pending) >= in_flight:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
 
+
+def _progress(total, log, enabled):
+    """A tqdm bar over the input bytes, shown on a terminal once the run takes a few seconds."""
+    if not enabled or not getattr(log, "isatty", lambda: False)():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, unit="B", unit_scale=True, file=log, delay=PROGRESS_DELAY_S,
+                desc="preprocessing")
+
+
+def _consume(results, builders, log_interval, log, total_bytes=None):
+    """Write encoded chunks in order, reporting documents/s and MB/s (a progress bar on a
+    terminal, lines every log_interval documents otherwise); returns (documents, tokens, bytes)."""
+    start, docs, tokens, nbytes, next_log = time.time(), 0, 0, 0, log_interval
+    bar = _progress(total_bytes, log, bool(log_interval))
+    try:
+        for size, packed in results:
+            nbytes += size
+            for key, (ids, lengths) in packed.items():
+                builders[key].add_documents(ids, lengths)
+                tokens += ids.size
+            docs += len(next(iter(packed.values()))[1])
+            if bar is not None:
+                bar.update(size)
+            elif log_interval and docs >= next_log:
+                next_log += log_interval
+                dt = max(time.time() - start, 1e-9)
+                print(f"processed {docs} documents ({docs / dt:.0f} docs/s, "
+                      f"{nbytes / dt / 1e6:.2f} MB/s)", file=log, flush=True)
+    finally:
+        if bar is not None:
+            bar.close()
+    return docs, tokens, nbytes

@@ -21,7 +21,12 @@ class NullTokenizer:
         self.pad = -1
 
     def tokenize(self, text):
-        return [int(x) for x in text.split()]
+        try:
+            return [int(x) for x in text.split()]
+        except ValueError:
+            bad = next(x for x in text.split() if not x.lstrip("+-").isdigit())
+            raise ValueError(f"NullTokenizer text must be integer ids separated by spaces, "
+                             f"found {bad[:40]!r}") from None
 
     def detokenize(self, ids):
         return " ".join(str(int(x)) for x in ids)

@@ -28,6 +28,9 @@ def get_args(argv=None):
     p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
     p.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer only")
+    p.add_argument("--dtype", choices=["uint16", "int32"], default=None,
+                   help="token dtype of the .bin (default: uint16 when the vocabulary has fewer "
+                        "than 65500 ids, else int32)")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--log-interval", type=int, default=10000)
     return p.parse_args(argv)
@@ -38,8 +41,8 @@ def main(argv=None):
     try:
         prefixes = preprocess(args.input, args.output_prefix, args.tokenizer_type,
                               args.tokenizer_model, args.json_keys, args.append_eod, args.workers,
-                              args.log_interval, args.vocab_size, vocab_file=args.vocab_file,
-                              merge_file=args.merge_file)
+                              args.log_interval, args.vocab_size, dtype=args.dtype,
+                              vocab_file=args.vocab_file, merge_file=args.merge_file)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,171 @@
+"""Bad data input ends in one sentence and leaves nothing behind (issue 13 items 1, 3, 4, 8; issue 15
+small datasets): blend weights, token ids outside the vocabulary (preprocessing and training), the
+index cache after re-preprocessing a prefix, empty splits, the preprocessing CLI's errors."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_sp.data import (DataError, IndexedDataset, IndexedDatasetBuilder,
+                              PretrainingDataLoader, build_gpt_datasets, preprocess)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EOD = 999
+
+
+def write_corpus(prefix, rng, n_docs, max_len=60, vocab=EOD):
+    b = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    for _ in range(n_docs):
+        doc = rng.integers(0, vocab, int(rng.integers(2, max_len)))
+        doc[-1] = EOD
+        b.add_document(doc, [len(doc)])
+    b.finalize(prefix + ".idx")
+    return prefix
+
+
+def write_ids_jsonl(path, rng, n, bad_line=None, bad_text="4 5000 5"):
+    with open(path, "w") as f:
+        for i in range(1, n + 1):
+            text = bad_text if i == bad_line else " ".join(map(str, rng.integers(0, 1000, 20)))
+            f.write(json.dumps({"text": text}) + "\n")
+
+
+@pytest.mark.parametrize("data_path,shown", [
+    ("1 {a} -3 {b}", "-3"), ("0 {a} 1 {b}", "0"), ("0 {a} 0 {b}", "0"), ("1 {a} nan {b}", "nan"),
+    ("1 {a} inf {b}", "inf")])
+def test_blend_weights_must_be_positive(tmp_path, data_path, shown):
+    rng = np.random.default_rng(0)
+    a, b = (write_corpus(str(tmp_path / n), rng, 30) for n in "ab")
+    path = data_path.format(a=a, b=b).split()
+    bad = path[path.index(shown) + 1]
+    with pytest.raises(DataError, match=rf"--data-path gives {bad} the weight {shown}, which is not "
+                                        rf"a positive number"):
+        build_gpt_datasets(path, "1", 16, 1, (50, 0, 0), EOD, -1, str(tmp_path / "cache"))
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_preprocess_refuses_ids_outside_the_vocabulary(tmp_path, seed):
+    """`4 5000 5` with --vocab-size 1000: file:line, the id, the size; no file left (1 and 2
+    workers, the bad line in a later block than the first)."""
+    rng = np.random.default_rng(seed)
+    bad = int(rng.integers(3000, 6000))
+    src = str(tmp_path / "ids.jsonl")
+    write_ids_jsonl(src, rng, 7000, bad_line=bad)
+    for workers in (1, 2):
+        with pytest.raises(DataError, match=rf"ids.jsonl:{bad}: token id 5000 is outside the "
+                                            rf"tokenizer's vocabulary of 1001 ids"):
+            preprocess(src, str(tmp_path / "out"), "NullTokenizer", vocab_size=1000,
+                       workers=workers, log_interval=0)
+        assert sorted(os.listdir(tmp_path)) == ["ids.jsonl"]
+
+
+def test_preprocess_cli_errors_and_dtype(tmp_path):
+    """One line, exit 1, no traceback, nothing written: non-integer NullTokenizer text (file:line),
+    a missing output folder, --dtype uint16 for a vocabulary it cannot hold. --dtype int32 is
+    honoured for a small vocabulary; the run ends with documents, tokens and MB/s."""
+    rng = np.random.default_rng(3)
+    src = tmp_path / "in.jsonl"
+    write_ids_jsonl(str(src), rng, 40, bad_line=17, bad_text="3 4 hello 5")
+    base = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", str(src),
+            "--tokenizer-type", "NullTokenizer", "--workers", "2", "--append-eod"]
+
+    def run(*extra):
+        return subprocess.run(base + list(extra), capture_output=True, text=True, timeout=120)
+
+    cases = [(("--output-prefix", str(tmp_path / "o"), "--vocab-size", "1000"),
+              f"{src}:17: NullTokenizer text must be integer ids separated by spaces, found 'hello'"),
+             (("--output-prefix", str(tmp_path / "missing" / "o"), "--vocab-size", "1000"),
+              f"the output folder {tmp_path / 'missing'} does not exist"),
+             (("--output-prefix", str(tmp_path / "o"), "--vocab-size", "70000", "--dtype", "uint16"),
+              "--dtype uint16 holds ids up to 65535 but the tokenizer has 70001 ids; pass --dtype "
+              "int32")]
+    for extra, message in cases:
+        out = run(*extra)
+        assert out.returncode == 1 and out.stderr.startswith("error: ") and message in out.stderr
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+        assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+    write_ids_jsonl(str(src), rng, 40)
+    out = run("--output-prefix", str(tmp_path / "o"), "--vocab-size", "1000", "--dtype", "int32")
+    assert out.returncode == 0, out.stderr
+    assert "done: 40 documents, 840 tokens" in out.stderr and "MB/s" in out.stderr
+    assert IndexedDataset(str(tmp_path / "o_text_document")).dtype == np.int32
+
+
+def test_preprocess_report_and_progress_bar(tmp_path, monkeypatch):
+    """On a terminal a tqdm bar follows the input bytes (shown at once here); the run ends with
+    one line: documents, tokens, MB/s."""
+    import io
+    module = sys.modules["megatron_sp.data.preprocess"]     # the package exports the function
+    monkeypatch.setattr(module, "PROGRESS_DELAY_S", 0.0)
+    monkeypatch.setattr(module, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(module, "MIN_BLOCK_BYTES", 4096)
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    src = str(tmp_path / "ids.jsonl")
+    write_ids_jsonl(src, np.random.default_rng(8), 600)
+    log = Terminal()
+    preprocess(src, str(tmp_path / "o"), "NullTokenizer", vocab_size=1000, workers=2, log=log)
+    text = log.getvalue()
+    assert "preprocessing: 100%" in text and "\r" in text
+    assert text.rstrip().splitlines()[-1].startswith("done: 600 documents, 12000 tokens, ")
+
+
+def test_reprocessed_prefix_never_reuses_stale_indices(tmp_path):
+    """The same prefix written again from the same documents by another tokenizer (the same
+    number of documents, so the same .idx size; other lengths) under the same cache: the indices
+    are rebuilt, equal to a build without cache, for a GPT and a blended dataset."""
+    rng = np.random.default_rng(4)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_corpus(b, rng, 40)
+    cache = str(tmp_path / "cache")
+    sizes = set()
+    for max_len in (50, 30):
+        write_corpus(a, rng, 60, max_len)
+        sizes.add(os.path.getsize(a + ".idx"))
+        for path in ([a], ["0.6", a, "0.4", b]):
+            cached = build_gpt_datasets(path, "90,10,0", 16, 5, (300, 10, 0), EOD, -1, cache)
+            fresh = build_gpt_datasets(path, "90,10,0", 16, 5, (300, 10, 0), EOD, -1, None)
+            for c, f in zip(cached[:2], fresh[:2]):
+                assert len(c) == len(f)
+                for i in (0, len(f) // 2, len(f) - 1):
+                    np.testing.assert_array_equal(c[i]["tokens"], f[i]["tokens"])
+    assert len(sizes) == 1 and len(os.listdir(cache)) > 0
+
+
+def test_training_batches_checked_against_the_vocabulary(tmp_path):
+    """A corpus with ids up to 999 read with a 600-id vocabulary: the loader names the dataset, the
+    split, the sample and the id; in range, nothing is raised."""
+    rng = np.random.default_rng(5)
+    a = write_corpus(str(tmp_path / "a"), rng, 50)
+    b = write_corpus(str(tmp_path / "b"), rng, 50, vocab=500)
+    train = build_gpt_datasets([a], "1", 16, 1, (40, 0, 0), EOD, -1, None)[0]
+    with pytest.raises(DataError, match=rf"sample \d+ of the train split of {a} \(from document "
+                                        rf"\d+\) holds token id \d+, outside the vocabulary of 600"):
+        next(iter(PretrainingDataLoader(train, 0, 2, 0, 1, vocab_size=600)))
+    assert len(list(PretrainingDataLoader(train, 0, 2, 0, 1, vocab_size=1000))) == len(train) // 2
+    blend = build_gpt_datasets(["0.5", b, "0.5", a], "1", 16, 1, (40, 0, 0), EOD, -1, None)[0]
+    with pytest.raises(DataError, match=rf"blended sample \d+: sample \d+ of the train split of {a}"):
+        list(PretrainingDataLoader(blend, 0, 2, 0, 1, vocab_size=600))
+
+
+def test_small_corpus_splits(tmp_path):
+    """A split asked for 0 samples is not built (the run goes on); one that is read but empty is
+    named with the document count and a --split that works, which then builds."""
+    rng = np.random.default_rng(6)
+    a = write_corpus(str(tmp_path / "a"), rng, 40)
+    train, valid, test = build_gpt_datasets([a], "969,30,1", 16, 1, (100, 10, 0), EOD, -1, None)
+    assert len(train) >= 100 and len(valid) >= 10 and test is None
+    with pytest.raises(DataError) as info:
+        build_gpt_datasets([a], "969,30,1", 16, 1, (100, 10, 10), EOD, -1, str(tmp_path / "c"))
+    message = str(info.value)
+    assert message.startswith(f"the test split of {a} is empty: --split 969,30,1 gives it no "
+                              f"document (0 tokens) of the 40 documents the data has; pass --split ")
+    assert not (tmp_path / "c").exists()
+    better = message.rsplit("--split ", 1)[1].rstrip(".")
+    assert all(len(d) for d in build_gpt_datasets([a], better, 16, 1, (100, 10, 10), EOD, -1, None))
