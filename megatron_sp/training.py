@@ -49,6 +49,7 @@ class TrainState:
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0     # validation position, stored so resume continues there
     skipped_iterations: int = 0
+    loss_scaler: dict | None = None     # --fp16: the loss scaler's state (saved with the run)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class StepResult:
     grad_norm: float
     num_tokens: int
     skipped: bool = False
+    loss_scale: float = 1.0             # --fp16: the loss scale after this step (Megatron's log)
 
 
 NONFINITE_POLICIES = ("skip", "stop")
@@ -213,6 +215,15 @@ class Trainer:
         self.faults = FaultInjection(mesh.rank)
         self._compute_seconds = 0.0      # this rank's forward+backward time since the last log
         self._skipped_since_log = 0
+        self.set_precision()
+
+    def set_precision(self, fp16: bool = False, loss_scaler=None, fp8_autocast=None,
+                      grad_reduce_in_bf16: bool = False):
+        """--fp16 (fp16 autocast over the fp32 weights) with its LossScaler, the FP8 context of
+        --fp8-format (megatron_sp.fp8), entered around every forward, and --grad-reduce-in-bf16."""
+        self.fp16, self.loss_scaler, self.fp8_autocast = fp16, loss_scaler, fp8_autocast
+        self.grad_sync.reduce_dtype = torch.bfloat16 if grad_reduce_in_bf16 else None
+        self._loss_scaler_state = None
 
     def set_failure_policy(self, nonfinite_loss: str = "stop",
                            collective_timeout_minutes: float | None = None):
@@ -223,9 +234,30 @@ class Trainer:
         self.collective_timeout_minutes = collective_timeout_minutes
 
     def autocast(self):
+        if self.fp8_autocast is not None or (self.fp16 and not self.bf16):
+            return self._mixed_precision()
         if self.bf16:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    def _mixed_precision(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if self.bf16 or self.fp16:
+            stack.enter_context(torch.autocast(device_type=self.device.type,
+                                               dtype=torch.bfloat16 if self.bf16 else torch.float16))
+        if self.fp8_autocast is not None:
+            stack.enter_context(self.fp8_autocast())
+        return stack
+
+    def _loss_scale(self) -> float:
+        """The loss scale of this step (1 without --fp16). A checkpoint load replaces
+        state.loss_scaler with the saved dict: the scaler adopts it here."""
+        if self.loss_scaler is None:
+            return 1.0
+        saved = self.state.loss_scaler
+        if saved is not None and saved is not self._loss_scaler_state:
+            self.loss_scaler.load_state_dict(saved)
+        return self.loss_scaler.scale
 
     def _count_tokens(self, micro_batches) -> torch.Tensor:
         """Unmasked tokens of the global batch: this dp rank's micro-batches summed over dp."""
@@ -261,10 +293,12 @@ class Trainer:
             chunk.train()
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = self._count_tokens(micro_batches)
+        scale = self._loss_scale()      # --fp16: the loss (so every gradient) times the scale
         start = time.perf_counter()
         hooks = self.faults.nan_hooks(iteration, self.chunks)
         try:
-            loss = self.schedule(self.chunks, micro_batches, self.mesh, num_tokens=num_tokens.float(),
+            loss = self.schedule(self.chunks, micro_batches, self.mesh,
+                                 num_tokens=num_tokens.float() / scale,
                                  grad_sync=self.grad_sync, autocast=self.autocast)
         finally:
             for hook in hooks:
@@ -274,11 +308,14 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         self._compute_seconds += time.perf_counter() - start
         self.grad_sync.finish()
+        if self.loss_scaler is not None:
+            self.loss_scaler.unscale_(self.params)
         grad_norm = clip_grad_norm(self.params, self.clip_grad, self.mesh)
         # Reduced over every rank before deciding, so every rank takes the same branch.
-        loss = reduce_loss_and_count(loss.to(self.device), self.mesh).item()
+        loss = reduce_loss_and_count(loss.to(self.device), self.mesh).item() / scale
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if not finite and self.nonfinite_loss == "stop":
+        overflow = self._update_loss_scale(math.isfinite(grad_norm)) and math.isfinite(loss)
+        if not finite and not overflow and self.nonfinite_loss == "stop":
             raise NonFiniteLossError(
                 f"iteration {iteration}: the loss is {loss} and the gradient norm {grad_norm}: "
                 f"stopping (--nonfinite-loss stop); --nonfinite-loss skip skips such optimizer steps "
@@ -290,13 +327,22 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.state.skipped_iterations += 1
             self._skipped_since_log += 1
+        if not finite and not overflow:   # an fp16 overflow is only counted, as in Megatron
             print_rank0(self.mesh, f"iteration {iteration}: non-finite loss {loss} / gradient norm "
                                    f"{grad_norm}: optimizer step skipped (--nonfinite-loss skip; "
                                    f"{self.state.skipped_iterations} skipped so far)")
         self.state.iteration += 1
         self.state.consumed_train_samples += self.global_batch_size
         return StepResult(loss=loss, grad_norm=grad_norm, num_tokens=int(num_tokens.item()),
-                          skipped=not finite)
+                          skipped=not finite, loss_scale=self._loss_scale())
+
+    def _update_loss_scale(self, grads_finite: bool) -> bool:
+        """--fp16: update the scaler from this step's overflow; True when the step overflowed."""
+        if self.loss_scaler is None:
+            return False
+        self.loss_scaler.update(not grads_finite)
+        self.state.loss_scaler = self._loss_scaler_state = self.loss_scaler.state_dict()
+        return not grads_finite
 
     @torch.no_grad()
     def evaluate(self, micro_batch_iter, num_steps: int) -> float:
@@ -324,7 +370,11 @@ class Trainer:
                   "lr": self.scheduler.lr_at(self.scheduler.num_steps - 1) if self.scheduler.num_steps
                   else 0.0,
                   "lm_loss": result.loss, "grad_norm": result.grad_norm, "ms_per_iter": ms,
-                  "tokens_per_sec": tokens_per_sec, "tflops_per_gpu": tflops}
+                  "tokens_per_sec": tokens_per_sec, "tflops_per_gpu": tflops,
+                  "loss_scale": result.loss_scale}
+        for group in self.optimizer.param_groups:    # --decoupled-lr: Megatron logs it too
+            if group.get("is_decoupled_lr"):
+                record["decoupled_lr"] = group["lr"]
         if self.peak_tflops:
             record["mfu"] = tflops / self.peak_tflops
         record.update(memory_report(self.device))
