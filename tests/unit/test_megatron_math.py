@@ -255,3 +255,27 @@ def test_megatron_math_flags_parse_with_megatron_defaults():
                          (["--rotary-percent", "1.5"], "--rotary-percent")]:
         with pytest.raises(SystemExit, match=words):
             parse_args(flags)
+
+
+def test_layernorm_1p_model_exports_to_hugging_face_as_gamma():
+    """A 1p model exports with gamma = 1 + w: transformers' Llama gives the same logits (1e-4);
+    --rotary-percent < 1 has no Hugging Face equivalent and is refused in one sentence."""
+    transformers = pytest.importorskip("transformers")
+    from megatron_sp.models import families
+    cfg = tiny(apply_layernorm_1p=True, tie_embeddings=False)
+    model = GPTModel(cfg).eval()
+    init_parameters(model, seed=4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    hf_config, state = families.megatron_sp_to_hf(cfg, families.full_tensors(model), family="llama")
+    hf = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**hf_config)).eval()
+    hf.load_state_dict(state)
+    tokens = batch(2)["tokens"]
+    with torch.no_grad():
+        diff = (hf(tokens).logits.float() - model(tokens)).abs().max().item()
+    assert diff <= 1e-4, f"1p export: logits differ by {diff}"
+    with pytest.raises(families.ConversionError, match="--rotary-percent 0.5"):
+        families.megatron_sp_to_hf(tiny(rotary_percent=0.5), {}, family="llama")
