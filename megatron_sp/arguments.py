@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(c, "--use-checkpoint-opt_param-scheduler", "on resume, use the checkpoint's "
                "learning-rate schedule instead of the command line's (Megatron's)")
 
-    _add_megatron_math_args(p)
+    _add_megatron_math_args(p, m)
 
     lg = p.add_argument_group("logging")
     lg.add_argument("--log-interval", type=int, default=10)
@@ -160,8 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _add_megatron_math_args(p) -> None:
-    """Megatron-LM flags that change the math (issue 17), with Megatron's names and defaults."""
+def _add_megatron_math_args(p, model_group) -> None:
+    """Megatron-LM flags that change the math (issue 17), with Megatron's names and defaults.
+
+    The two that change the model's function go to the model group, so that --use-checkpoint-args
+    takes them from a checkpoint's stored config like every other model flag.
+    """
     g = p.add_argument_group("Megatron-LM precision, optimizer and model variants")
     g.add_argument("--loss-scale", type=float, default=None,
                    help="--fp16: a static loss scale (default: dynamic loss scaling)")
@@ -173,9 +177,9 @@ def _add_megatron_math_args(p) -> None:
                    help="--fp16: steps without overflow before the scale doubles (1000)")
     g.add_argument("--hysteresis", type=int, default=2,
                    help="--fp16: overflows in a row before the scale halves (2)")
-    _bool_flag(g, "--apply-layernorm-1p", "norm weights stored zero-centred (gamma - 1, "
+    _bool_flag(model_group, "--apply-layernorm-1p", "norm weights stored zero-centred (gamma - 1, "
                "initialised to 0) and applied as 1 + w")
-    g.add_argument("--rotary-percent", type=float, default=1.0,
+    model_group.add_argument("--rotary-percent", type=float, default=1.0,
                    help="RoPE on the first int(head_dim * percent) dimensions only (1.0)")
     g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
                    help="no learned position embedding (with --position-embedding-type rope, "

@@ -79,10 +79,25 @@ def test_rotary_percent_rotates_only_the_first_dims():
 
 
 def test_rotary_percent_and_1p_flags_reach_the_config_and_back():
+    """config_to_flags -> the parser -> pretrain_gpt.model_config rebuilds both fields, and both
+    flags sit in the model group that --use-checkpoint-args copies from a checkpoint."""
+    import importlib.util
+    import os
+    from megatron_sp.arguments import build_parser
     from megatron_sp.models.config import config_to_flags
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(root,
+                                                                               "pretrain_gpt.py"))
+    pretrain_gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pretrain_gpt)
     cfg = tiny(rotary_percent=0.25, apply_layernorm_1p=True)
     flags = config_to_flags(cfg)
     assert "--apply-layernorm-1p" in flags and flags[flags.index("--rotary-percent") + 1] == "0.25"
+    args = parse_args(flags + ["--seq-length", "32"])
+    assert pretrain_gpt.model_config(args, cfg.vocab_size).to_dict() == cfg.to_dict()
+    model_group = next(g for g in build_parser()._action_groups if g.title == "model")
+    dests = {a.dest for a in model_group._group_actions}
+    assert {"apply_layernorm_1p", "rotary_percent"} <= dests
     with pytest.raises(ValueError, match="rotary_percent"):
         tiny(rotary_percent=0.05)                 # int(16 * 0.05) = 0 rotary dimensions
 
