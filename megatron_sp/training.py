@@ -2,7 +2,9 @@
 
 One step: count the global batch's unmasked tokens (summed over dp), run the schedule
 (gradient accumulation, or a pipeline schedule), finish the gradient reduction over dp x sp,
-clip to the global norm, step AdamW and the LR schedule, then log every --log-interval:
+clip to the global norm, step AdamW and the LR schedule (under --fp16 the loss is scaled first and
+the gradients unscaled before the norm; an overflow skips the step and backs the scale off,
+megatron_sp.loss_scaler), then log every --log-interval:
 iteration, consumed samples, lr, lm loss, grad norm, ms/iter, tokens/s, TFLOP/s, MFU, memory,
 skipped iterations and the straggler report (slowest rank's forward+backward time and its rank).
 
