@@ -375,8 +375,9 @@ class Trainer:
                   "tokens_per_sec": tokens_per_sec, "tflops_per_gpu": tflops,
                   "loss_scale": result.loss_scale}
         for group in self.optimizer.param_groups:    # --decoupled-lr: Megatron logs it too
-            if group.get("is_decoupled_lr"):
-                record["decoupled_lr"] = group["lr"]
+            if group.get("is_decoupled_lr") and self.scheduler.num_steps:
+                record["decoupled_lr"] = self.scheduler.lr_at(self.scheduler.num_steps - 1,
+                                                              group["max_lr"], group.get("min_lr"))
         if self.peak_tflops:
             record["mfu"] = tflops / self.peak_tflops
         record.update(memory_report(self.device))
