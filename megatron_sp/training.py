@@ -236,19 +236,15 @@ class Trainer:
         self.collective_timeout_minutes = collective_timeout_minutes
 
     def autocast(self):
-        if self.fp8_autocast is not None or (self.fp16 and not self.bf16):
-            return self._mixed_precision()
-        if self.bf16:
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    def _mixed_precision(self) -> contextlib.ExitStack:
+        """The context of every forward: bf16 / fp16 autocast, inside --fp8-format's fp8_autocast."""
+        dtype = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else None
+        cast = (torch.autocast(device_type=self.device.type, dtype=dtype) if dtype is not None
+                else contextlib.nullcontext())
+        if self.fp8_autocast is None:
+            return cast
         stack = contextlib.ExitStack()
-        if self.bf16 or self.fp16:
-            stack.enter_context(torch.autocast(device_type=self.device.type,
-                                               dtype=torch.bfloat16 if self.bf16 else torch.float16))
-        if self.fp8_autocast is not None:
-            stack.enter_context(self.fp8_autocast())
+        stack.enter_context(cast)
+        stack.enter_context(self.fp8_autocast())
         return stack
 
     def _loss_scale(self) -> float:
