@@ -80,8 +80,11 @@ def model_init_context(args):
 
 
 def attention_backend(args) -> str:
-    """--transformer-impl transformer_engine selects Transformer Engine's fused attention."""
+    """--transformer-impl transformer_engine selects Transformer Engine's fused attention where
+    --attention-backend is left at auto (an explicit backend is kept, as Megatron's TE layers
+    honour --attention-backend)."""
     if getattr(args, "transformer_impl", "local") == "transformer_engine":
         require_transformer_engine("--transformer-impl transformer_engine")
-        return "te"
+        if args.attention_backend == "auto":
+            return "te"
     return args.attention_backend

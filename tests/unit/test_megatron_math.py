@@ -233,6 +233,8 @@ def test_fp8_flags_build_the_delayed_scaling_recipe_and_wrap_every_forward(fake_
     te.__version__ = "1.7.0"
     assert fp8.delayed_scaling_recipe(args).kwargs["interval"] == 3
     assert fp8.attention_backend(args) == "te"
+    args.attention_backend = "sdpa"                       # an explicit backend is kept
+    assert fp8.attention_backend(args) == "sdpa"
     with fp8.model_init_context(args):
         pass
     assert calls["model_init"] == [True]
