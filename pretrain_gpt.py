@@ -67,6 +67,10 @@ def model_config(args, vocab_size: int) -> GPTConfig:
     from megatron_sp.models import families   # --qk-layernorm, RoPE scaling, a checkpoint's window
     fields.update(families.family_fields(args))
     families.check_sliding_window(args)
+    if args.apply_layernorm_1p:                   # Megatron-LM's model variants (issue 17)
+        fields["apply_layernorm_1p"] = True
+    if args.rotary_percent != 1.0:
+        fields["rotary_percent"] = args.rotary_percent
     fields = {k: v for k, v in fields.items() if v is not None}
     fields["vocab_size"] = families.model_vocab_size(args, vocab_size)
     fields["make_vocab_size_divisible_by"] = args.make_vocab_size_divisible_by
@@ -292,9 +296,11 @@ def build_model(config, mesh, args, device):
         raise SystemExit(f"error: {err}") from None
     chunks = []
     for spec in specs:
-        model = GPTModel(config, mesh, attention_backend=args.attention_backend,
-                         sequence_parallel=args.sequence_parallel, rng_tracker=tracker,
-                         memory=MemoryOptions.from_args(args), **spec)
+        from megatron_sp import fp8   # --transformer-impl, --fp8-param-gather (Transformer Engine)
+        with fp8.model_init_context(args):
+            model = GPTModel(config, mesh, attention_backend=fp8.attention_backend(args),
+                             sequence_parallel=args.sequence_parallel, rng_tracker=tracker,
+                             memory=MemoryOptions.from_args(args), **spec)
         init_parameters(model, seed=args.seed)
         chunks.append(model.to(device))
     return chunks
@@ -351,6 +357,10 @@ def main(argv=None):
                                                     "override it) do not fit: "):
         config = model_config(args, checkpoint_vocab or tokenizer.vocab_size)
         config.check_parallel(mesh.tp_size, mesh.sp_size, mesh.pp_size)
+    if not args.add_position_embedding and not config.uses_rope:   # Megatron refuses it too
+        raise SystemExit(f"error: --no-position-embedding with --position-embedding-type "
+                         f"{config.position_embedding_type}: the flag is deprecated in Megatron-LM; "
+                         f"use --position-embedding-type rope (which has no learned embedding).")
     if tokenizer.vocab_size > config.padded_vocab_size(mesh.tp_size):
         raise SystemExit(f"error: the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint's "
                          f"model only {config.padded_vocab_size(mesh.tp_size)} embeddings; use the "
@@ -370,7 +380,10 @@ def main(argv=None):
         optimizer = sharding
     else:
         optimizer = build_optimizer(chunks, args.lr, args.weight_decay,
-                                    (args.adam_beta1, args.adam_beta2), args.adam_eps)
+                                    (args.adam_beta1, args.adam_beta2), args.adam_eps,
+                                    optimizer=args.optimizer, sgd_momentum=args.sgd_momentum,
+                                    decoupled_lr=args.decoupled_lr,
+                                    decoupled_min_lr=args.decoupled_min_lr)
     scheduler = LRScheduler(optimizer, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                             args.lr_decay_style, args.lr_wsd_decay_iters)
     trainer = Trainer(chunks, optimizer, scheduler, mesh, global_batch_size=args.global_batch_size,
@@ -380,6 +393,10 @@ def main(argv=None):
                                                       mesh.tp_size),
                       peak_tflops=args.peak_tflops, bucket_mb=args.grad_bucket_size_mb,
                       schedule=build_schedule(chunks, mesh, args), sharding=sharding)
+    from megatron_sp import fp8
+    from megatron_sp.loss_scaler import LossScaler
+    trainer.set_precision(args.fp16, LossScaler.from_args(args), fp8.fp8_autocast_factory(args, mesh),
+                          grad_reduce_in_bf16=args.grad_reduce_in_bf16)
     checkpoints = CheckpointManager(args, trainer, config)   # --load, --save, exit conditions
     try:
         checkpoints.load()

@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--adam-beta2", type=float, default=0.999)
     t.add_argument("--adam-eps", type=float, default=1e-8)
     _bool_flag(t, "--bf16", "bf16 mixed precision (fp32 master weights)")
-    _bool_flag(t, "--fp16", "fp16 mixed precision")
+    _bool_flag(t, "--fp16", "fp16 mixed precision (fp32 master weights) with Megatron's loss "
+               "scaling (--loss-scale, --initial-loss-scale, ...)")
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     t.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
@@ -165,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(c, "--use-checkpoint-opt_param-scheduler", "on resume, use the checkpoint's "
                "learning-rate schedule instead of the command line's (Megatron's)")
 
+    _add_megatron_math_args(p, m)
+
     lg = p.add_argument_group("logging")
     lg.add_argument("--log-interval", type=int, default=10)
     lg.add_argument("--eval-interval", type=int, default=1000)
@@ -182,11 +185,82 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_megatron_math_args(p, model_group) -> None:
+    """Megatron-LM flags that change the math (issue 17), with Megatron's names and defaults.
+
+    The two that change the model's function go to the model group, so that --use-checkpoint-args
+    takes them from a checkpoint's stored config like every other model flag.
+    """
+    g = p.add_argument_group("Megatron-LM precision, optimizer and model variants")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="--fp16: a static loss scale (default: dynamic loss scaling)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32,
+                   help="--fp16: the dynamic loss scale's start (2**32)")
+    g.add_argument("--min-loss-scale", type=float, default=1.0,
+                   help="--fp16: the dynamic loss scale's floor (1)")
+    g.add_argument("--loss-scale-window", type=float, default=1000,
+                   help="--fp16: steps without overflow before the scale doubles (1000)")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="--fp16: overflows in a row before the scale halves (2)")
+    _bool_flag(model_group, "--apply-layernorm-1p", "norm weights stored zero-centred (gamma - 1, "
+               "initialised to 0) and applied as 1 + w")
+    model_group.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="RoPE on the first int(head_dim * percent) dimensions only (1.0)")
+    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                   help="no learned position embedding (with --position-embedding-type rope, "
+                        "already the case)")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="peak learning rate of the embedding and output layer weights")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="their minimum learning rate (default --min-lr)")
+    _bool_flag(g, "--calculate-per-token-loss", "the loss is the sum of per-token losses over the "
+               "global batch's token count (always the case here)")
+    _bool_flag(g, "--grad-reduce-in-bf16", "reduce gradients over dp x sp in bf16 on the wire "
+               "(accumulated in fp32)")
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--sgd-momentum", type=float, default=0.9, help="--optimizer sgd momentum (0.9)")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
+                   help="local: these layers; transformer_engine: Transformer Engine's fused "
+                        "attention (needs transformer_engine)")
+    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None,
+                   help="FP8 through Transformer Engine's fp8_autocast (needs transformer_engine)")
+    g.add_argument("--fp8-margin", type=int, default=0)
+    g.add_argument("--fp8-interval", type=int, default=1,
+                   help="deprecated by Transformer Engine 1.8 (passed to older versions)")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1)
+    g.add_argument("--fp8-amax-compute-algo", choices=["most_recent", "max"], default="most_recent")
+    _bool_flag(g, "--fp8-param-gather", "build the Transformer Engine modules' weights in FP8 "
+               "(fp8_model_init)")
+
+
+def _validate_megatron_math(args) -> None:
+    """One sentence for each impossible combination of the flags above."""
+    if args.fp16 and args.bf16:
+        raise SystemExit("error: --fp16 and --bf16 contradict each other: pass one of them.")
+    if args.fp16 and args.loss_scale is None:
+        if not 0 < args.min_loss_scale <= args.initial_loss_scale:
+            raise SystemExit(f"error: --min-loss-scale {args.min_loss_scale:g} must be positive "
+                             f"and at most --initial-loss-scale {args.initial_loss_scale:g}.")
+        if args.hysteresis < 1 or args.loss_scale_window < 1:
+            raise SystemExit("error: --hysteresis and --loss-scale-window must be at least 1.")
+    if args.fp16 and args.loss_scale is not None and args.loss_scale <= 0:
+        raise SystemExit(f"error: --loss-scale must be positive, got {args.loss_scale:g}.")
+    if not 0.0 < args.rotary_percent <= 1.0:
+        raise SystemExit(f"error: --rotary-percent must be in (0, 1], got {args.rotary_percent}.")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise SystemExit("error: --decoupled-min-lr needs --decoupled-lr (the embedding and "
+                         "output layer's peak learning rate).")
+    if args.fp8_param_gather and args.fp8_format is None:
+        raise SystemExit("error: --fp8-param-gather needs --fp8-format e4m3|hybrid.")
+    if args.fp8_format is not None or args.transformer_impl == "transformer_engine":
+        from megatron_sp.fp8 import require_transformer_engine
+        require_transformer_engine("--fp8-format" if args.fp8_format else
+                                   "--transformer-impl transformer_engine")
+
+
 # Flags whose feature has not landed yet: refused with the reason instead of ignored.
 # Each entry: (attribute, predicate on its value, message).
-UNSUPPORTED = [
-    ("fp16", lambda v: v, "--fp16 is not supported (no loss scaler yet); use --bf16."),
-]
+UNSUPPORTED = []
 
 
 def validate(args) -> None:
@@ -194,6 +268,7 @@ def validate(args) -> None:
     for attr, bad, message in UNSUPPORTED:
         if bad(getattr(args, attr)):
             raise SystemExit(f"error: {message}")
+    _validate_megatron_math(args)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size
     if args.train_iters is not None and args.train_samples is not None:

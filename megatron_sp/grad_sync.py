@@ -41,9 +41,11 @@ class _Bucket:
         self.handle = None
         self.buffer = None
 
-    def launch(self, group):
+    def launch(self, group, dtype=None):
         grads = [p.grad.reshape(-1) for p in self.params]
         self.buffer = torch.cat(grads)                                # [sum of numels]
+        if dtype is not None:        # --grad-reduce-in-bf16: bf16 on the wire, fp32 grads after
+            self.buffer = self.buffer.to(dtype)
         comm_stats.record("dp/all_reduce", comm_stats.all_reduce_bytes(
             self.buffer.numel(), self.buffer.element_size(), dist.get_world_size(group)))
         self.handle = dist.all_reduce(self.buffer, group=group, async_op=True)
@@ -76,6 +78,7 @@ class GradientSync:
         self.embedding_params = [p for p in params if getattr(p, "embedding_tied", False)]
         self.buckets: list[_Bucket] = []
         self._armed = False
+        self.reduce_dtype = None     # torch.bfloat16 with --grad-reduce-in-bf16 (Megatron's flag)
         if self.group is None:
             return
         limit = bucket_mb * 2**20
@@ -99,7 +102,7 @@ class GradientSync:
                 return
             bucket.ready += 1
             if bucket.ready == len(bucket.params) and bucket.handle is None:
-                bucket.launch(self.group)
+                bucket.launch(self.group, self.reduce_dtype)
         return hook
 
     def start_last_backward(self):
@@ -113,7 +116,7 @@ class GradientSync:
                 p.grad = torch.zeros_like(p)
         for bucket in self.buckets:
             if bucket.handle is None:
-                bucket.launch(self.group)
+                bucket.launch(self.group, self.reduce_dtype)
         for bucket in self.buckets:
             bucket.finish()
         if self.sp_params and _active(self.mesh.tp_group):

@@ -11,21 +11,49 @@ import math
 import torch
 
 
-def param_groups(modules, weight_decay: float) -> list[dict]:
-    """No weight decay on biases and norm weights (1-D parameters), as Megatron does."""
-    decay, no_decay = [], []
+def param_groups(modules, weight_decay: float, decoupled_lr: float | None = None,
+                 decoupled_min_lr: float | None = None) -> list[dict]:
+    """No weight decay on biases and norm weights (1-D parameters), as Megatron does.
+
+    --decoupled-lr (Megatron's): the parameters marked `is_embedding_or_output_parameter` (word
+    embeddings, every copy, and the output layer) get their own group whose schedule peaks at
+    decoupled_lr and ends at decoupled_min_lr (default: the scheduler's min_lr); LRScheduler reads
+    a group's "max_lr" / "min_lr".
+    """
+    groups = {}
     for module in modules:
         for name, p in module.named_parameters():
             if not p.requires_grad:
                 continue
-            (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+            no_decay = p.ndim == 1 or name.endswith(".bias")
+            decoupled = decoupled_lr is not None and getattr(p, "is_embedding_or_output_parameter",
+                                                             False)
+            groups.setdefault((no_decay, decoupled), []).append(p)
+    out = []
+    for no_decay, decoupled in [(False, False), (True, False), (False, True), (True, True)]:
+        if (no_decay, decoupled) not in groups and decoupled:
+            continue
+        group = {"params": groups.get((no_decay, decoupled), []),
+                 "weight_decay": 0.0 if no_decay else weight_decay}
+        if decoupled:
+            group.update(is_decoupled_lr=True, max_lr=decoupled_lr)
+            if decoupled_min_lr is not None:
+                group["min_lr"] = decoupled_min_lr
+        out.append(group)
+    return out
 
 
 def build_optimizer(modules, lr: float, weight_decay: float = 0.01, betas=(0.9, 0.999),
-                    eps: float = 1e-8) -> torch.optim.Optimizer:
-    groups = param_groups(modules, weight_decay)
+                    eps: float = 1e-8, *, optimizer: str = "adam", sgd_momentum: float = 0.9,
+                    decoupled_lr: float | None = None,
+                    decoupled_min_lr: float | None = None) -> torch.optim.Optimizer:
+    """--optimizer adam (AdamW, Megatron's decoupled weight decay) or sgd (torch's SGD with
+    --sgd-momentum and L2 weight decay, as Megatron's)."""
+    groups = param_groups(modules, weight_decay, decoupled_lr, decoupled_min_lr)
+    if optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=sgd_momentum, weight_decay=weight_decay)
+    if optimizer != "adam":
+        raise ValueError(f"--optimizer {optimizer!r} is not one of ('adam', 'sgd').")
     on_cuda = any(p.is_cuda for g in groups for p in g["params"])
     sharded = any(hasattr(p, "to_local") for g in groups for p in g["params"])   # FSDP2 DTensors
     if on_cuda and not sharded:
@@ -63,31 +91,33 @@ class LRScheduler:
         self.num_steps = 0
         self._apply()
 
-    def lr_at(self, step: int) -> float:
+    def lr_at(self, step: int, max_lr: float | None = None, min_lr: float | None = None) -> float:
+        """The learning rate at `step`; max_lr / min_lr: a param group's own (--decoupled-lr)."""
+        max_lr = self.max_lr if max_lr is None else max_lr
+        min_lr = self.min_lr if min_lr is None else min_lr
         if self.warmup_iters > 0 and step <= self.warmup_iters:
-            return self.max_lr * step / self.warmup_iters
+            return max_lr * step / self.warmup_iters
         if self.style == "constant":
-            return self.max_lr
+            return max_lr
         if step > self.decay_iters:
-            return self.min_lr
+            return min_lr
         if self.style == "inverse-square-root":
             warm = max(self.warmup_iters, 1)
-            return max(self.min_lr, self.max_lr * math.sqrt(warm) / math.sqrt(max(step, 1)))
-        delta = self.max_lr - self.min_lr
+            return max(min_lr, max_lr * math.sqrt(warm) / math.sqrt(max(step, 1)))
+        delta = max_lr - min_lr
         if self.style == "WSD":
             start = self.decay_iters - self.wsd_decay_iters
             if step <= start:
-                return self.max_lr
-            return self.min_lr + delta * (1.0 - (step - start) / max(self.wsd_decay_iters, 1))
+                return max_lr
+            return min_lr + delta * (1.0 - (step - start) / max(self.wsd_decay_iters, 1))
         ratio = (step - self.warmup_iters) / max(self.decay_iters - self.warmup_iters, 1)
         if self.style == "linear":
-            return self.min_lr + delta * (1.0 - ratio)
-        return self.min_lr + delta * 0.5 * (math.cos(math.pi * ratio) + 1.0)   # cosine
+            return min_lr + delta * (1.0 - ratio)
+        return min_lr + delta * 0.5 * (math.cos(math.pi * ratio) + 1.0)   # cosine
 
     def _apply(self):
-        lr = self.lr_at(self.num_steps)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = self.lr_at(self.num_steps, group.get("max_lr"), group.get("min_lr"))
 
     def step(self, increment: int = 1):
         self.num_steps += increment

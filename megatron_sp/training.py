@@ -2,7 +2,9 @@
 
 One step: count the global batch's unmasked tokens (summed over dp), run the schedule
 (gradient accumulation, or a pipeline schedule), finish the gradient reduction over dp x sp,
-clip to the global norm, step AdamW and the LR schedule, then log every --log-interval:
+clip to the global norm, step AdamW and the LR schedule (under --fp16 the loss is scaled first and
+the gradients unscaled before the norm; an overflow skips the step and backs the scale off,
+megatron_sp.loss_scaler), then log every --log-interval:
 iteration, consumed samples, lr, lm loss, grad norm, ms/iter, tokens/s, TFLOP/s, MFU, memory,
 skipped iterations and the straggler report (slowest rank's forward+backward time and its rank).
 
@@ -56,6 +58,7 @@ class TrainState:
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0     # validation position, stored so resume continues there
     skipped_iterations: int = 0
+    loss_scaler: dict | None = None     # --fp16: the loss scaler's state (saved with the run)
 
 
 @dataclass
@@ -64,6 +67,7 @@ class StepResult:
     grad_norm: float
     num_tokens: int
     skipped: bool = False
+    loss_scale: float = 1.0             # --fp16: the loss scale after this step (Megatron's log)
 
 
 NONFINITE_POLICIES = ("skip", "stop")
@@ -251,6 +255,20 @@ class Trainer:
         self.faults = FaultInjection(mesh.rank)
         self._compute_seconds = 0.0      # this rank's forward+backward time since the last log
         self._skipped_since_log = 0
+        self.set_precision()
+
+    def set_precision(self, fp16: bool = False, loss_scaler=None, fp8_autocast=None,
+                      grad_reduce_in_bf16: bool = False):
+        """--fp16 (fp16 autocast over the fp32 weights) with its LossScaler, the FP8 context of
+        --fp8-format (megatron_sp.fp8), entered around every forward, and --grad-reduce-in-bf16."""
+        self.fp16, self.loss_scaler, self.fp8_autocast = fp16, loss_scaler, fp8_autocast
+        if grad_reduce_in_bf16:
+            if not isinstance(self.sharding, Replicated):
+                raise ConfigError("--grad-reduce-in-bf16 acts on the replicated all-reduce of "
+                                  "gradients; with --use-torch-fsdp2 --bf16 already reduces in bf16, "
+                                  "and the distributed optimizer reduce-scatters in fp32: drop it.")
+            self.sharding.grad_sync.reduce_dtype = torch.bfloat16
+        self._loss_scaler_state = None
 
     def set_failure_policy(self, nonfinite_loss: str = "stop",
                            collective_timeout_minutes: float | None = None,
@@ -265,9 +283,26 @@ class Trainer:
         self.collective_timeout_minutes = collective_timeout_minutes
 
     def autocast(self):
-        if self.bf16:
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        """The context of every forward: bf16 / fp16 autocast, inside --fp8-format's fp8_autocast."""
+        dtype = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else None
+        cast = (torch.autocast(device_type=self.device.type, dtype=dtype) if dtype is not None
+                else contextlib.nullcontext())
+        if self.fp8_autocast is None:
+            return cast
+        stack = contextlib.ExitStack()
+        stack.enter_context(cast)
+        stack.enter_context(self.fp8_autocast())
+        return stack
+
+    def _loss_scale(self) -> float:
+        """The loss scale of this step (1 without --fp16). A checkpoint load replaces
+        state.loss_scaler with the saved dict: the scaler adopts it here."""
+        if self.loss_scaler is None:
+            return 1.0
+        saved = self.state.loss_scaler
+        if saved is not None and saved is not self._loss_scaler_state:
+            self.loss_scaler.load_state_dict(saved)
+        return self.loss_scaler.scale
 
     def _count_tokens(self, micro_batches) -> torch.Tensor:
         """Unmasked tokens of the global batch: this dp rank's micro-batches summed over dp."""
@@ -307,10 +342,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = self._count_tokens(micro_batches)
         self.sharding.begin_step(self.num_micro_batches)
+        scale = self._loss_scale()      # --fp16: the loss (so every gradient) times the scale
         start = time.perf_counter()
         hooks = self.faults.nan_hooks(iteration, self.chunks)
         try:
-            loss = self.schedule(self.chunks, micro_batches, self.mesh, num_tokens=num_tokens.float(),
+            loss = self.schedule(self.chunks, micro_batches, self.mesh,
+                                 num_tokens=num_tokens.float() / scale,
                                  grad_sync=self.grad_sync, autocast=self.autocast)
         finally:
             for hook in hooks:
@@ -320,11 +357,14 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         self._compute_seconds += time.perf_counter() - start
         self.sharding.finish()
+        if self.loss_scaler is not None:
+            self.loss_scaler.unscale_(self.params)
         grad_norm = self.sharding.clip_grad_norm(self.clip_grad)
         # Reduced over every rank before deciding, so every rank takes the same branch.
-        loss = reduce_loss_and_count(loss.to(self.device), self.mesh).item()
+        loss = reduce_loss_and_count(loss.to(self.device), self.mesh).item() / scale
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if not finite and self.nonfinite_loss == "stop":
+        overflow = self._update_loss_scale(math.isfinite(grad_norm)) and math.isfinite(loss)
+        if not finite and not overflow and self.nonfinite_loss == "stop":
             raise NonFiniteLossError(
                 f"iteration {iteration}: non-finite {describe_nonfinite(loss, grad_norm)}: "
                 f"stopping (--nonfinite-loss stop); resume from the last checkpoint with a lower "
@@ -333,12 +373,24 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step()
             self.consecutive_skipped = 0
+        elif overflow:   # --fp16: the scale backs off; the step is only counted, as in Megatron
+            self.optimizer.zero_grad(set_to_none=True)
+            self.state.skipped_iterations += 1
+            self._skipped_since_log += 1
         else:
             self._skip_step(iteration, loss, grad_norm)
         self.state.iteration += 1
         self.state.consumed_train_samples += self.global_batch_size
         return StepResult(loss=loss, grad_norm=grad_norm, num_tokens=int(num_tokens.item()),
-                          skipped=not finite)
+                          skipped=not finite, loss_scale=self._loss_scale())
+
+    def _update_loss_scale(self, grads_finite: bool) -> bool:
+        """--fp16: update the scaler from this step's overflow; True when the step overflowed."""
+        if self.loss_scaler is None:
+            return False
+        self.loss_scaler.update(not grads_finite)
+        self.state.loss_scaler = self._loss_scaler_state = self.loss_scaler.state_dict()
+        return not grads_finite
 
     def _skip_step(self, iteration: int, loss: float, grad_norm: float):
         """--nonfinite-loss skip: no optimizer step; NonFiniteLossError after max_skipped_steps in a
@@ -397,7 +449,12 @@ class Trainer:
                   "lr": self.scheduler.lr_at(self.scheduler.num_steps - 1) if self.scheduler.num_steps
                   else 0.0,
                   "lm_loss": result.loss, "grad_norm": result.grad_norm, "ms_per_iter": ms,
-                  "tokens_per_sec": tokens_per_sec, "tflops_per_gpu": tflops}
+                  "tokens_per_sec": tokens_per_sec, "tflops_per_gpu": tflops,
+                  "loss_scale": result.loss_scale}
+        for group in self.optimizer.param_groups:    # --decoupled-lr: Megatron logs it too
+            if group.get("is_decoupled_lr") and self.scheduler.num_steps:
+                record["decoupled_lr"] = self.scheduler.lr_at(self.scheduler.num_steps - 1,
+                                                              group["max_lr"], group.get("min_lr"))
         if self.peak_tflops:
             record["mfu"] = tflops / self.peak_tflops
         record.update(memory_report(self.device))

@@ -48,6 +48,9 @@ class GPTConfig:
     yarn_correction_range_round_to_int: bool = True
     sliding_window: int | None = None        # a converted model's window (Mistral v0.1): attention
                                              # is full, so sequences longer than it are refused
+    # Megatron-LM flags that change the math (issue 17).
+    apply_layernorm_1p: bool = False         # norm weights stored as gamma - 1, applied as 1 + w
+    rotary_percent: float = 1.0              # RoPE on the first int(d * rotary_percent) dims only
 
     def __post_init__(self):
         def positive(name):
@@ -88,6 +91,17 @@ class GPTConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {getattr(self, name)}.")
         self._check_rope_scaling()
+        if not 0.0 < self.rotary_percent <= 1.0 or int(self.kv_channels * self.rotary_percent) < 2:
+            raise ValueError(f"rotary_percent (--rotary-percent) must be in (0, 1] and leave at "
+                             f"least 2 rotary dimensions of kv_channels={self.kv_channels}, got "
+                             f"{self.rotary_percent}.")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The head dimensions RoPE's frequencies are built over (Megatron: int(d * percent))."""
+        if self.rotary_percent < 1.0:
+            return int(self.kv_channels * self.rotary_percent)
+        return self.kv_channels
 
     def _check_rope_scaling(self):
         if self.use_rope_scaling and self.position_embedding_type != "rope":
@@ -246,5 +260,9 @@ def config_to_flags(config: GPTConfig) -> list[str]:
     flags += ["--make-vocab-size-divisible-by", str(c.make_vocab_size_divisible_by),
               "--attention-dropout", f"{c.attention_dropout:g}",
               "--hidden-dropout", f"{c.hidden_dropout:g}", "--init-method-std", f"{c.init_method_std:g}"]
+    if c.apply_layernorm_1p:
+        flags.append("--apply-layernorm-1p")
+    if c.rotary_percent != 1.0:
+        flags += ["--rotary-percent", f"{c.rotary_percent:g}"]
     from .families import family_flags   # --qk-layernorm, --use-rope-scaling, --yarn-*
     return flags + family_flags(c)

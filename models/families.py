@@ -316,6 +316,11 @@ def megatron_sp_to_hf(config: GPTConfig, full: dict[str, torch.Tensor], family: 
     written into the config when given.
     """
     family = infer_family(config) if family == "auto" else family
+    if config.rotary_percent != 1.0:
+        raise ConversionError(f"--rotary-percent {config.rotary_percent:g} (RoPE on part of each "
+                              f"head) has no equivalent in the {FAMILIES} exports.")
+    if config.apply_layernorm_1p:   # --apply-layernorm-1p stores gamma - 1: export gamma itself
+        full = {k: v + 1 if "norm" in k and k.endswith(".weight") else v for k, v in full.items()}
     if family == "gpt2":
         hf, state = _ours_to_gpt2(config, full)
     elif family in LLAMA_LIKE:

@@ -45,10 +45,27 @@ def _mark_sequence_parallel(module: nn.Module) -> None:
         p.sequence_parallel = True
 
 
+class LayerNorm1P(nn.LayerNorm):
+    """--apply-layernorm-1p (Megatron's zero-centred gamma): the weight w stores gamma - 1
+    (initialised to 0, so weight decay pulls gamma towards 1) and the norm applies 1 + w."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class RMSNorm1P(nn.RMSNorm):
+    """The RMSNorm variant of LayerNorm1P: x / rms(x) * (1 + w)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
 def make_norm(config: GPTConfig) -> nn.Module:
     if config.normalization == "RMSNorm":
-        return nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon)
-    return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon)
+        norm = RMSNorm1P if config.apply_layernorm_1p else nn.RMSNorm
+        return norm(config.hidden_size, eps=config.norm_epsilon)
+    norm = LayerNorm1P if config.apply_layernorm_1p else nn.LayerNorm
+    return norm(config.hidden_size, eps=config.norm_epsilon)
 
 
 class RotaryEmbedding(nn.Module):
@@ -75,7 +92,15 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, s_l, heads, d] rotated by its positions' angles; computed in fp32."""
+    """x [b, s_l, heads, d] rotated by its positions' angles; computed in fp32.
+
+    cos, sin [b, s_l, 1, r]: with r < d (--rotary-percent) only the first r dimensions rotate and
+    the other d - r pass through, as Megatron-LM's apply_rotary_pos_emb.
+    """
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        x_rot, x_pass = x[..., :r], x[..., r:]          # [b, s_l, heads, r], [..., d - r]
+        return torch.cat([apply_rotary(x_rot, cos, sin), x_pass], dim=-1)
     xf = x.float()                                      # one cast (a copy under bf16)
     x1, x2 = xf.chunk(2, dim=-1)                        # each [b, s_l, heads, d/2]
     rotated = torch.cat([-x2, x1], dim=-1)              # [b, s_l, heads, d]
@@ -87,21 +112,29 @@ class HeadRMSNorm(nn.RMSNorm):
     autocast q and k come out of the QKV linear in bf16, and one dtype lets PyTorch run its fused
     kernel (fp32 accumulation inside) instead of the decomposed ops that save three copies."""
 
+    zero_centered = False   # --apply-layernorm-1p: the weight stores gamma - 1
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+        gamma = self.weight + 1 if self.zero_centered else self.weight
+        return F.rms_norm(x, self.normalized_shape, gamma.to(x.dtype), self.eps)
 
 
 class HeadLayerNorm(nn.LayerNorm):
     """The LayerNorm variant of HeadRMSNorm (--qk-layernorm with --normalization LayerNorm)."""
 
+    zero_centered = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype),
+        gamma = self.weight + 1 if self.zero_centered else self.weight
+        return F.layer_norm(x, self.normalized_shape, gamma.to(x.dtype),
                             self.bias.to(x.dtype), self.eps)
 
 
 def make_head_norm(config: GPTConfig) -> nn.Module:
     norm = HeadRMSNorm if config.normalization == "RMSNorm" else HeadLayerNorm
-    return norm(config.kv_channels, eps=config.norm_epsilon)
+    norm = norm(config.kv_channels, eps=config.norm_epsilon)
+    norm.zero_centered = config.apply_layernorm_1p
+    return norm
 
 
 class SelfAttention(nn.Module):
@@ -254,6 +287,7 @@ class Embedding(nn.Module):
                                                       config.hidden_size, mesh=mesh)
         # Padding rows beyond the real vocabulary start at zero in every layout.
         self.word_embeddings.weight.real_rows = config.vocab_size
+        self.word_embeddings.weight.is_embedding_or_output_parameter = True   # --decoupled-lr
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute" and with_positions:
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
@@ -335,6 +369,7 @@ class GPTModel(nn.Module):
                     config.hidden_size, config.padded_vocab_size(mesh.tp_size), mesh=mesh, bias=False,
                     sequence_parallel=self.sequence_parallel)
                 self.output_layer.weight.real_rows = config.vocab_size
+                self.output_layer.weight.is_embedding_or_output_parameter = True
 
     # Sequence sharding over sp -----------------------------------------------------------------
     def shard_sequence(self, t: torch.Tensor | None) -> torch.Tensor | None:

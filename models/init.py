@@ -5,7 +5,8 @@ this rank's tensor-parallel shard is copied in. Any two layouts therefore start 
 and only one full parameter is in host memory at a time (an 8B model never sits whole on the host).
 
 Megatron's scheme: weights ~ N(0, std), the two output projections of each layer (attention proj and
-fc2) ~ N(0, std / sqrt(2 * num_layers)), biases 0, norm weights 1, norm biases 0. Vocabulary padding
+fc2) ~ N(0, std / sqrt(2 * num_layers)), biases 0, norm weights 1 (0 with --apply-layernorm-1p,
+which stores gamma - 1), norm biases 0. Vocabulary padding
 rows are zero so that the padded size (which depends on tp) never changes the model.
 """
 from __future__ import annotations
@@ -24,13 +25,14 @@ def param_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _full_init(name: str, shape, std: float, num_layers: int, real_rows: int | None, seed: int):
+def _full_init(name: str, shape, std: float, num_layers: int, real_rows: int | None, seed: int,
+               zero_centered_norms: bool = False):
     leaf = name.rsplit(".", 1)[-1]
     is_norm = "norm" in name
     if leaf == "bias" or (is_norm and leaf != "weight"):
         return torch.zeros(shape)
-    if is_norm:
-        return torch.ones(shape)
+    if is_norm:   # --apply-layernorm-1p stores gamma - 1: the same initial gamma of 1
+        return torch.zeros(shape) if zero_centered_norms else torch.ones(shape)
     if name.endswith(("attention.proj.weight", "mlp.fc2.weight")):
         std = std / math.sqrt(2.0 * num_layers)
     gen = torch.Generator().manual_seed(param_seed(seed, name))
@@ -49,5 +51,6 @@ def init_parameters(model, seed: int, std: float | None = None) -> None:
     for name, param in model.named_parameters():
         shape = full_shape(param, mesh.tp_size)
         real_rows = getattr(param, "real_rows", None)
-        full = _full_init(name, shape, std, config.num_layers, real_rows, seed)
+        full = _full_init(name, shape, std, config.num_layers, real_rows, seed,
+                          getattr(config, "apply_layernorm_1p", False))
         param.copy_(shard_of_full(full, param, mesh.tp_rank, mesh.tp_size).to(param.dtype))

@@ -73,8 +73,9 @@ def yarn_mscale(factor: float, mscale: float = 1.0, mscale_all_dim: float = 0.0)
 
 
 def rope_frequencies(config) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [d/2] float32, cos/sin scaling) of a GPTConfig's RoPE."""
-    d, base = config.kv_channels, config.rotary_base
+    """(inverse frequencies [ceil(r/2)] float32, cos/sin scaling) of a GPTConfig's RoPE, over its
+    rotary dimensions r (head_dim, or int(head_dim * --rotary-percent) as Megatron-LM)."""
+    d, base = config.rotary_dim, config.rotary_base
     if config.position_embedding_type == "yarn":
         original = config.yarn_original_max_position_embeddings or config.max_position_embeddings
         inv_freq = yarn_inv_freq(d, base, config.yarn_rotary_scaling_factor, original,

@@ -37,14 +37,15 @@ RELEASE = "release"
 ARCHITECTURE_FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
     "kv_channels", "vocab_size", "normalization", "activation", "position_embedding_type",
-    "add_bias_linear", "add_qkv_bias", "tie_embeddings", "qk_layernorm")
+    "add_bias_linear", "add_qkv_bias", "tie_embeddings", "qk_layernorm",
+    "apply_layernorm_1p")   # 1p: the stored norm weights are gamma - 1
 # Fields that change the function but not the shapes (a finetune may change them on purpose,
 # e.g. a longer context's RoPE base): a difference is warned about, not refused.
 FUNCTION_FIELDS = ("rotary_base", "norm_epsilon", "use_rope_scaling", "rope_scaling_factor",
                    "rope_low_freq_factor", "rope_high_freq_factor",
                    "rope_original_max_position_embeddings", "yarn_rotary_scaling_factor",
                    "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
-                   "yarn_mscale", "yarn_mscale_all_dim", "sliding_window")
+                   "yarn_mscale", "yarn_mscale_all_dim", "sliding_window", "rotary_percent")
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -142,15 +143,30 @@ def _init_adam_state(optimizer, param):
     return st
 
 
+def _init_sgd_state(optimizer, param):
+    """--optimizer sgd: a zero momentum buffer, which torch's SGD (dampening 0) updates exactly as
+    the buffer it creates on the first step (buf = grad)."""
+    st = optimizer.state[param]
+    if "momentum_buffer" not in st or st["momentum_buffer"] is None:
+        st["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return st
+
+
 def optimizer_state(chunks, optimizer, tp_rank: int, tp_size: int, *, create: bool = False) -> dict:
-    """AdamW moments sharded like their parameters, and each parameter's step (scalar)."""
+    """AdamW moments (SGD: its momentum buffer) sharded like their parameters, and each
+    parameter's step (scalar)."""
     if hasattr(optimizer, "checkpoint_state"):   # --use-distributed-optimizer: its rows, same keys
         return optimizer.checkpoint_state(chunks, tp_rank, tp_size, create=create)
     state = {}
+    sgd = isinstance(optimizer, torch.optim.SGD)
+    if sgd and not any(g.get("momentum") for g in optimizer.param_groups):
+        return state                        # plain SGD keeps no state
+    init, keys = ((_init_sgd_state, ("momentum_buffer",)) if sgd
+                  else (_init_adam_state, ("exp_avg", "exp_avg_sq")))
     for name, p in named_parameters(chunks):
-        st = _init_adam_state(optimizer, p) if create else optimizer.state.get(p, {})
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key in st:
+        st = init(optimizer, p) if create else optimizer.state.get(p, {})
+        for key in keys:
+            if st.get(key) is not None:
                 shard = param_shard(p, st[key], tp_rank, tp_size)
                 if shard is not None:
                     state[f"optim/{name}/{key}"] = shard

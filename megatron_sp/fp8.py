@@ -1,0 +1,90 @@
+"""Transformer Engine glue: --transformer-impl transformer_engine and FP8 (--fp8-*), as Megatron-LM.
+
+Written against Transformer Engine's documented API (imported lazily; never needed otherwise):
+
+    transformer_engine.common.recipe.Format.E4M3 | Format.HYBRID
+    transformer_engine.common.recipe.DelayedScaling(margin=, fp8_format=, amax_history_len=,
+                                                    amax_compute_algo=[, interval= before TE 1.8])
+    transformer_engine.pytorch.fp8_autocast(enabled=, fp8_recipe=, fp8_group=)
+    transformer_engine.pytorch.fp8_model_init(enabled=)
+
+Megatron-LM's flags map one to one: --fp8-format e4m3|hybrid -> Format, --fp8-margin, --fp8-amax-
+history-len, --fp8-amax-compute-algo -> the DelayedScaling recipe (--fp8-interval only reaches TE
+before 1.8, which dropped it, as in Megatron); every forward runs inside fp8_autocast with the amax
+reduced over the ranks of one pipeline stage (tp x sp x dp, Megatron's amax group with context
+parallelism); --fp8-param-gather builds the model inside fp8_model_init.
+
+FP8 reaches Transformer Engine modules only. Our linear layers are torch modules, so today FP8
+changes the Transformer Engine attention backend's context (--transformer-impl transformer_engine)
+and nothing else: the matmuls of the projections and the MLP stay in bf16.
+"""
+from __future__ import annotations
+
+import contextlib
+
+
+def require_transformer_engine(flag: str):
+    """Transformer Engine's torch module, or SystemExit with one sentence naming `flag`."""
+    try:
+        import transformer_engine.pytorch as te   # noqa: F401
+    except ImportError:
+        raise SystemExit(f"error: {flag} needs NVIDIA Transformer Engine, which is not installed "
+                         f"(pip install transformer_engine[pytorch] on a CUDA machine); leave "
+                         f"the flag out to train with these layers in bf16.") from None
+    return te
+
+
+def _te_version() -> tuple[int, ...]:
+    import transformer_engine
+    text = getattr(transformer_engine, "__version__", "0")
+    return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
+
+
+def delayed_scaling_recipe(args):
+    """Megatron's DelayedScaling recipe from the --fp8-* flags."""
+    from transformer_engine.common import recipe
+    fmt = {"e4m3": recipe.Format.E4M3, "hybrid": recipe.Format.HYBRID}[args.fp8_format]
+    kwargs = dict(margin=args.fp8_margin, fp8_format=fmt, amax_history_len=args.fp8_amax_history_len,
+                  amax_compute_algo=args.fp8_amax_compute_algo)
+    if _te_version() < (1, 8):
+        kwargs["interval"] = args.fp8_interval
+    return recipe.DelayedScaling(**kwargs)
+
+
+def amax_group(mesh):
+    """The ranks of one pipeline stage (tp x sp x dp), over which FP8 amaxes are reduced.
+
+    None (TE's default: the world) without pipelining, where that is the same set of ranks.
+    Collective when pp > 1: every rank calls it at the same point.
+    """
+    if mesh.pp_size == 1 or getattr(mesh, "device_mesh", None) is None:
+        return None
+    return mesh.device_mesh["dp", "sp", "tp"]._flatten("fp8_amax").get_group()
+
+
+def fp8_autocast_factory(args, mesh):
+    """A callable giving each forward's FP8 context (None without --fp8-format)."""
+    if args.fp8_format is None:
+        return None
+    te = require_transformer_engine("--fp8-format")
+    recipe, group = delayed_scaling_recipe(args), amax_group(mesh)
+    return lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=group)
+
+
+def model_init_context(args):
+    """--fp8-param-gather: the model is built inside fp8_model_init (TE modules' weights in FP8)."""
+    if not getattr(args, "fp8_param_gather", False):
+        return contextlib.nullcontext()
+    te = require_transformer_engine("--fp8-param-gather")
+    return te.fp8_model_init(enabled=True)
+
+
+def attention_backend(args) -> str:
+    """--transformer-impl transformer_engine selects Transformer Engine's fused attention where
+    --attention-backend is left at auto (an explicit backend is kept, as Megatron's TE layers
+    honour --attention-backend)."""
+    if getattr(args, "transformer_impl", "local") == "transformer_engine":
+        require_transformer_engine("--transformer-impl transformer_engine")
+        if args.attention_backend == "auto":
+            return "te"
+    return args.attention_backend
