@@ -22,7 +22,7 @@ from megatron_sp.checkpointing import CheckpointError, CheckpointManager
 from megatron_sp.flops import flops_for_config
 from megatron_sp.mesh import ParallelMesh, barrier, init_distributed, shutdown
 from megatron_sp.optimizer import LRScheduler, build_optimizer
-from megatron_sp import pipeline
+from megatron_sp import pipeline, rampup
 from megatron_sp.tensor_parallel import RNGTracker
 from megatron_sp.training import MetricsWriter, Trainer, format_log_line, print_rank0
 from megatron_sp.memory import MemoryOptions, SavedTensorAccountant, format_report, peak_device_memory
@@ -270,7 +270,18 @@ def build_datasets(args, tokenizer, data_path, mesh, state):
 def loader(dataset, consumed, args, mesh):
     from megatron_sp.data import PretrainingDataLoader
     return iter(PretrainingDataLoader(dataset, consumed, args.micro_batch_size, mesh.dp_rank,
-                                      mesh.dp_size))
+                                      mesh.dp_size, num_workers=getattr(args, "num_workers", 0),
+                                      cyclic=getattr(args, "dataloader_type", "single") == "cyclic",
+                                      seed=args.seed))
+
+
+def wandb_options(args) -> dict | None:
+    """--wandb-project / --wandb-exp-name / --wandb-save-dir (Megatron's), or None."""
+    if not args.wandb_project:
+        return None
+    return {"project": args.wandb_project, "name": args.wandb_exp_name,
+            "dir": args.wandb_save_dir, "config": {k: v for k, v in vars(args).items()
+                                                   if isinstance(v, (int, float, str, bool))}}
 
 
 def build_model(config, mesh, args, device):
@@ -337,12 +348,14 @@ def main(argv=None):
                          f"shards (sp={mesh.sp_size}" + (f" x tp={mesh.tp_size}" if args.sequence_parallel
                                                          else "") + ").")
     chunks = build_model(config, mesh, args, device)
+    for note in getattr(args, "megatron_notes", []):    # mapped and no-op Megatron flags (issue 17)
+        print_rank0(mesh, note)
     print_rank0(mesh, f"> {mesh}\n> model: {config.num_parameters() / 1e6:.2f}M parameters, "
                       f"{config}\n> attention backend: {chunks[0].attention_backend_name}")
     optimizer = build_optimizer(chunks, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2),
                                 args.adam_eps)
-    scheduler = LRScheduler(optimizer, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
-                            args.lr_decay_style, args.lr_wsd_decay_iters)
+    warmup, decay, wsd = rampup.schedule_steps(args)    # iterations, or Megatron's samples
+    scheduler = LRScheduler(optimizer, args.lr, args.min_lr, warmup, decay, args.lr_decay_style, wsd)
     trainer = Trainer(chunks, optimizer, scheduler, mesh, global_batch_size=args.global_batch_size,
                       micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
                       clip_grad=args.clip_grad, bf16=args.bf16,
@@ -350,12 +363,23 @@ def main(argv=None):
                                                       mesh.tp_size),
                       peak_tflops=args.peak_tflops, bucket_mb=args.grad_bucket_size_mb,
                       schedule=build_schedule(chunks, mesh, args))
+    trainer.lr_in_samples = rampup.counts_samples(args)
+    trainer.log_params_norm, trainer.log_num_zeros_in_grad = args.log_params_norm, args.log_num_zeros_in_grad
+    ramp = rampup.BatchSizeRampup.from_args(args)
+    if ramp is not None:
+        ramp.check_divisible(args.micro_batch_size * mesh.dp_size)
     checkpoints = CheckpointManager(args, trainer, config)   # --load, --save, exit conditions
     try:
-        checkpoints.load()
+        loaded = checkpoints.load()
     except CheckpointError as err:   # the ranks agreed on it (load_checkpoint): said once
         raise SystemExit(f"error: {err}" if mesh.rank == 0 else 1) from None
-    if args.train_samples is not None:   # resumed, maybe with another batch size: stop at the samples
+    if args.exit_on_missing_checkpoint and args.load and loaded is None:
+        raise SystemExit(f"error: --exit-on-missing-checkpoint: no checkpoint under --load "
+                         f"{args.load}; check the path or drop the flag to start from scratch.")
+    if args.train_samples is not None and ramp is not None:   # resumed mid-ramp or after it
+        args.train_iters = trainer.state.iteration + ramp.train_iters(
+            args.train_samples, trainer.state.consumed_train_samples)
+    elif args.train_samples is not None:   # resumed, maybe with another batch size: stop at the samples
         remaining = max(0, args.train_samples - trainer.state.consumed_train_samples)
         args.train_iters = trainer.state.iteration + remaining // args.global_batch_size
     train_ds, valid_ds = build_datasets(args, tokenizer, data_path, mesh, trainer.state)
@@ -364,8 +388,9 @@ def main(argv=None):
                   if valid_ds is not None else None)
     trainer.set_failure_policy(args.nonfinite_loss, args.distributed_timeout_minutes)
     metrics = MetricsWriter(mesh, args.metrics_jsonl, args.tensorboard_dir,
-                            resume_iteration=trainer.state.iteration)
-    train(args, trainer, train_iter, valid_iter, metrics, checkpoints)
+                            resume_iteration=trainer.state.iteration,
+                            wandb=wandb_options(args) if mesh.rank == 0 else None)
+    train(args, trainer, train_iter, valid_iter, metrics, checkpoints, ramp)
     checkpoints.finish()
     metrics.close()
     if embedded:
@@ -376,12 +401,17 @@ def main(argv=None):
     shutdown()
 
 
-def train(args, trainer, train_iter, valid_iter, metrics, checkpoints=None):
+def train(args, trainer, train_iter, valid_iter, metrics, checkpoints=None, ramp=None):
     from megatron_sp import comm_stats
+    from megatron_sp.profiling import StepProfiler
     mesh = trainer.mesh
     comm_stats.reset()
+    profiler = StepProfiler.from_args(args, mesh)
     start, last_logged = time.time(), trainer.state.iteration
     while trainer.state.iteration < args.train_iters:
+        if ramp is not None:          # --rampup-batch-size: this step's global batch
+            trainer.set_global_batch_size(ramp.batch_size(trainer.state.consumed_train_samples))
+        profiler.before_step(trainer.state.iteration + 1)
         try:
             mbs = [next(train_iter) for _ in range(trainer.num_micro_batches)]
         except StopIteration:
@@ -399,6 +429,7 @@ def train(args, trainer, train_iter, valid_iter, metrics, checkpoints=None):
         else:
             result = trainer.train_step(mbs)
         it = trainer.state.iteration
+        profiler.after_step(it)
         if it % args.log_interval == 0 or it == args.train_iters:
             elapsed = time.time() - start
             record = trainer.log_record(result, elapsed, it - last_logged)
@@ -420,6 +451,7 @@ def train(args, trainer, train_iter, valid_iter, metrics, checkpoints=None):
             start = time.time()
         if checkpoints is not None and checkpoints.after_step():   # saves; signal/exit flags
             break
+    profiler.close()
 
 
 if __name__ == "__main__":
