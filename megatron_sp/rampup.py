@@ -37,7 +37,8 @@ class BatchSizeRampup:
 
     def batch_size(self, consumed_samples: int) -> int:
         """The global batch of the step that starts after `consumed_samples` samples."""
-        if consumed_samples > self.ramp_samples or self.start == self.global_batch_size:
+        if consumed_samples > self.ramp_samples or self.start == self.global_batch_size \
+                or self.ramp_samples == 0:
             return self.global_batch_size
         per_increment = self.ramp_samples / ((self.global_batch_size - self.start) // self.increment)
         return min(self.global_batch_size,
