@@ -221,6 +221,7 @@ def validate(args) -> None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
     from megatron_sp import rampup
     rampup.validate(args)       # --rampup-batch-size, --lr-*-samples (issue 17)
+    args.eval_iters = max(args.eval_iters, 0)   # train_llama3.sh's --eval-iters -1: no evaluation
     if args.recompute_granularity != "full" and (args.recompute_method is not None
                                                   or args.recompute_num_layers is not None):
         raise SystemExit("error: --recompute-method and --recompute-num-layers need "

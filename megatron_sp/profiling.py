@@ -15,7 +15,8 @@ import torch
 class StepProfiler:
     def __init__(self, start: int, end: int, trace_dir: str | None, use_torch: bool):
         self.start, self.end, self.trace_dir, self.use_torch = start, end, trace_dir, use_torch
-        self.active = None
+        self.active = None     # the running profiler (or True for the nsys range) between start and end
+        self.done = False
 
     @classmethod
     def from_args(cls, args, mesh) -> "StepProfiler":
@@ -24,6 +25,11 @@ class StepProfiler:
         if args.profile_step_end < args.profile_step_start:
             raise SystemExit(f"error: --profile-step-end {args.profile_step_end} is before "
                              f"--profile-step-start {args.profile_step_start}.")
+        if args.profile_step_start > args.train_iters:
+            print(f"> --profile: iterations {args.profile_step_start}-{args.profile_step_end} come "
+                  f"after --train-iters {args.train_iters}: nothing is profiled "
+                  f"(--profile-step-start, --profile-step-end)", file=sys.stderr, flush=True)
+            return _NoProfiler()
         use_torch = args.use_pytorch_profiler
         trace_dir = args.tensorboard_dir or os.path.join(args.save or ".", "profile")
         if not use_torch and not torch.cuda.is_available():
@@ -34,7 +40,7 @@ class StepProfiler:
         return cls(args.profile_step_start, args.profile_step_end, trace_dir, use_torch)
 
     def before_step(self, iteration: int) -> None:
-        if iteration != self.start or self.active is not None:
+        if iteration != self.start or self.active is not None or self.done:
             return
         if self.use_torch:
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -61,7 +67,7 @@ class StepProfiler:
                   flush=True)
         else:
             torch.cuda.profiler.stop()
-        self.active = False     # profiled once
+        self.active, self.done = None, True     # profiled once
 
 
 class _NoProfiler:
