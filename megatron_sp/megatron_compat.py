@@ -45,6 +45,24 @@ HONOURED = (
     "--wandb-exp-name", "--wandb-save-dir",
 )
 
+# What an honoured flag does here, where that needs saying (the README table shows it).
+HONOURED_NOTES = {
+    "--attention-backend": "auto, flash; fused -> te (sdpa without Transformer Engine), unfused and "
+                           "local -> sdpa; our te, sdpa accepted",
+    "--ckpt-format": "torch_dist (ours: torch.distributed.checkpoint); other formats refused",
+    "--rampup-batch-size": "Megatron's ramp; consumed samples, data order and resume follow it",
+    "--lr-decay-samples": "with --train-samples; the schedule counts samples",
+    "--lr-warmup-samples": "with --train-samples; the schedule counts samples",
+    "--num-workers": "torch DataLoader worker processes",
+    "--dataloader-type": "single; cyclic: epochs repeat, each a seeded permutation",
+    "--log-throughput": "throughput per GPU is always in the log line",
+    "--log-timers-to-tensorboard": "timings always go to TensorBoard",
+    "--profile": "nsys capture range on CUDA; torch.profiler with --use-pytorch-profiler",
+    "--use-pytorch-profiler": "trace in --tensorboard-dir",
+    "--wandb-project": "through wandb when installed, one sentence when not",
+    "--eval-iters": "-1 (train_llama3.sh): no evaluation",
+}
+
 # Honoured flags that other branches add to the parser (issue 17's math flags: branch mlmath;
 # issue 12's sharded state: branch sharding). Listed as honoured; until both branches are merged
 # the parser does not know them (tests mark exactly those expectations).
@@ -175,7 +193,7 @@ def apply(args) -> list[str]:
 
 def categories() -> list[tuple[str, str, str]]:
     """(flag, category, note) for every flag of the four example scripts and the refused ones."""
-    rows = [(flag, "honoured", "") for flag in HONOURED]
+    rows = [(flag, "honoured", HONOURED_NOTES.get(flag, "")) for flag in HONOURED]
     rows += [(flag, "honoured", f"(branch {branch})") for flag, branch in PENDING.items()]
     rows += [(flag, "mapped", note) for flag, (_, note) in MAPPED.items()]
     rows += [(flag, "no-op", note) for flag, (_, note) in NOOP.items()]
@@ -187,11 +205,6 @@ def markdown_table() -> str:
     order = {"honoured": 0, "mapped": 1, "no-op": 2, "refused": 3}
     lines = ["| Megatron-LM flag | here | note |", "|---|---|---|"]
     for flag, kind, note in sorted(categories(), key=lambda r: (order[r[1]], r[0])):
-        if flag == "--attention-backend":
-            note = ("auto, flash; fused -> te (sdpa without Transformer Engine), unfused and local "
-                    "-> sdpa; our te, sdpa accepted")
-        elif flag == "--ckpt-format":
-            note = "torch_dist (DCP); other formats refused"
         lines.append(f"| `{flag}` | {kind} | {note} |")
     return "\n".join(lines) + "\n"
 

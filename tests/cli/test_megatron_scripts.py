@@ -21,6 +21,7 @@ the --use-pytorch-profiler trace of iterations 2-3 to --tensorboard-dir).
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -166,7 +167,7 @@ def _pending(argv):
 
 def _without_pending(argv):
     """argv minus the flags of unmerged branches (and their values)."""
-    pending, out, skip = set(_pending(argv)) | ({"--fp16"} if _pending(argv) else set()), [], False
+    pending, out, skip = set(_pending(argv)), [], False
     for a in argv:
         if a.startswith("--"):
             skip = a.split("=")[0] in pending
@@ -177,7 +178,7 @@ def _without_pending(argv):
 
 def _run(nproc, argv, cwd):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("WANDB_API_KEY", None)
+    env.update(WANDB_MODE="offline")       # wandb, where installed, never reaches the network
     if nproc == 1:
         cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py")]
     else:
@@ -206,6 +207,9 @@ def _check_clean_run(name, rc, out, argv, tmp):
         assert out.count("runs as Ulysses --sequence-parallel-size") == 1, out[-3000:]
     if "--profile" in argv and "--profile-step-start" not in argv:   # Megatron's 10-12: none here
         assert out.count("nothing is profiled") == 1, out[-3000:]
+    if "--no-save-optim" in argv:      # the final save: no optimizer state, no RNG state
+        meta = json.load(open(tmp / "ckpt" / "iter_0000002" / "megatron_sp.json"))
+        assert meta["has_optimizer"] is False and meta["has_rng"] is ("--no-save-rng" not in argv)
     if "--wandb-project" in argv and importlib.util.find_spec("wandb") is None:
         assert out.count("wandb is not installed") == 1, out[-3000:]
 
@@ -213,7 +217,8 @@ def _check_clean_run(name, rc, out, argv, tmp):
 def _expect(name, rc, out, argv, tmp):
     if "--fp8-format" in argv and not HAS_TE:   # the refusal: one sentence naming TE
         error_lines = [ln for ln in out.splitlines() if ln.startswith("error:")]
-        assert rc != 0 and len(error_lines) >= 1 and "Transformer Engine" in error_lines[0], out[-3000:]
+        assert rc != 0 and len(error_lines) >= 1, out[-3000:]
+        assert re.search(r"transformer.?engine", error_lines[0], re.I), error_lines
         assert "Traceback" not in out
     else:
         _check_clean_run(name, rc, out, argv, tmp)

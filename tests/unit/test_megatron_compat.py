@@ -180,3 +180,40 @@ def test_sample_counted_schedule_is_megatron_cores(flags):
         consumed += gbs
         assert ours.lr == pytest.approx(theirs_opt.param_groups[0]["lr"], rel=1e-12, abs=1e-15)
     assert consumed <= (args.train_samples or 10**9)
+
+
+def test_cyclic_loader_repeats_shuffled_epochs_and_resumes():
+    """--dataloader-type cyclic: each epoch is a permutation of the samples; a loader started at
+    consumed samples c yields exactly the tail of one started at 0 (both dp ranks)."""
+    from megatron_sp.data import PretrainingDataLoader
+
+    class Ids:
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return {"tokens": [i]}
+
+    def batches(consumed, rank, count):
+        it = iter(PretrainingDataLoader(Ids(), consumed, 2, rank, 2, cyclic=True, seed=3))
+        return [next(it)["tokens"].flatten().tolist() for _ in range(count)]
+
+    full = [batches(0, r, 10) for r in (0, 1)]        # 10 steps x 4 samples = 4 epochs
+    order = [x for step in zip(*full) for mb in step for x in mb]
+    for epoch in range(4):
+        assert sorted(order[10 * epoch:10 * epoch + 10]) == list(range(10)), epoch
+    assert order[:10] != list(range(10)) and order[:10] != order[10:20]   # shuffled, per epoch
+    for r in (0, 1):
+        assert batches(12, r, 7) == full[r][3:], r
+
+
+def test_exit_on_missing_checkpoint(tmp_path, capsys):
+    import sys
+    sys.path.insert(0, ROOT)
+    import pretrain_gpt
+    argv = ["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "32",
+            "--num-attention-heads", "2", "--seq-length", "8", "--train-iters", "1",
+            "--load", str(tmp_path / "none"), "--exit-on-missing-checkpoint"]
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(argv)
+    assert str(err.value).startswith("error: --exit-on-missing-checkpoint: no checkpoint under --load")
