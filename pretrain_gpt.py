@@ -368,6 +368,12 @@ def main(argv=None):
     ramp = rampup.BatchSizeRampup.from_args(args)
     if ramp is not None:
         ramp.check_divisible(args.micro_batch_size * mesh.dp_size)
+        for batch in range(ramp.start, ramp.global_batch_size, ramp.increment):   # every ramp step
+            try:
+                pipeline.check_num_microbatches(batch // (args.micro_batch_size * mesh.dp_size),
+                                                mesh.pp_size, len(chunks))
+            except pipeline.PipelineLayoutError as err:
+                raise SystemExit(f"error: --rampup-batch-size: {err}") from None
     checkpoints = CheckpointManager(args, trainer, config)   # --load, --save, exit conditions
     try:
         loaded = checkpoints.load()
