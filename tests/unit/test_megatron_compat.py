@@ -154,6 +154,8 @@ def test_rampup_over_zero_samples_is_the_full_batch():
     ["--train-iters", "50", "--lr-decay-iters", "45", "--lr-warmup-iters", "5",
      "--rampup-batch-size", "2", "2", "60"],
     ["--train-samples", "400", "--lr-warmup-fraction", "0.1", "--rampup-batch-size", "2", "2", "60"],
+    ["--train-samples", "400", "--lr-warmup-samples", "40", "--lr-wsd-decay-samples", "100",
+     "--lr-decay-style", "WSD"],
 ])
 def test_sample_counted_schedule_is_megatron_cores(flags):
     """Our LRScheduler in samples == megatron-core's OptimizerParamScheduler stepped by each batch."""
@@ -161,7 +163,7 @@ def test_sample_counted_schedule_is_megatron_cores(flags):
         warnings.simplefilter("ignore")
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     args = parse_args(BASE + ["--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-5",
-                              "--lr-decay-style", "cosine"] + flags)
+                              "--lr-decay-style", "cosine"] + flags)    # the last style given wins
     warmup, decay, wsd = schedule_steps(args)
     param = torch.nn.Parameter(torch.zeros(1))
     ours = LRScheduler(torch.optim.SGD([param], lr=0.0), args.lr, args.min_lr, warmup, decay,
@@ -169,8 +171,9 @@ def test_sample_counted_schedule_is_megatron_cores(flags):
     theirs_opt = torch.optim.SGD([param], lr=0.0)
     theirs = OptimizerParamScheduler(theirs_opt, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
                                      lr_warmup_steps=warmup, lr_decay_steps=decay,
-                                     lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
-                                     wd_incr_steps=1, wd_incr_style="constant")
+                                     lr_decay_style=args.lr_decay_style, start_wd=0.0, end_wd=0.0,
+                                     wd_incr_steps=1, wd_incr_style="constant", wsd_decay_steps=wsd,
+                                     lr_wsd_decay_style="linear")
     ramp = BatchSizeRampup.from_args(args)
     consumed = 0
     for _ in range(args.train_iters):
