@@ -23,7 +23,7 @@ from megatron_sp.errors import ConfigError, DataError, reraise_as, run_main
 from megatron_sp.flops import flops_for_config
 from megatron_sp.mesh import ParallelMesh, barrier, init_distributed, shutdown
 from megatron_sp.optimizer import LRScheduler, build_optimizer
-from megatron_sp import pipeline
+from megatron_sp import pipeline, rampup
 from megatron_sp.tensor_parallel import RNGTracker
 from megatron_sp.training import (MetricsWriter, NonFiniteLossError, Trainer, format_log_line,
                                   print_rank0)
@@ -280,7 +280,19 @@ def loader(dataset, consumed, args, mesh, vocab_size=None):
     """This dp rank's micro-batches; token ids outside the vocabulary stop the run with one line."""
     from megatron_sp.data import PretrainingDataLoader
     return iter(PretrainingDataLoader(dataset, consumed, args.micro_batch_size, mesh.dp_rank,
-                                      mesh.dp_size, vocab_size=vocab_size))
+                                      mesh.dp_size, vocab_size=vocab_size,
+                                      num_workers=getattr(args, "num_workers", 0),
+                                      cyclic=getattr(args, "dataloader_type", "single") == "cyclic",
+                                      seed=args.seed))
+
+
+def wandb_options(args) -> dict | None:
+    """--wandb-project / --wandb-exp-name / --wandb-save-dir (Megatron's), or None."""
+    if not args.wandb_project:
+        return None
+    return {"project": args.wandb_project, "name": args.wandb_exp_name,
+            "dir": args.wandb_save_dir, "config": {k: v for k, v in vars(args).items()
+                                                   if isinstance(v, (int, float, str, bool))}}
 
 
 def build_model(config, mesh, args, device):
@@ -374,6 +386,8 @@ def main(argv=None):
                                                          else "") + ").")
     chunks = build_model(config, mesh, args, device)
     sharding = build_sharding(chunks, mesh, args, device)
+    for note in getattr(args, "megatron_notes", []):    # mapped and no-op Megatron flags (issue 17)
+        print_rank0(mesh, note)
     print_rank0(mesh, f"> {mesh}\n> model: {config.num_parameters() / 1e6:.2f}M parameters, "
                       f"{config}\n> attention backend: {chunks[0].attention_backend_name}")
     if args.use_distributed_optimizer:   # also the optimizer: Adam state sharded over dp x sp
@@ -384,8 +398,8 @@ def main(argv=None):
                                     optimizer=args.optimizer, sgd_momentum=args.sgd_momentum,
                                     decoupled_lr=args.decoupled_lr,
                                     decoupled_min_lr=args.decoupled_min_lr)
-    scheduler = LRScheduler(optimizer, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
-                            args.lr_decay_style, args.lr_wsd_decay_iters)
+    warmup, decay, wsd = rampup.schedule_steps(args)    # iterations, or Megatron's samples
+    scheduler = LRScheduler(optimizer, args.lr, args.min_lr, warmup, decay, args.lr_decay_style, wsd)
     trainer = Trainer(chunks, optimizer, scheduler, mesh, global_batch_size=args.global_batch_size,
                       micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
                       clip_grad=args.clip_grad, bf16=args.bf16,
@@ -397,12 +411,29 @@ def main(argv=None):
     from megatron_sp.loss_scaler import LossScaler
     trainer.set_precision(args.fp16, LossScaler.from_args(args), fp8.fp8_autocast_factory(args, mesh),
                           grad_reduce_in_bf16=args.grad_reduce_in_bf16)
+    trainer.lr_in_samples = rampup.counts_samples(args)
+    trainer.log_params_norm, trainer.log_num_zeros_in_grad = args.log_params_norm, args.log_num_zeros_in_grad
+    ramp = rampup.BatchSizeRampup.from_args(args)
+    if ramp is not None:
+        ramp.check_divisible(args.micro_batch_size * mesh.dp_size)
+        for batch in range(ramp.start, ramp.global_batch_size, ramp.increment):   # every ramp step
+            try:
+                pipeline.check_num_microbatches(batch // (args.micro_batch_size * mesh.dp_size),
+                                                mesh.pp_size, len(chunks))
+            except pipeline.PipelineLayoutError as err:
+                raise SystemExit(f"error: --rampup-batch-size: {err}") from None
     checkpoints = CheckpointManager(args, trainer, config)   # --load, --save, exit conditions
     try:
-        checkpoints.load()
+        loaded = checkpoints.load()
     except CheckpointError as err:   # the ranks agreed on it (load_checkpoint): said once
         raise SystemExit(f"error: {err}" if mesh.rank == 0 else 1) from None
-    if args.train_samples is not None:   # resumed, maybe with another batch size: stop at the samples
+    if args.exit_on_missing_checkpoint and args.load and loaded is None:
+        raise SystemExit(f"error: --exit-on-missing-checkpoint: no checkpoint under --load "
+                         f"{args.load}; check the path or drop the flag to start from scratch.")
+    if args.train_samples is not None and ramp is not None:   # resumed mid-ramp or after it
+        args.train_iters = trainer.state.iteration + ramp.train_iters(
+            args.train_samples, trainer.state.consumed_train_samples)
+    elif args.train_samples is not None:   # resumed, maybe with another batch size: stop at the samples
         remaining = max(0, args.train_samples - trainer.state.consumed_train_samples)
         args.train_iters = trainer.state.iteration + remaining // args.global_batch_size
     with reraise_as(DataError, ValueError, TimeoutError):
@@ -414,9 +445,10 @@ def main(argv=None):
     trainer.set_failure_policy(args.nonfinite_loss, args.distributed_timeout_minutes,
                                args.max_skipped_steps)
     metrics = MetricsWriter(mesh, args.metrics_jsonl, args.tensorboard_dir,
-                            resume_iteration=trainer.state.iteration)
+                            resume_iteration=trainer.state.iteration,
+                            wandb=wandb_options(args) if mesh.rank == 0 else None)
     try:
-        train(args, trainer, train_iter, valid_iter, metrics, checkpoints)
+        train(args, trainer, train_iter, valid_iter, metrics, checkpoints, ramp)
     except NonFiniteLossError:   # publish a save begun before the divergence; none after it
         finalize_async_save()
         metrics.close()
@@ -431,12 +463,17 @@ def main(argv=None):
     shutdown()
 
 
-def train(args, trainer, train_iter, valid_iter, metrics, checkpoints=None):
+def train(args, trainer, train_iter, valid_iter, metrics, checkpoints=None, ramp=None):
     from megatron_sp import comm_stats
+    from megatron_sp.profiling import StepProfiler
     mesh = trainer.mesh
     comm_stats.reset()
+    profiler = StepProfiler.from_args(args, mesh)
     start, last_logged = time.time(), trainer.state.iteration
     while trainer.state.iteration < args.train_iters:
+        if ramp is not None:          # --rampup-batch-size: this step's global batch
+            trainer.set_global_batch_size(ramp.batch_size(trainer.state.consumed_train_samples))
+        profiler.before_step(trainer.state.iteration + 1)
         try:
             mbs = [next(train_iter) for _ in range(trainer.num_micro_batches)]
         except StopIteration:
@@ -454,6 +491,7 @@ def train(args, trainer, train_iter, valid_iter, metrics, checkpoints=None):
         else:
             result = trainer.train_step(mbs)
         it = trainer.state.iteration
+        profiler.after_step(it)
         if it % args.log_interval == 0 or it == args.train_iters:
             elapsed = time.time() - start
             record = trainer.log_record(result, elapsed, it - last_logged)
@@ -480,6 +518,7 @@ def train(args, trainer, train_iter, valid_iter, metrics, checkpoints=None):
             checkpoints.last_saved = it   # no save inside a run of skipped steps (a divergence?)
         if checkpoints is not None and checkpoints.after_step():   # saves; signal/exit flags
             break
+    profiler.close()
 
 
 if __name__ == "__main__":

@@ -24,19 +24,25 @@ class PretrainingDataLoader:
     """
 
     def __init__(self, dataset, consumed_samples, micro_batch_size, dp_rank, dp_size,
-                 drop_last=True, vocab_size=None):
+                 drop_last=True, vocab_size=None, num_workers=0, cyclic=False, seed=0):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size}); pass the rank's index "
                              f"in its data-parallel group.")
-        if consumed_samples > len(dataset):
+        if consumed_samples > len(dataset) and not cyclic:
             raise ValueError(f"consumed_samples {consumed_samples} exceeds the dataset's "
                              f"{len(dataset)} samples; build the dataset with more samples.")
         self.dataset, self.consumed_samples = dataset, consumed_samples
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
         self.drop_last, self.vocab_size = drop_last, vocab_size
+        # Megatron's --num-workers, and --dataloader-type cyclic: the sample sequence runs on past
+        # the end, epoch e visiting the samples in a permutation seeded by (seed, e).
+        self.num_workers, self.cyclic, self.seed = num_workers, cyclic, seed
 
     def index_batches(self):
         """Sample indices of each micro-batch of this rank."""
+        if self.cyclic:
+            yield from self._cyclic_batches()
+            return
         n, m, step = len(self.dataset), self.micro_batch_size, self.micro_batch_size * self.dp_size
         start = self.consumed_samples
         while start + step <= n:
@@ -52,12 +58,45 @@ class PretrainingDataLoader:
         full, rest = divmod(len(self.dataset) - self.consumed_samples, step)
         return full + (0 if self.drop_last or rest <= self.dp_rank * self.micro_batch_size else 1)
 
-    def __iter__(self):
-        for indices in self.index_batches():
-            batch = collate([self.dataset[i] for i in indices])
-            if self.vocab_size is not None:
-                check_vocab(batch, indices, self.dataset, self.vocab_size)
+    def _cyclic_batches(self):
+        n, m, step = len(self.dataset), self.micro_batch_size, self.micro_batch_size * self.dp_size
+        start, epoch, order = self.consumed_samples, None, None
+        while True:
+            mine = range(start + self.dp_rank * m, start + (self.dp_rank + 1) * m)
+            batch = []
+            for position in mine:
+                if position // n != epoch:
+                    epoch = position // n
+                    order = np.random.default_rng([self.seed, epoch]).permutation(n)
+                batch.append(int(order[position % n]))
             yield batch
+            start += step
+
+    def __iter__(self):
+        if self.num_workers > 0:
+            import torch.utils.data
+            batches = torch.utils.data.DataLoader(self.dataset, batch_sampler=_Batches(self),
+                                                  num_workers=self.num_workers, collate_fn=collate,
+                                                  persistent_workers=False)
+        else:
+            batches = (collate([self.dataset[i] for i in indices])
+                       for indices in self.index_batches())
+        if self.vocab_size is None:
+            yield from batches
+            return
+        for indices, batch in zip(self.index_batches(), batches):
+            check_vocab(batch, list(indices), self.dataset, self.vocab_size)
+            yield batch
+
+
+class _Batches:
+    """index_batches as a batch sampler for torch's DataLoader (--num-workers)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        return iter(self.loader.index_batches())
 
 
 def check_vocab(batch, indices, dataset, vocab_size):

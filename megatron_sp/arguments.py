@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(t, "--report-memory", "print activation bytes saved for backward per rank and layer, "
                "peak device memory and the model-state bytes per rank (parameters, gradients, "
                "optimizer state on device and on host), with the log line")
-    t.add_argument("--attention-backend", default="auto", choices=["auto", "te", "flash", "sdpa"])
+    t.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "flash", "fused", "unfused", "local", "te", "sdpa"],
+                   help="Megatron's auto, flash, fused (TE), unfused and local (SDPA); ours te, sdpa")
     t.add_argument("--grad-bucket-size-mb", type=float, default=25.0)
     t.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
 
@@ -182,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--max-skipped-steps", type=int, default=10,
                     help="with --nonfinite-loss skip: stop the run (it diverged) after this many "
                     "optimizer steps in a row were skipped; nothing is saved from the first one")
+    _add_megatron_honoured(p)
+    from megatron_sp import megatron_compat
+    megatron_compat.add_arguments(p)
     return p
 
 
@@ -258,6 +263,36 @@ def _validate_megatron_math(args) -> None:
                                    "--transformer-impl transformer_engine")
 
 
+def _add_megatron_honoured(p) -> None:
+    """Issue 17: flags of Megatron-LM's example scripts honoured with Megatron's meaning."""
+    g = p.add_argument_group("Megatron-LM schedule, data, checkpoint and logging flags")
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
+                   metavar=("START", "INCR", "SAMPLES"), help="the global batch grows from START "
+                   "by INCR over SAMPLES samples (Megatron's ramp-up)")
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
+    g.add_argument("--num-workers", type=int, default=0, help="data loader worker processes")
+    g.add_argument("--dataloader-type", choices=["single", "cyclic"], default="single",
+                   help="single: one pass in order; cyclic: epochs repeat, each shuffled")
+    _bool_flag(g, "--no-save-optim", "checkpoints without optimizer state")
+    _bool_flag(g, "--no-save-rng", "checkpoints without RNG state")
+    _bool_flag(g, "--exit-on-missing-checkpoint", "stop when --load holds no checkpoint")
+    g.add_argument("--ckpt-format", default=None, help="torch_dist (ours: DCP); others refused")
+    _bool_flag(g, "--log-throughput", "TFLOP/s per GPU in the log line (always printed here)")
+    _bool_flag(g, "--log-params-norm", "the parameters' global L2 norm in the log line")
+    _bool_flag(g, "--log-num-zeros-in-grad", "the number of zero gradient entries in the log line")
+    _bool_flag(g, "--log-timers-to-tensorboard", "timings to TensorBoard (they always go there)")
+    _bool_flag(g, "--profile", "profile iterations --profile-step-start to --profile-step-end")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    _bool_flag(g, "--use-pytorch-profiler", "--profile writes a torch.profiler trace to "
+               "--tensorboard-dir (else it marks the nsys capture range on CUDA)")
+    g.add_argument("--wandb-project", default=None)
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None)
+
+
 # Flags whose feature has not landed yet: refused with the reason instead of ignored.
 # Each entry: (attribute, predicate on its value, message).
 UNSUPPORTED = []
@@ -265,6 +300,8 @@ UNSUPPORTED = []
 
 def validate(args) -> None:
     """Refuse bad or not-yet-supported combinations with one sentence each (SystemExit)."""
+    from megatron_sp import megatron_compat
+    args.megatron_notes = megatron_compat.apply(args)   # said once at start-up by rank 0
     for attr, bad, message in UNSUPPORTED:
         if bad(getattr(args, attr)):
             raise SystemExit(f"error: {message}")
@@ -282,6 +319,9 @@ def validate(args) -> None:
         args.lr_decay_iters = args.train_iters if args.train_iters else 1
     if args.lr_warmup_fraction is not None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    from megatron_sp import rampup
+    rampup.validate(args)       # --rampup-batch-size, --lr-*-samples (issue 17)
+    args.eval_iters = max(args.eval_iters, 0)   # train_llama3.sh's --eval-iters -1: no evaluation
     if args.recompute_granularity != "full" and (args.recompute_method is not None
                                                   or args.recompute_num_layers is not None):
         raise SystemExit("error: --recompute-method and --recompute-num-layers need "

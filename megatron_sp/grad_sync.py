@@ -161,6 +161,27 @@ def global_grad_norm(params, mesh, grads=None, shard_group=None) -> float:
     return math.sqrt(total.item())
 
 
+def model_parallel_sum(params, per_param, mesh) -> float:
+    """Sum of per_param(p) over the whole model (e.g. zeros in the gradient, squared weights):
+    tp shards summed, tp-replicated parameters once, stages summed, tied embedding copies skipped."""
+    device = _device(params)
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        if getattr(p, "embedding_copy", False):
+            continue
+        value = per_param(p).to(device)
+        if getattr(p, "tp_partition_dim", None) is not None:
+            sharded += value
+        else:
+            replicated += value
+    total = torch.stack([sharded, replicated / mesh.tp_size])
+    all_reduce_sum(total, mesh.tp_group, "tp/all_reduce")
+    total = total.sum()
+    all_reduce_sum(total, mesh.pp_group, "pp/all_reduce")
+    return total.item()
+
+
 def _device(params):
     for p in params:
         return p.device

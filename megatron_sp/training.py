@@ -47,7 +47,8 @@ import torch.distributed as dist
 from megatron_sp import comm_stats
 from megatron_sp.errors import ConfigError, UserError
 from megatron_sp.flops import device_peak_tflops
-from megatron_sp.grad_sync import all_reduce_sum, gather_step_times, reduce_loss_and_count
+from megatron_sp.grad_sync import (all_reduce_sum, gather_step_times, model_parallel_sum,
+                                   reduce_loss_and_count)
 from megatron_sp.sharding import Replicated
 from megatron_sp.schedules import forward_backward_no_pipelining
 
@@ -180,15 +181,33 @@ def _records_up_to(path: str, iteration: int) -> list[str]:
     return kept
 
 
+def _start_wandb(options: dict):
+    """A wandb run, or None with one sentence when wandb is not installed."""
+    try:
+        import wandb
+    except ImportError:
+        print(f"warning: --wandb-project {options['project']} is ignored: wandb is not installed "
+              f"(pip install wandb); metrics still go to stdout, --metrics-jsonl and TensorBoard.",
+              file=sys.stderr, flush=True)
+        return None
+    if options.get("dir"):
+        os.makedirs(options["dir"], exist_ok=True)
+    return wandb.init(**{k: v for k, v in options.items() if v is not None})
+
+
 class MetricsWriter:
     """--metrics-jsonl (one JSON object per logged iteration) and TensorBoard, on rank 0 only."""
 
-    def __init__(self, mesh, jsonl_path=None, tensorboard_dir=None, resume_iteration: int = 0):
+    def __init__(self, mesh, jsonl_path=None, tensorboard_dir=None, resume_iteration: int = 0,
+                 wandb: dict | None = None):
         """A fresh run (resume_iteration 0) starts the jsonl anew; a resumed run continues its own
-        file from the checkpoint's iteration (records written after that checkpoint are dropped)."""
-        self.file = self.tb = None
+        file from the checkpoint's iteration (records written after that checkpoint are dropped).
+        `wandb`: wandb.init's keyword arguments (--wandb-project, ...), used when wandb is installed."""
+        self.file = self.tb = self.wandb = None
         if not is_logging_rank(mesh):
             return
+        if wandb:
+            self.wandb = _start_wandb(wandb)
         if jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
             kept = _records_up_to(jsonl_path, resume_iteration) if resume_iteration > 0 else []
@@ -213,8 +232,13 @@ class MetricsWriter:
                 if key != "iteration" and isinstance(value, (int, float)):
                     self.tb.add_scalar(key, value, step)
             self.tb.flush()
+        if self.wandb:
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
+                           step=record["iteration"])
 
     def close(self):
+        if self.wandb:
+            self.wandb.finish()
         if self.file:
             self.file.close()
         if self.tb:
@@ -255,6 +279,11 @@ class Trainer:
         self.faults = FaultInjection(mesh.rank)
         self._compute_seconds = 0.0      # this rank's forward+backward time since the last log
         self._skipped_since_log = 0
+        self._nan_since_log = 0          # of those, skipped for a NaN/inf (not an fp16 overflow)
+        self.lr_in_samples = False       # Megatron's sample-counted schedule (megatron_sp.rampup)
+        self._lr_increment = 1
+        self.log_params_norm = self.log_num_zeros_in_grad = False   # --log-params-norm, ...
+        self._num_zeros = None
         self.set_precision()
 
     def set_precision(self, fp16: bool = False, loss_scaler=None, fp8_autocast=None,
@@ -269,6 +298,15 @@ class Trainer:
                                   "and the distributed optimizer reduce-scatters in fp32: drop it.")
             self.sharding.grad_sync.reduce_dtype = torch.bfloat16
         self._loss_scaler_state = None
+
+    def set_global_batch_size(self, global_batch_size: int) -> None:
+        """--rampup-batch-size: this step's global batch (whole micro-batches per dp rank)."""
+        if global_batch_size == self.global_batch_size:
+            return
+        per_step = self.num_micro_batches and self.global_batch_size // self.num_micro_batches
+        self.flops_per_step *= global_batch_size / self.global_batch_size
+        self.global_batch_size = global_batch_size
+        self.num_micro_batches = global_batch_size // per_step
 
     def set_failure_policy(self, nonfinite_loss: str = "stop",
                            collective_timeout_minutes: float | None = None,
@@ -359,6 +397,8 @@ class Trainer:
         self.sharding.finish()
         if self.loss_scaler is not None:
             self.loss_scaler.unscale_(self.params)
+        if self.log_num_zeros_in_grad:
+            self._num_zeros = model_parallel_sum(self.params, _zeros_in_grad, self.mesh)
         grad_norm = self.sharding.clip_grad_norm(self.clip_grad)
         # Reduced over every rank before deciding, so every rank takes the same branch.
         loss = reduce_loss_and_count(loss.to(self.device), self.mesh).item() / scale
@@ -371,7 +411,8 @@ class Trainer:
                 f"--lr, or --nonfinite-loss skip skips such optimizer steps instead.")
         if finite:
             self.optimizer.step()
-            self.scheduler.step()
+            self._lr_increment = self.global_batch_size if self.lr_in_samples else 1
+            self.scheduler.step(self._lr_increment)
             self.consecutive_skipped = 0
         elif overflow:   # --fp16: the scale backs off; the step is only counted, as in Megatron
             self.optimizer.zero_grad(set_to_none=True)
@@ -398,6 +439,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.state.skipped_iterations += 1
         self._skipped_since_log += 1
+        self._nan_since_log += 1
         self.consecutive_skipped += 1
         what, n = describe_nonfinite(loss, grad_norm), self.consecutive_skipped
         print_rank0(self.mesh, f"iteration {iteration}: non-finite {what}: optimizer step skipped "
@@ -446,23 +488,29 @@ class Trainer:
         tflops = self.flops_per_step * iters / elapsed / self.mesh.world_size / 1e12
         record = {"iteration": self.state.iteration,
                   "consumed_samples": self.state.consumed_train_samples,
-                  "lr": self.scheduler.lr_at(self.scheduler.num_steps - 1) if self.scheduler.num_steps
-                  else 0.0,
+                  "lr": self.scheduler.lr_at(self.scheduler.num_steps - self._lr_increment)
+                  if self.scheduler.num_steps else 0.0,
+                  "global_batch_size": self.global_batch_size,
                   "lm_loss": result.loss, "grad_norm": result.grad_norm, "ms_per_iter": ms,
                   "tokens_per_sec": tokens_per_sec, "tflops_per_gpu": tflops,
                   "loss_scale": result.loss_scale}
         for group in self.optimizer.param_groups:    # --decoupled-lr: Megatron logs it too
             if group.get("is_decoupled_lr") and self.scheduler.num_steps:
-                record["decoupled_lr"] = self.scheduler.lr_at(self.scheduler.num_steps - 1,
+                record["decoupled_lr"] = self.scheduler.lr_at(self.scheduler.num_steps - self._lr_increment,
                                                               group["max_lr"], group.get("min_lr"))
+        if self.log_num_zeros_in_grad and self._num_zeros is not None:
+            record["num_zeros"] = int(self._num_zeros)
+        if self.log_params_norm:
+            record["params_norm"] = math.sqrt(model_parallel_sum(self.params, _square_sum, self.mesh))
         if self.peak_tflops:
             record["mfu"] = tflops / self.peak_tflops
         record.update(memory_report(self.device))
         for kind, nbytes in comm_stats.snapshot().items():
             record[f"bytes/{kind}"] = nbytes / iters
         record["skipped_iterations"] = self._skipped_since_log
+        record["nan_iterations"] = self._nan_since_log
         record["skipped_iterations_total"] = self.state.skipped_iterations
-        self._skipped_since_log = 0
+        self._skipped_since_log = self._nan_since_log = 0
         record.update(self.straggler_report(iters))
         return record
 
@@ -483,15 +531,46 @@ class Trainer:
                 "fastest_rank": fast, "fastest_ms": times[fast]}
 
 
+def _fixed(value: float, significant: int = 3) -> str:
+    """Fixed-point (never 1e-05: scrapers read [0-9.]+) with `significant` digits, at least one
+    decimal: 312.4, 0.0123, 0.000457 (TFLOP/s on a CPU is small but not zero)."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:.1f}"
+    decimals = max(1, significant - 1 - math.floor(math.log10(abs(value))))
+    return f"{value:.{decimals}f}"
+
+
+def _zeros_in_grad(p) -> torch.Tensor:
+    return (p.grad == 0).sum().double() if p.grad is not None else torch.zeros((), dtype=torch.float64)
+
+
+def _square_sum(p) -> torch.Tensor:
+    return p.detach().double().pow(2).sum()
+
+
 def format_log_line(record: dict, train_iters: int) -> str:
-    parts = [f"iteration {record['iteration']:8d}/{train_iters:8d}",
-             f"consumed samples: {record['consumed_samples']:10d}",
+    """Megatron-LM's log line (its field names and order, so its scrapers work), ours after it:
+
+     iteration N/M | consumed samples: | elapsed time per iteration (ms): | throughput per GPU
+     (TFLOP/s/GPU): | learning rate: | global batch size: | lm loss: | loss scale: | grad norm: |
+     [num zeros: | params norm: |] number of skipped iterations: | number of nan iterations: | ...
+    """
+    parts = [f" iteration {record['iteration']:8d}/{train_iters:8d}",
+             f"consumed samples: {record['consumed_samples']:12d}",
              f"elapsed time per iteration (ms): {record['ms_per_iter']:.1f}",
+             f"throughput per GPU (TFLOP/s/GPU): {_fixed(record['tflops_per_gpu'])}",
              f"learning rate: {record['lr']:.6E}",
+             f"global batch size: {record.get('global_batch_size', 0):5d}",
              f"lm loss: {record['lm_loss']:.6E}",
-             f"grad norm: {record['grad_norm']:.3f}",
-             f"tokens/s: {record['tokens_per_sec']:.0f}",
-             f"TFLOP/s/GPU: {record['tflops_per_gpu']:.2f}"]
+             f"loss scale: {record.get('loss_scale', 1.0):.1f}",
+             f"grad norm: {record['grad_norm']:.3f}"]
+    if "num_zeros" in record:
+        parts.append(f"num zeros: {record['num_zeros']:.1f}")
+    if "params_norm" in record:
+        parts.append(f"params norm: {record['params_norm']:.3f}")
+    parts += [f"number of skipped iterations: {record.get('skipped_iterations', 0):3d}",
+              f"number of nan iterations: {record.get('nan_iterations', 0):3d}",
+              f"tokens/s: {record['tokens_per_sec']:.0f}"]
     if "mfu" in record:
         parts.append(f"MFU: {100 * record['mfu']:.1f}%")
     if "mem_peak_gb" in record:
@@ -499,12 +578,11 @@ def format_log_line(record: dict, train_iters: int) -> str:
     elif "host_peak_rss_gb" in record:
         parts.append(f"host peak RSS (GB): {record['host_peak_rss_gb']:.2f}")
     if record.get("skipped_iterations_total"):
-        parts.append(f"number of skipped iterations: {record['skipped_iterations']:3d} "
-                     f"({record['skipped_iterations_total']} in total)")
+        parts.append(f"skipped iterations in total: {record['skipped_iterations_total']}")
     if "straggler_rank" in record:
         parts.append(f"slowest rank: {record['straggler_rank']} (fwd+bwd {record['straggler_ms']:.1f} "
                      f"ms/iter; fastest rank {record['fastest_rank']}: {record['fastest_ms']:.1f})")
     comm = [f"{k[6:]} {comm_stats.format_bytes(v)}" for k, v in record.items() if k.startswith("bytes/")]
     if comm:
         parts.append("comm/iter: " + ", ".join(comm))
-    return " | ".join(parts)
+    return " | ".join(parts) + " |"

@@ -288,7 +288,7 @@ def finalize_async_save():
 
 def save_checkpoint(root: str, iteration: int | str, chunks, mesh, *, optimizer=None, scheduler=None,
                     train_state=None, config=None, args=None, rng_tracker=None,
-                    async_save: bool = False) -> str:
+                    async_save: bool = False, save_rng: bool = True) -> str:
     """Save model (+ optimizer, scheduler, train state, RNG) under <root>/iter_XXXXXXX (collective).
 
     Every rank of the world calls this. Returns the final folder. With `async_save` the files are
@@ -309,7 +309,7 @@ def save_checkpoint(root: str, iteration: int | str, chunks, mesh, *, optimizer=
     state: dict[str, Any] = model_state(chunks, mesh.tp_rank, mesh.tp_size)
     if optimizer is not None:
         state.update(optimizer_state(chunks, optimizer, mesh.tp_rank, mesh.tp_size))
-    if rng_tracker is not None or optimizer is not None:
+    if save_rng and (rng_tracker is not None or optimizer is not None):   # --no-save-rng
         from megatron_sp.tensor_parallel.random import get_rng_state
         state[f"rng/{mesh.rank}"] = _rng_to_storable(get_rng_state(rng_tracker))
     d = mesh.dims

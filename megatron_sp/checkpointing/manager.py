@@ -91,9 +91,11 @@ class CheckpointManager:
         a, t = self.args, self.trainer
         if not getattr(a, "save", None) or self.last_saved == t.state.iteration:
             return
-        save_checkpoint(a.save, t.state.iteration, t.chunks, self.mesh, optimizer=t.optimizer,
+        save_checkpoint(a.save, t.state.iteration, t.chunks, self.mesh,
+                        optimizer=None if getattr(a, "no_save_optim", False) else t.optimizer,
                         scheduler=t.scheduler, train_state=t.state, config=self.config, args=a,
-                        rng_tracker=self._rng_tracker(), async_save=getattr(a, "async_save", False))
+                        rng_tracker=self._rng_tracker(), async_save=getattr(a, "async_save", False),
+                        save_rng=not getattr(a, "no_save_rng", False))
         self.last_saved = t.state.iteration
 
     def after_step(self) -> bool:
