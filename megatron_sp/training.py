@@ -291,12 +291,12 @@ class Trainer:
         """--fp16 (fp16 autocast over the fp32 weights) with its LossScaler, the FP8 context of
         --fp8-format (megatron_sp.fp8), entered around every forward, and --grad-reduce-in-bf16."""
         self.fp16, self.loss_scaler, self.fp8_autocast = fp16, loss_scaler, fp8_autocast
-        if grad_reduce_in_bf16:
-            if not isinstance(self.sharding, Replicated):
-                raise ConfigError("--grad-reduce-in-bf16 acts on the replicated all-reduce of "
-                                  "gradients; with --use-torch-fsdp2 --bf16 already reduces in bf16, "
-                                  "and the distributed optimizer reduce-scatters in fp32: drop it.")
-            self.sharding.grad_sync.reduce_dtype = torch.bfloat16
+        if grad_reduce_in_bf16:      # the replicated all-reduce or the distributed optimizer's
+            if not hasattr(self.sharding, "reduce_dtype") and not isinstance(self.sharding, Replicated):
+                raise ConfigError("--grad-reduce-in-bf16 with --use-torch-fsdp2: FSDP2 reduces "
+                                  "gradients in bf16 under --bf16 already; drop the flag.")
+            target = self.sharding.grad_sync if isinstance(self.sharding, Replicated) else self.sharding
+            target.reduce_dtype = torch.bfloat16
         self._loss_scaler_state = None
 
     def set_global_batch_size(self, global_batch_size: int) -> None:

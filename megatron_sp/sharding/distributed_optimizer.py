@@ -24,7 +24,7 @@ views of the parameters themselves and the owned gradient rows views of p.grad: 
 --optimizer-cpu-offload: the owned master rows, their gradients and the Adam moments live in host
 memory (pinned on CUDA) and the step runs there; gradient rows are copied down, updated rows up.
 16-bit parameters get fp32 master rows (and fp32 copies of their owned gradient rows); their
-gradients are reduce-scattered in the parameters' dtype.
+gradients are reduce-scattered in the parameters' dtype (bf16 on the wire with --grad-reduce-in-bf16).
 
 Transient memory: a bucket's gradients are copied into its rank-major [n, segment] buffer for the
 reduce-scatter; at most IN_FLIGHT (2) such buffers are alive during backward (the oldest is finished
@@ -116,20 +116,21 @@ class _Bucket:
         self.launched = False
         self.handle = self.buffer = self.out = None
 
-    def _empty(self, rows: int | None = None) -> torch.Tensor:
+    def _empty(self, rows: int | None = None, dtype=None) -> torch.Tensor:
         p = self.pieces[0].param
         shape = (self.segment,) if rows is None else (rows, self.segment)
-        return torch.zeros(shape, dtype=p.dtype, device=p.device)
+        return torch.zeros(shape, dtype=dtype or p.dtype, device=p.device)
 
-    def launch_reduce(self, group):
-        self.buffer = self._empty(self.n)                                   # [n, segment]
+    def launch_reduce(self, group, dtype=None):
+        """dtype: the wire's (torch.bfloat16 with --grad-reduce-in-bf16), else the gradients'."""
+        self.buffer = self._empty(self.n, dtype)                            # [n, segment]
         for pc in self.pieces:
             if pc.even:
                 pc.all_slots(self.buffer).copy_(pc.all_pieces(pc.param.grad))
                 continue
             for r in range(self.n):
                 pc.slot(self.buffer[r], r).copy_(pc.piece(pc.param.grad, r))
-        self.out = self._empty()                                            # [segment]
+        self.out = self._empty(dtype=dtype)                                 # [segment]
         self.handle = comm.reduce_scatter_sum(self.out, self.buffer, group)
         self.launched = True
 
@@ -192,6 +193,7 @@ class DistributedOptimizer:
                    "weight_decay": g["weight_decay"]} for g in param_groups(chunks, weight_decay)]
         self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
         self.buckets = self._make_buckets(bucket_mb)
+        self.reduce_dtype = None    # torch.bfloat16 with --grad-reduce-in-bf16 (Megatron's flag)
         self._armed, self._in_flight, self._reduced = False, [], False
         owner = {pc.param: b for b in self.buckets for pc in b.pieces}
         for p in self.params:
@@ -242,7 +244,7 @@ class DistributedOptimizer:
                 return
             bucket.ready += 1
             if bucket.ready == len(bucket.pieces) and not bucket.launched:
-                bucket.launch_reduce(self.group)
+                bucket.launch_reduce(self.group, self.reduce_dtype)
                 self._in_flight.append(bucket)
                 # At most IN_FLIGHT buckets' [n, segment] copies alive: finish the oldest (by now
                 # usually complete), so the transient memory stays a few buckets, not 4 P_r.
@@ -265,7 +267,7 @@ class DistributedOptimizer:
                 p.grad = torch.zeros_like(p)
         for bucket in self.buckets:
             if not bucket.launched:
-                bucket.launch_reduce(self.group)
+                bucket.launch_reduce(self.group, self.reduce_dtype)
         for bucket in self.buckets:
             bucket.finish_reduce(self.rank)
             bucket.ready, bucket.launched = 0, False

@@ -15,7 +15,8 @@
   (sum of masked per-token losses over the global token count) computed in one piece, which here
   differs from Megatron's default per-micro-batch mean;
 - --grad-reduce-in-bf16 (dp4): half the bytes on the wire, loss equal, gradients within bf16's
-  rounding (1e-2 of each tensor's largest entry).
+  rounding (1e-2 of each tensor's largest entry); with the distributed optimizer: half the
+  reduce-scatter bytes, parameters after two steps within 1e-2 of the fp32 reduction's.
 """
 from __future__ import annotations
 
@@ -231,10 +232,46 @@ def _grad_reduce_in_bf16():
     return ("grad-reduce-in-bf16 dp4", 0.0, worst)
 
 
+def _distributed_optimizer_trainer(mesh, cfg, bf16_reduce: bool):
+    from megatron_sp.optimizer import LRScheduler
+    from megatron_sp.sharding.distributed_optimizer import DistributedOptimizer
+    from megatron_sp.training import Trainer
+    chunks, schedule = build_chunks(mesh, cfg)
+    opt = DistributedOptimizer(chunks, mesh, lr=1e-3, weight_decay=0.1, bucket_mb=0.05)
+    scheduler = LRScheduler(opt, 1e-3, 1e-4, warmup_iters=1, decay_iters=STEPS, style="cosine")
+    trainer = Trainer(chunks, opt, scheduler, mesh, global_batch_size=GLOBAL_BATCH,
+                      micro_batch_size=1, seq_length=SEQ, clip_grad=1.0, schedule=schedule,
+                      sharding=opt)
+    trainer.set_precision(grad_reduce_in_bf16=bf16_reduce)
+    return trainer
+
+
+def _grad_reduce_in_bf16_distributed_optimizer():
+    """The distributed optimizer's reduce-scatter in bf16: half the bytes, the same loss at step 1,
+    parameters after two steps within bf16's rounding of the fp32 reduction's (and not equal)."""
+    from megatron_sp import comm_stats
+    from megatron_sp.mesh import ParallelMesh
+    from megatron_sp.models import preset
+    cfg = preset(LLAMA["model"], **LLAMA["overrides"])
+    batches = global_batches(cfg.vocab_size, SEQ, GLOBAL_BATCH, 2, seed=26)
+    runs, sent = {}, {}
+    for bf16 in (False, True):
+        comm_stats.reset()
+        trainer = _distributed_optimizer_trainer(ParallelMesh.from_sizes(), cfg, bf16)
+        for batch in batches:
+            trainer.train_step(micro_batches(batch, 1, trainer.mesh.dp_rank, trainer.mesh.dp_size))
+        sent[bf16] = comm_stats.snapshot()["dp/reduce_scatter"]
+        runs[bf16] = _full(trainer, "param")
+    assert sent[True] < 0.51 * sent[False]
+    worst = max((runs[True][n] - p).abs().max().item() for n, p in runs[False].items())
+    assert 0.0 < worst <= 1e-2, f"bf16 reduce-scatter moved parameters by {worst:.2e}"
+    return ("grad-reduce-in-bf16 distributed optimizer dp4", 0.0, worst)
+
+
 def _rank_main(rank, world):
     torch.manual_seed(100 + rank)
     return (_layouts(CASES) + [_fp16_against_fp32(), _overflow_backoff(), _per_token_loss(),
-                               _grad_reduce_in_bf16()])
+                               _grad_reduce_in_bf16(), _grad_reduce_in_bf16_distributed_optimizer()])
 
 
 def test_megatron_math_flags_in_parallel_layouts():

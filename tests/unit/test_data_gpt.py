@@ -94,9 +94,10 @@ def test_split_without_tokens_is_refused(tmp_path, seed):
     docs = random_corpus(np.random.default_rng(seed), 800, 30, VOCAB - 1, EOD, empty_frac=0.0)
     prefix = write_corpus(str(tmp_path / "empty_end"), docs[:-1] + [np.zeros(0, np.int64)])
     assert splits_without_tokens(prefix, "949,50,1") == ["test"]
-    with pytest.raises(ValueError, match=r"the test split of .*empty_end \(documents 799\.\.799 "
-                                         r"of 800\) cannot be built: it holds fewer than 2 tokens"):
-        build_gpt_datasets([prefix], "949,50,1", 16, 1, (30, 5, 0), EOD, PAD, str(tmp_path))
+    with pytest.raises(ValueError, match=r"the test split of .*empty_end is empty: --split 949,50,1 "
+                                         r"gives it documents 799\.\.799 \(0 tokens\) of the 800 "
+                                         r"documents the data has; pass --split \d+,\d+,\d+\."):
+        build_gpt_datasets([prefix], "949,50,1", 16, 1, (30, 5, 2), EOD, PAD, str(tmp_path))
 
 
 def test_separate_final_epoch_and_flags(corpora, tmp_path):
