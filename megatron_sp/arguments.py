@@ -226,7 +226,7 @@ def _add_megatron_math_args(p, model_group) -> None:
     g.add_argument("--sgd-momentum", type=float, default=0.9, help="--optimizer sgd momentum (0.9)")
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
                    help="local: these layers; transformer_engine: Transformer Engine's fused "
-                        "attention (needs transformer_engine)")
+                        "attention (runs as local, said at start-up, when it is not installed)")
     g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None,
                    help="FP8 through Transformer Engine's fp8_autocast (needs transformer_engine)")
     g.add_argument("--fp8-margin", type=int, default=0)
@@ -257,10 +257,9 @@ def _validate_megatron_math(args) -> None:
                          "output layer's peak learning rate).")
     if args.fp8_param_gather and args.fp8_format is None:
         raise SystemExit("error: --fp8-param-gather needs --fp8-format e4m3|hybrid.")
-    if args.fp8_format is not None or args.transformer_impl == "transformer_engine":
+    if args.fp8_format is not None:    # --transformer-impl transformer_engine: megatron_compat
         from megatron_sp.fp8 import require_transformer_engine
-        require_transformer_engine("--fp8-format" if args.fp8_format else
-                                   "--transformer-impl transformer_engine")
+        require_transformer_engine("--fp8-format")
 
 
 def _add_megatron_honoured(p) -> None:

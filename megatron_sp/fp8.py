@@ -16,11 +16,23 @@ parallelism); --fp8-param-gather builds the model inside fp8_model_init.
 
 FP8 reaches Transformer Engine modules only. Our linear layers are torch modules, so today FP8
 changes the Transformer Engine attention backend's context (--transformer-impl transformer_engine)
-and nothing else: the matmuls of the projections and the MLP stay in bf16.
+and nothing else: the matmuls of the projections and the MLP stay in bf16. Without Transformer
+Engine, --transformer-impl transformer_engine (Megatron's default) runs as local, said once at
+start-up (megatron_compat.apply), and --fp8-format is refused in one sentence.
 """
 from __future__ import annotations
 
 import contextlib
+
+
+def transformer_engine_installed() -> bool:
+    """Whether Transformer Engine's torch module imports (--transformer-impl transformer_engine
+    runs as local without it; --fp8-format is refused)."""
+    try:
+        import transformer_engine.pytorch   # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def require_transformer_engine(flag: str):

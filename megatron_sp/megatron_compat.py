@@ -15,7 +15,6 @@ only read them. `python -m megatron_sp.megatron_compat --markdown` prints the RE
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 
 # --- data ----------------------------------------------------------------------------------------
@@ -43,6 +42,12 @@ HONOURED = (
     "--log-params-norm", "--log-num-zeros-in-grad", "--log-timers-to-tensorboard", "--profile",
     "--profile-step-start", "--profile-step-end", "--use-pytorch-profiler", "--wandb-project",
     "--wandb-exp-name", "--wandb-save-dir",
+    "--fp16", "--rotary-percent", "--apply-layernorm-1p", "--no-position-embedding",
+    "--decoupled-lr", "--decoupled-min-lr", "--calculate-per-token-loss", "--grad-reduce-in-bf16",
+    "--optimizer", "--transformer-impl", "--fp8-format", "--fp8-amax-history-len",
+    "--fp8-amax-compute-algo", "--fp8-margin", "--fp8-interval", "--fp8-param-gather",
+    "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+    "--use-torch-fsdp2",
 )
 
 # What an honoured flag does here, where that needs saying (the README table shows it).
@@ -61,20 +66,33 @@ HONOURED_NOTES = {
     "--use-pytorch-profiler": "trace in --tensorboard-dir",
     "--wandb-project": "through wandb when installed, one sentence when not",
     "--eval-iters": "-1 (train_llama3.sh): no evaluation",
-}
-
-# Honoured flags that other branches add to the parser (issue 17's math flags: branch mlmath;
-# issue 12's sharded state: branch sharding). Listed as honoured; until both branches are merged
-# the parser does not know them (tests mark exactly those expectations).
-PENDING = {
-    "--fp16": "mlmath", "--rotary-percent": "mlmath", "--apply-layernorm-1p": "mlmath",
-    "--no-position-embedding": "mlmath", "--decoupled-lr": "mlmath", "--decoupled-min-lr": "mlmath",
-    "--calculate-per-token-loss": "mlmath", "--grad-reduce-in-bf16": "mlmath",
-    "--optimizer": "mlmath", "--transformer-impl": "mlmath", "--fp8-format": "mlmath",
-    "--fp8-amax-history-len": "mlmath", "--fp8-amax-compute-algo": "mlmath",
-    "--fp8-margin": "mlmath", "--fp8-interval": "mlmath", "--fp8-param-gather": "mlmath",
-    "--use-distributed-optimizer": "sharding", "--overlap-grad-reduce": "sharding",
-    "--overlap-param-gather": "sharding", "--use-torch-fsdp2": "sharding",
+    "--fp16": "fp16 autocast over fp32 weights with Megatron's dynamic loss scaling (--loss-scale, "
+              "--initial-loss-scale, --min-loss-scale, --loss-scale-window, --hysteresis)",
+    "--rotary-percent": "RoPE on the first int(head_dim x percent) channels of each head",
+    "--apply-layernorm-1p": "norm weights stored as w - 1 (zero-centred), applied as 1 + w",
+    "--no-position-embedding": "no learned position embedding (RoPE has none already)",
+    "--decoupled-lr": "peak learning rate of the embedding and output layer",
+    "--decoupled-min-lr": "their minimum learning rate",
+    "--calculate-per-token-loss": "our normalisation already: summed token losses / tokens of the "
+                                  "global batch",
+    "--grad-reduce-in-bf16": "gradients reduced over dp x sp in bf16, accumulated in fp32",
+    "--optimizer": "adam (AdamW) or sgd (momentum --sgd-momentum)",
+    "--transformer-impl": "local; transformer_engine: Transformer Engine's fused attention, "
+                          "mapped to local (said at start-up) when Transformer Engine is not "
+                          "installed",
+    "--fp8-format": "through Transformer Engine's fp8_autocast; refused in one sentence without "
+                    "Transformer Engine",
+    "--fp8-amax-history-len": "Transformer Engine's DelayedScaling recipe",
+    "--fp8-amax-compute-algo": "Transformer Engine's DelayedScaling recipe",
+    "--fp8-margin": "Transformer Engine's DelayedScaling recipe",
+    "--fp8-interval": "Transformer Engine's DelayedScaling recipe (before TE 1.8, as Megatron)",
+    "--fp8-param-gather": "the model is built inside Transformer Engine's fp8_model_init",
+    "--use-distributed-optimizer": "Adam state and fp32 master weights sharded over dp x sp "
+                                   "(ZeRO-1/2)",
+    "--overlap-grad-reduce": "gradient buckets reduced from the backward pass's hooks (always)",
+    "--overlap-param-gather": "distributed optimizer: every bucket's all-gather launched after the "
+                              "step (FSDP2 prefetches the next layer's)",
+    "--use-torch-fsdp2": "parameters, gradients and optimizer state sharded over dp x sp by FSDP2",
 }
 
 # Mapped: flag -> (number of values, our equivalent in words). `apply` sets our arguments.
@@ -123,6 +141,9 @@ ATTENTION_NOTES = {"fused": "Transformer Engine's fused attention (te)",
                    "unfused": "PyTorch scaled_dot_product_attention (sdpa)",
                    "local": "PyTorch scaled_dot_product_attention (sdpa)"}
 
+# --transformer-impl transformer_engine without Transformer Engine (Megatron's default value).
+TRANSFORMER_IMPL_NOTE = "runs with the local implementation: Transformer Engine is not installed"
+
 # --ckpt-format: ours is torch.distributed.checkpoint, the family of Megatron's torch_dist.
 CKPT_FORMATS = ("torch_dist",)
 
@@ -145,6 +166,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(flag, action="store_true", help=f"{kind}: {note}")
             else:
                 group.add_argument(flag, default=None, help=f"{kind}: {note}")
+
+
+def _has_te() -> bool:
+    from megatron_sp.fp8 import transformer_engine_installed
+    return transformer_engine_installed()
 
 
 def _given(args, flag: str) -> bool:
@@ -175,9 +201,12 @@ def apply(args) -> list[str]:
     if getattr(args, "use_flash_attn", False):
         args.attention_backend = "flash"
         notes.append(f"> --use-flash-attn {MAPPED['--use-flash-attn'][1]}")
+    if getattr(args, "transformer_impl", "local") == "transformer_engine" and not _has_te():
+        args.transformer_impl = "local"     # --fp8-format without TE is still refused (validate)
+        notes.append(f"> --transformer-impl transformer_engine {TRANSFORMER_IMPL_NOTE}")
     backend = args.attention_backend
     mapped = ATTENTION_BACKENDS[backend]
-    if backend == "fused" and importlib.util.find_spec("transformer_engine") is None:
+    if backend == "fused" and not _has_te():
         backend, mapped = "fused-no-te", "sdpa"
     if backend in ATTENTION_NOTES:
         notes.append(f"> --attention-backend {args.attention_backend} runs as "
@@ -194,7 +223,6 @@ def apply(args) -> list[str]:
 def categories() -> list[tuple[str, str, str]]:
     """(flag, category, note) for every flag of the four example scripts and the refused ones."""
     rows = [(flag, "honoured", HONOURED_NOTES.get(flag, "")) for flag in HONOURED]
-    rows += [(flag, "honoured", f"(branch {branch})") for flag, branch in PENDING.items()]
     rows += [(flag, "mapped", note) for flag, (_, note) in MAPPED.items()]
     rows += [(flag, "no-op", note) for flag, (_, note) in NOOP.items()]
     rows += [(flag, "refused", note) for flag, (_, note) in REFUSED.items()]

@@ -34,14 +34,6 @@ def test_every_categorised_flag_is_parsed_once():
     assert not missing, missing
 
 
-@pytest.mark.parametrize("flag", [
-    pytest.param(flag, marks=pytest.mark.xfail(flag not in PARSER_FLAGS, strict=True,
-                                               reason=f"added by branch {branch}, not merged here"))
-    for flag, branch in mc.PENDING.items()])
-def test_flags_of_the_other_branches_are_parsed(flag):
-    assert flag in PARSER_FLAGS
-
-
 @pytest.mark.parametrize("value,ours", [("auto", "auto"), ("flash", "flash"), ("unfused", "sdpa"),
                                         ("local", "sdpa"), ("te", "te"), ("sdpa", "sdpa")])
 def test_attention_backend_values(value, ours):

@@ -249,15 +249,23 @@ def test_fp8_flags_build_the_delayed_scaling_recipe_and_wrap_every_forward(fake_
                for c in calls["autocast"])
 
 
-def test_transformer_engine_flags_refused_in_one_sentence_without_it(monkeypatch):
+def test_without_transformer_engine_fp8_is_refused_and_transformer_impl_mapped(monkeypatch):
+    """FP8 without TE: one sentence naming it (also with --transformer-impl transformer_engine).
+    --transformer-impl transformer_engine alone (Megatron's default) runs as local, said once."""
     monkeypatch.setitem(sys.modules, "transformer_engine", None)      # import fails
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", None)
-    for flags in (FP8_FLAGS, ["--transformer-impl", "transformer_engine"]):
+    for flags in (FP8_FLAGS, FP8_FLAGS + ["--transformer-impl", "transformer_engine"]):
         with pytest.raises(SystemExit) as err:
             parse_args(flags)
         message = str(err.value)
-        assert message.startswith("error: --") and "Transformer Engine" in message
+        assert message.startswith("error: --fp8-format") and "Transformer Engine" in message
         assert message.count(". ") == 0 and "\n" not in message
+    args = parse_args(["--transformer-impl", "transformer_engine"])
+    assert args.transformer_impl == "local" and args.attention_backend == "auto"
+    notes = [n for n in args.megatron_notes if "--transformer-impl" in n]
+    assert notes == ["> --transformer-impl transformer_engine runs with the local implementation: "
+                     "Transformer Engine is not installed"], args.megatron_notes
+    assert parse_args(["--transformer-impl", "local"]).megatron_notes == []
     assert parse_args(["--transformer-impl", "local"]).transformer_impl == "local"
 
 

@@ -21,9 +21,6 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_memory_accounting import _cfg  # noqa: E402
 
 GB = 2 ** 30
-# The sharding flags land on other branches (fsdp, distopt) at the same time as this one; until
-# they are merged pretrain_gpt.py's parser may not know them. Only these three may be unknown.
-PENDING_SHARDING_FLAGS = {"--use-distributed-optimizer", "--use-torch-fsdp2", "--optimizer-cpu-offload"}
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _spec = importlib.util.spec_from_file_location("plan_parallel", os.path.join(ROOT, "tools",
@@ -155,7 +152,7 @@ def test_each_plans_flags_are_accepted_by_pretrain_gpt():
         for p in plans[:6]:
             argv = ["--model", "llama-8b", "--seq-length", "131072"] + _flag_argv(p)
             args, unknown = parser.parse_known_args(argv)
-            assert set(unknown) <= PENDING_SHARDING_FLAGS, unknown
+            assert not unknown, unknown
             assert (args.tensor_model_parallel_size, args.sequence_parallel_size,
                     args.pipeline_model_parallel_size, args.micro_batch_size) == (p.tp, p.sp, p.pp, 1)
             assert args.bf16 and args.sequence_parallel == p.sequence_parallel
@@ -163,7 +160,7 @@ def test_each_plans_flags_are_accepted_by_pretrain_gpt():
             for flag, on in (("--use-distributed-optimizer", p.sharding == "distributed-optimizer"),
                              ("--use-torch-fsdp2", p.sharding == "fsdp"),
                              ("--optimizer-cpu-offload", p.cpu_offload)):
-                assert (flag in argv) == on
+                assert (flag in argv) == on and getattr(args, flag[2:].replace("-", "_")) == on
             seen.add((p.sharding, p.cpu_offload, p.pp > 1, p.sequence_parallel))
     assert {s[:2] for s in seen} == {("none", False), ("distributed-optimizer", False),
                                      ("distributed-optimizer", True), ("fsdp", False),
