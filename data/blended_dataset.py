@@ -104,7 +104,6 @@ def _blocks(w, size, L, W, K=32):
     (the helper's float64 arithmetic), their first maximum, one count incremented. Returns the
     outputs (block-major) and, per block, the counts at its start and at its end.
     """
-    n = len(w)
     B = -(-size // L)
     first = np.arange(B, dtype=np.float64) * L - W
     first[0] = 0.0

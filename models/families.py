@@ -369,8 +369,8 @@ def _ours_to_gpt2(c: GPTConfig, full):
 
 
 def _ours_to_llama_like(c: GPTConfig, full, family: str):
-    H, L, h, g, d, F = (c.hidden_size, c.num_layers, c.num_attention_heads, c.num_query_groups,
-                        c.kv_channels, c.ffn_hidden_size)
+    H, L, h, g, d = (c.hidden_size, c.num_layers, c.num_attention_heads, c.num_query_groups,
+                     c.kv_channels)
     s = {"model.embed_tokens.weight": full["embedding.word_embeddings.weight"]}
     for i in range(L):
         o, p = f"layers.{i}.", f"model.layers.{i}."

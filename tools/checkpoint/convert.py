@@ -24,12 +24,8 @@ The name and layout mapping is in megatron_sp/models/families.py.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-
-import torch
-
 
 from megatron_sp.models.families import (ConversionError, FAMILIES, full_tensors,  # noqa: F401
                                         family_flags, hf_to_megatron_sp, megatron_sp_to_hf,
