@@ -188,7 +188,7 @@ def simulate(p, m, v, t_f):
             errors.append(err)
 
     original = pp_schedules._communicator
-    pp_schedules._communicator = lambda chunks, mbs, mesh: _local.comm
+    pp_schedules._communicator = lambda chunks, mbs, mesh, *rest: _local.comm
     try:
         threads = [threading.Thread(target=stage, args=(r,)) for r in range(p)]
         for t in threads:

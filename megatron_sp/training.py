@@ -334,6 +334,11 @@ class Trainer:
                 "fastest_rank": fast, "fastest_ms": times[fast]}
 
 
+def _format_tflops(tflops: float) -> str:
+    """Two decimals on a GPU; three significant digits below 1 TFLOP/s (a CPU: 0.0123, not 0.00)."""
+    return f"{tflops:.2f}" if tflops >= 1 else f"{tflops:.3g}"
+
+
 def format_log_line(record: dict, train_iters: int) -> str:
     parts = [f"iteration {record['iteration']:8d}/{train_iters:8d}",
              f"consumed samples: {record['consumed_samples']:10d}",
@@ -342,7 +347,7 @@ def format_log_line(record: dict, train_iters: int) -> str:
              f"lm loss: {record['lm_loss']:.6E}",
              f"grad norm: {record['grad_norm']:.3f}",
              f"tokens/s: {record['tokens_per_sec']:.0f}",
-             f"TFLOP/s/GPU: {record['tflops_per_gpu']:.2f}"]
+             f"TFLOP/s/GPU: {_format_tflops(record['tflops_per_gpu'])}"]
     if "mfu" in record:
         parts.append(f"MFU: {100 * record['mfu']:.1f}%")
     if "mem_peak_gb" in record:

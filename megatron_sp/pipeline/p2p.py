@@ -12,7 +12,9 @@ same step (with pp=2 and virtual stages a peer is both previous and next), so me
 apart by tag (activations 0, gradients 1) and posted in a canonical order (activation ops, then
 gradient ops) on both sides, which also keeps them matched on backends that ignore tags.
 
-Bytes sent are counted as "pp/send" in megatron_sp.comm_stats.
+Bytes sent are counted as "pp/send" in megatron_sp.comm_stats. Under --bf16 tensors cross the
+wire in bf16 (wire_dtype, as Megatron's pipeline_dtype): half the bytes; the receiver gets them back
+in the compute dtype, so the residual stream of every stage keeps its dtype.
 """
 from __future__ import annotations
 
@@ -28,14 +30,16 @@ GRADIENT_TAG = 1
 class P2PCommunicator:
     """Send/receive of one fixed-shape tensor between this stage and its pipeline neighbours.
 
-    shape: the activation shape [b, s_local, H]; dtype: the wire dtype (fp32 by default, the dtype
-    of the residual stream, also under bf16 autocast). Tensors are cast to it on send.
+    shape: the activation shape [b, s_local, H]; dtype: the dtype of the residual stream (fp32,
+    also under bf16 autocast), which received tensors are returned in; wire_dtype: the dtype on the
+    wire (default dtype; bf16 under --bf16). Tensors are cast to it on send.
     """
 
-    def __init__(self, mesh, shape, dtype=torch.float32, device=None):
+    def __init__(self, mesh, shape, dtype=torch.float32, device=None, wire_dtype=None):
         self.mesh = mesh
         self.shape = tuple(shape)
         self.dtype = dtype
+        self.wire_dtype = wire_dtype or dtype
         self.device = device or torch.device("cpu")
         self.group = mesh.pp_group
         pp, r = mesh.pp_size, mesh.pp_rank
@@ -43,10 +47,10 @@ class P2PCommunicator:
         self.prev_rank = mesh.stage_rank((r - 1) % pp)
 
     def _empty(self):
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return torch.empty(self.shape, dtype=self.wire_dtype, device=self.device)
 
     def _send_op(self, tensor, peer, tag):
-        tensor = tensor.detach().to(self.dtype).contiguous()
+        tensor = tensor.detach().to(self.wire_dtype).contiguous()
         if tuple(tensor.shape) != self.shape:
             raise RuntimeError(f"pipeline send of shape {tuple(tensor.shape)}, expected {self.shape} "
                                f"(micro-batch shape changed inside one step?).")
@@ -74,7 +78,10 @@ class P2PCommunicator:
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        return from_prev, from_next
+        return self._received(from_prev), self._received(from_next)
+
+    def _received(self, t):
+        return None if t is None else t.to(self.dtype)
 
     # Megatron's named exchanges ---------------------------------------------------------------
     def recv_forward(self, recv=True):
