@@ -11,7 +11,10 @@ and stage (split evenly over the v chunks when interleaved), run through the rea
 - measured: p gloo ranks on CPU with the real batched p2p (tiny [1, 8, 16] fp32 activations) and
   the delays as sleeps; this adds p2p latency and OS wake-up jitter (large on a loaded machine).
 A step's time T (max over ranks; measured: median of several steps after a barrier) is compared
-with the ideal T_ideal = m (t_f + t_b) of a stage with no bubble:
+with the ideal T_ideal = m (t_f + t_b) of a stage with no bubble, and (gloo) with the time each
+rank actually spent in its delays, `busy` (a sleep on a loaded machine oversleeps: that is compute
+taking longer, not pipeline idle time). The measured bubble is then the idle fraction of the step,
+1 - mean over ranks of busy / T, Megatron's definition of the bubble (stages idle, waiting):
 
     bubble fraction of the step   (T - T_ideal) / T     vs (p-1)/(m+p-1)      (1F1B)
                                                             (p-1)/(v m+p-1)    (interleaved)
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import statistics
 import sys
@@ -41,6 +45,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_sp import comm_stats  # noqa: E402
 from megatron_sp.mesh import ParallelMesh  # noqa: E402
 from megatron_sp.pipeline import get_forward_backward_func  # noqa: E402
 from megatron_sp.testing import run_distributed  # noqa: E402
@@ -55,7 +60,9 @@ def _delay(seconds):
     if getattr(_local, "simulated", False):
         _local.clock += seconds
     else:
+        start = time.perf_counter()
         time.sleep(seconds)
+        _local.busy = getattr(_local, "busy", 0.0) + time.perf_counter() - start   # as slept
 
 
 class _Sleep(torch.autograd.Function):
@@ -203,6 +210,8 @@ def simulate(p, m, v, t_f):
 
 
 def _measure(rank, world, configs, t_f, steps):
+    """Per config: (m, v, median step time, median idle fraction, p2p messages and bytes sent per
+    step by this rank in fp32 and under bf16 autocast)."""
     mesh = ParallelMesh.from_sizes(pp=world)
     rows = []
     for m, v in configs:
@@ -210,16 +219,27 @@ def _measure(rank, world, configs, t_f, steps):
                              mesh.is_last_stage and c == v - 1) for c in range(v)]
         schedule = get_forward_backward_func(world, v)
         mbs = _micro_batches(m)
-        times = []
+        num_tokens = torch.tensor(float(m * B * S))
+        times, idle = [], []
         for step in range(steps + 1):                   # the first step warms up the p2p pairs
             dist.barrier()
+            _local.busy = 0.0
             start = time.perf_counter()
-            schedule(chunks, mbs, mesh, num_tokens=torch.tensor(float(m * B * S)))
+            schedule(chunks, mbs, mesh, num_tokens=num_tokens)
             elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            busy = torch.tensor(_local.busy, dtype=torch.float64)
+            dist.all_reduce(busy)                        # summed over ranks
             if step:
                 times.append(elapsed.item())
-        rows.append((m, v, statistics.median(times)))
+                idle.append(1.0 - busy.item() / world / elapsed.item())
+        wire = {}
+        for name, autocast in (("fp32", contextlib.nullcontext),
+                               ("bf16", lambda: torch.autocast("cpu", dtype=torch.bfloat16))):
+            comm_stats.reset()
+            schedule(chunks, mbs, mesh, num_tokens=num_tokens, autocast=autocast)
+            wire[name] = (comm_stats.calls()["pp/send"], comm_stats.snapshot()["pp/send"])
+        rows.append((m, v, statistics.median(times), statistics.median(idle), wire))
     return rows
 
 
@@ -236,22 +256,34 @@ def main():
     configs = [(m, v) for m in args.micro_batches for v in [1] + args.chunks if v == 1 or m % p == 0]
     simulated = {(m, v): simulate(p, m, v, t_f) for m, v in configs}
     measured = {} if args.no_gloo else {
-        (m, v): t for m, v, t in run_distributed(_measure, p, configs, t_f, args.steps,
-                                                 timeout_s=1800, collective_timeout_s=600)[0]}
+        (m, v): row for m, v, *row in run_distributed(_measure, p, configs, t_f, args.steps,
+                                                     timeout_s=1800, collective_timeout_s=600)[0]}
     print(f"pipeline bubble, pp={p}, stage compute as delays: t_f={args.tf_ms:g} ms, "
           f"t_b={2 * args.tf_ms:g} ms per micro-batch and stage (split over the v chunks); "
           f"sim = virtual clocks, gloo = {p} gloo ranks on CPU with sleeps (median of {args.steps} steps)")
     print(f"{'schedule':<12}{'m':>4}{'v':>3}{'ideal ms':>10}{'sim ms':>9}{'gloo ms':>9} | "
-          f"{'bubble/step: sim':>16}{'gloo':>7}{'formula':>9} | "
+          f"{'bubble/step: sim':>16}{'gloo':>7}{'idle':>7}{'formula':>9} | "
           f"{'bubble/ideal: sim':>17}{'gloo':>7}{'formula':>9}")
+    nan = float("nan")
     for m, v in configs:
         ideal = m * 3 * t_f
         name = "1F1B" if v == 1 else "interleaved"
-        sim, wall = simulated[(m, v)], measured.get((m, v), float("nan"))
+        sim = simulated[(m, v)]
+        wall, idle, _ = measured.get((m, v), (nan, nan, None))
         frac_f, ratio_f = (p - 1) / (v * m + p - 1), (p - 1) / (v * m)
         print(f"{name:<12}{m:>4}{v:>3}{1000 * ideal:>10.1f}{1000 * sim:>9.1f}{1000 * wall:>9.1f} | "
-              f"{(sim - ideal) / sim:>16.3f}{(wall - ideal) / wall:>7.3f}{frac_f:>9.3f} | "
+              f"{(sim - ideal) / sim:>16.3f}{(wall - ideal) / wall:>7.3f}{idle:>7.3f}{frac_f:>9.3f} | "
               f"{(sim - ideal) / ideal:>17.3f}{(wall - ideal) / ideal:>7.3f}{ratio_f:>9.3f}")
+    print("bubble/step gloo: (T - T_ideal)/T, the delays at their nominal length; idle: 1 - busy/T, "
+          "the time ranks spent waiting (delays as actually slept)")
+    if measured:
+        print(f"\np2p messages sent per step by stage 0, [{B}, {S}, {H}] activations / gradients:")
+        print(f"{'schedule':<12}{'m':>4}{'v':>3} | {'messages':>8} {'fp32 B/msg':>10} {'bf16 B/msg':>10}")
+        for m, v in configs:
+            wire = measured[(m, v)][2]
+            (n32, b32), (n16, b16) = wire["fp32"], wire["bf16"]
+            print(f"{'1F1B' if v == 1 else 'interleaved':<12}{m:>4}{v:>3} | {n32:>8} "
+                  f"{b32 // n32:>10} {b16 // n16:>10}")
 
 
 if __name__ == "__main__":
