@@ -50,6 +50,7 @@ from megatron_sp.mesh import ParallelMesh  # noqa: E402
 from megatron_sp.pipeline import get_forward_backward_func  # noqa: E402
 from megatron_sp.testing import run_distributed  # noqa: E402
 
+from megatron_sp.pipeline import p2p as pp_p2p  # noqa: E402
 from megatron_sp.pipeline import schedules as pp_schedules  # noqa: E402
 
 B, S, H = 1, 8, 16
@@ -109,6 +110,19 @@ class _Fabric:
 
     def exchange(self, me, ops, timeout=60.0):
         """ops: [("send"|"recv", peer, tag, tensor)]; returns received tensors; advances the clock."""
+        posted = self.post(me, ops)
+        self.wait(me, posted, timeout)
+        return [o["tensor"] for (kind, *_), o in zip(ops, posted) if kind == "recv"]
+
+    def wait(self, me, posted, timeout=60.0):
+        """Block until the posted ops have met their peers; the clock moves to the latest."""
+        with self.cond:
+            if not self.cond.wait_for(lambda: all(o["done"] is not None for o in posted), timeout):
+                raise RuntimeError(f"simulated stage {me}: exchange never matched (schedule deadlock)")
+        _local.clock = max([_local.clock] + [o["done"] for o in posted])
+
+    def post(self, me, ops):
+        """Post ops at this stage's clock, matching those the peers posted before; no waiting."""
         posted = []
         with self.cond:
             for kind, peer, tag, tensor in ops:
@@ -127,10 +141,18 @@ class _Fabric:
                 else:
                     mine[key].append(op)
                 posted.append(op)
-            if not self.cond.wait_for(lambda: all(o["done"] is not None for o in posted), timeout):
-                raise RuntimeError(f"simulated stage {me}: exchange never matched (schedule deadlock)")
-        _local.clock = max([_local.clock] + [o["done"] for o in posted])
-        return [o["tensor"] for (kind, *_), o in zip(ops, posted) if kind == "recv"]
+        return posted
+
+
+class _SimPendingRecv(pp_p2p.PendingRecv):
+    """A receive posted on the simulated fabric; get() waits for it on the virtual clock."""
+
+    def __init__(self, fabric, me, op):
+        self.fabric, self.me, self.op = fabric, me, op
+
+    def get(self):
+        self.fabric.wait(self.me, [self.op])
+        return self.op["tensor"]
 
 
 class _SimComm:
@@ -140,7 +162,8 @@ class _SimComm:
         self.fabric, self.rank = fabric, rank
         self.next, self.prev = (rank + 1) % pp, (rank - 1) % pp
 
-    def communicate(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+    def communicate(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False,
+                    wait=True):
         ops = []
         if send_next is not None:
             ops.append(("send", self.next, 0, send_next.detach().clone()))
@@ -150,10 +173,18 @@ class _SimComm:
             ops.append(("send", self.prev, 1, send_prev.detach().clone()))
         if recv_next:
             ops.append(("recv", self.next, 1, None))
+        if not wait:      # posted now, each receive waited for by its user (sends: never)
+            posted = iter(o for (kind, *_), o in zip(ops, self.fabric.post(self.rank, ops))
+                          if kind == "recv")
+            return (_SimPendingRecv(self.fabric, self.rank, next(posted)) if recv_prev else None,
+                    _SimPendingRecv(self.fabric, self.rank, next(posted)) if recv_next else None)
         received = iter(self.fabric.exchange(self.rank, ops))
         from_prev = next(received) if recv_prev else None
         from_next = next(received) if recv_next else None
         return from_prev, from_next
+
+    def wait_sends(self):
+        pass
 
     recv_forward = lambda self, recv=True: self.communicate(recv_prev=recv)[0]
     send_forward = lambda self, out: self.communicate(send_next=out)

@@ -27,6 +27,19 @@ ACTIVATION_TAG = 0
 GRADIENT_TAG = 1
 
 
+class PendingRecv:
+    """A posted receive (communicate(wait=False)): get() waits for it and returns the tensor."""
+
+    def __init__(self, work, buffer, dtype):
+        self.work, self.buffer, self.dtype = work, buffer, dtype
+
+    def get(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.buffer.to(self.dtype)
+
+
 class P2PCommunicator:
     """Send/receive of one fixed-shape tensor between this stage and its pipeline neighbours.
 
@@ -45,6 +58,7 @@ class P2PCommunicator:
         pp, r = mesh.pp_size, mesh.pp_rank
         self.next_rank = mesh.stage_rank((r + 1) % pp)
         self.prev_rank = mesh.stage_rank((r - 1) % pp)
+        self._sends = []           # works of sends posted without waiting (wait=False)
 
     def _empty(self):
         return torch.empty(self.shape, dtype=self.wire_dtype, device=self.device)
@@ -57,10 +71,16 @@ class P2PCommunicator:
         comm_stats.record("pp/send", tensor.numel() * tensor.element_size())
         return dist.P2POp(dist.isend, tensor, peer, self.group, tag)
 
-    def communicate(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+    def communicate(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False,
+                    wait=True):
         """One batched exchange. send_next: activation to the next stage; send_prev: gradient to
         the previous stage; recv_prev: receive an activation from the previous stage; recv_next:
         receive a gradient from the next stage. Returns (from_prev, from_next) (None if not asked).
+
+        wait=False (Megatron's overlap_p2p_comm): the ops are posted and not waited for; the
+        results are PendingRecv handles, waited for when the schedule needs them, and sends are
+        waited for by a later exchange or wait_sends(). Posting order is unchanged, so the
+        exchanges match as before.
         """
         from_prev = self._empty() if recv_prev else None
         from_next = self._empty() if recv_next else None
@@ -75,10 +95,27 @@ class P2PCommunicator:
             ops.append(self._send_op(send_prev, self.prev_rank, GRADIENT_TAG))
         if from_next is not None:
             ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, self.group, GRADIENT_TAG))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if wait or len(works) != len(ops):   # (a backend that coalesces the batch: wait now)
+            for work in works:
                 work.wait()
-        return self._received(from_prev), self._received(from_next)
+            if wait:
+                return self._received(from_prev), self._received(from_next)
+            works = [None] * len(ops)
+        pending = {}
+        for op, work in zip(ops, works):
+            if op.op is dist.irecv:
+                pending[id(op.tensor)] = PendingRecv(work, op.tensor, self.dtype)
+            elif work is not None:
+                self._sends.append((work, op.tensor))   # the tensor lives until the send is done
+        return (pending.get(id(from_prev)) if from_prev is not None else None,
+                pending.get(id(from_next)) if from_next is not None else None)
+
+    def wait_sends(self) -> None:
+        """Wait for every send posted with wait=False (their buffers are released)."""
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
 
     def _received(self, t):
         return None if t is None else t.to(self.dtype)

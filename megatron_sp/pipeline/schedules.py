@@ -30,7 +30,7 @@ import torch
 
 from megatron_sp.schedules import forward_backward_no_pipelining
 
-from .p2p import P2PCommunicator
+from .p2p import P2PCommunicator, PendingRecv
 from .partition import check_num_microbatches
 
 
@@ -88,6 +88,11 @@ def backward_step(input_tensor, output, output_grad):
             tensors=(output,), grad_tensors=(output_grad.to(output.dtype),), keep_graph=False,
             create_graph=False, inputs=(), allow_unreachable=True, accumulate_grad=True)
     return None if input_tensor is None else input_tensor.grad
+
+
+def _resolve(t):
+    """A received tensor, waiting for it first if its receive was posted without waiting."""
+    return t.get() if isinstance(t, PendingRecv) else t
 
 
 def _as_input(t):
@@ -198,7 +203,7 @@ def forward_backward_pipelining_with_interleaving(model_chunks, micro_batches, m
         c = chunk_id(k, True)
         if pre(c) and len(inputs[c]) == len(outputs[c]):
             inputs[c].append(None)
-        inp = inputs[c][-1]
+        inputs[c][-1] = inp = _resolve(inputs[c][-1])
         with grad_ctx():
             out = forward_step(chunks[c], micro_batches[micro_batch_id(k)],
                                inp if forward_only else _as_input(inp), num_tokens, autocast)
@@ -214,7 +219,7 @@ def forward_backward_pipelining_with_interleaving(model_chunks, micro_batches, m
         c = chunk_id(k, False)
         if post(c) and len(out_grads[c]) == 0:
             out_grads[c].append(None)
-        inp, out, og = inputs[c].pop(0), outputs[c].pop(0), out_grads[c].pop(0)
+        inp, out, og = inputs[c].pop(0), outputs[c].pop(0), _resolve(out_grads[c].pop(0))
         if grad_sync is not None and k == total_k - 1:
             grad_sync.start_last_backward()
         in_grad = backward_step(inp, out, og)
@@ -235,18 +240,20 @@ def forward_backward_pipelining_with_interleaving(model_chunks, micro_batches, m
         next_c = chunk_id(k + 1, True)
         recv_prev = not (first_stage and next_c == 0) and k != total_k - 1
         if k == num_warmup - 1 and not forward_only and not all_warmup:
-            inp, og = comm.send_forward_backward_recv_forward_backward(
-                out, None, recv_prev=recv_prev, recv_next=not last_stage)
+            inp, og = comm.communicate(send_next=out, recv_prev=recv_prev,
+                                       recv_next=not last_stage, wait=False)
             out_grads[v - 1].append(og)
         else:
             inp = comm.send_forward_recv_forward(out, recv_prev=recv_prev)
         deallocate_output_tensor(out)
         inputs[next_c].append(inp)
 
+    # Steady state, as Megatron's overlap_p2p_comm: the output is sent (and the next input
+    # posted for) right after the forward, the input gradient right after the backward; each
+    # receive is waited for only when its forward / backward needs it.
     for k in range(num_remaining):
         fk, bk = k + num_warmup, k
         out = forward_k(fk)
-        in_grad = backward_k(bk)
         recv_prev = True
         if first_stage:     # the first stage is p-1 virtual steps ahead of the last
             next_fc = chunk_id(fk - (p - 1), True)
@@ -265,11 +272,12 @@ def forward_backward_pipelining_with_interleaving(model_chunks, micro_batches, m
             next_bc = chunk_id(bk + 1, False)
         if k == num_remaining - 1:
             recv_prev = False
-        inp, og = comm.send_forward_backward_recv_forward_backward(
-            out, in_grad, recv_prev=recv_prev, recv_next=recv_next)
+        inp = comm.communicate(send_next=out, recv_prev=recv_prev, wait=False)[0]
         deallocate_output_tensor(out)
         if recv_prev:
             inputs[next_fc].append(inp)
+        in_grad = backward_k(bk)
+        og = comm.communicate(send_prev=in_grad, recv_next=recv_next, wait=False)[1]
         if recv_next:
             out_grads[next_bc].append(og)
 
@@ -280,7 +288,9 @@ def forward_backward_pipelining_with_interleaving(model_chunks, micro_batches, m
             in_grad = backward_k(k)
             next_bc = chunk_id(k + 1, False)
             recv_next = not (last_stage and next_bc == v - 1) and k != total_k - 1
-            out_grads[next_bc].append(comm.send_backward_recv_backward(in_grad, recv_next=recv_next))
+            out_grads[next_bc].append(comm.communicate(send_prev=in_grad, recv_next=recv_next,
+                                                       wait=False)[1])
+    comm.wait_sends()
     return total
 
 
