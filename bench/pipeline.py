@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -47,7 +48,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_sp import comm_stats  # noqa: E402
 from megatron_sp.mesh import ParallelMesh  # noqa: E402
-from megatron_sp.pipeline import get_forward_backward_func  # noqa: E402
 from megatron_sp.testing import run_distributed  # noqa: E402
 
 from megatron_sp.pipeline import p2p as pp_p2p  # noqa: E402
@@ -207,7 +207,13 @@ def _micro_batches(m):
              "loss_mask": torch.ones(B, S)} for _ in range(m)]
 
 
-def simulate(p, m, v, t_f):
+def _schedule(p, v, overlap):
+    """The schedule of (p, v); interleaved with or without Megatron's p2p overlap."""
+    fn = pp_schedules.get_forward_backward_func(p, v)
+    return fn if overlap is None else functools.partial(fn, overlap_p2p_comm=overlap)
+
+
+def simulate(p, m, v, t_f, overlap=None):
     """Step time of the real schedule code on p simulated stages (virtual clocks)."""
     fabric, times, errors = _Fabric(), [0.0] * p, []
 
@@ -219,7 +225,7 @@ def simulate(p, m, v, t_f):
             _local.comm = _SimComm(fabric, rank, p)
             chunks = [SleepChunk(t_f / v, 2 * t_f / v, rank == 0 and c == 0, rank == p - 1 and c == v - 1)
                       for c in range(v)]
-            pp_schedules.get_forward_backward_func(p, v)(chunks, _micro_batches(m), mesh,
+            _schedule(p, v, overlap)(chunks, _micro_batches(m), mesh,
                                                           num_tokens=torch.tensor(float(m * B * S)))
             times[rank] = _local.clock
         except BaseException as err:  # report in the main thread
@@ -245,10 +251,10 @@ def _measure(rank, world, configs, t_f, steps):
     step by this rank in fp32 and under bf16 autocast)."""
     mesh = ParallelMesh.from_sizes(pp=world)
     rows = []
-    for m, v in configs:
+    for m, v, overlap in configs:
         chunks = [SleepChunk(t_f / v, 2 * t_f / v, mesh.is_first_stage and c == 0,
                              mesh.is_last_stage and c == v - 1) for c in range(v)]
-        schedule = get_forward_backward_func(world, v)
+        schedule = _schedule(world, v, overlap)
         mbs = _micro_batches(m)
         num_tokens = torch.tensor(float(m * B * S))
         times, idle = [], []
@@ -270,7 +276,7 @@ def _measure(rank, world, configs, t_f, steps):
             comm_stats.reset()
             schedule(chunks, mbs, mesh, num_tokens=num_tokens, autocast=autocast)
             wire[name] = (comm_stats.calls()["pp/send"], comm_stats.snapshot()["pp/send"])
-        rows.append((m, v, statistics.median(times), statistics.median(idle), wire))
+        rows.append((m, v, overlap, statistics.median(times), statistics.median(idle), wire))
     return rows
 
 
@@ -284,34 +290,39 @@ def main():
     parser.add_argument("--no-gloo", action="store_true", help="only the simulation (instant)")
     args = parser.parse_args()
     p, t_f = args.pp, args.tf_ms / 1000
-    configs = [(m, v) for m in args.micro_batches for v in [1] + args.chunks if v == 1 or m % p == 0]
-    simulated = {(m, v): simulate(p, m, v, t_f) for m, v in configs}
+    configs = [(m, v, overlap) for m in args.micro_batches for v in [1] + args.chunks
+               if v == 1 or m % p == 0 for overlap in ((None,) if v == 1 else (True, False))]
+    simulated = {c: simulate(p, *c[:2], t_f, c[2]) for c in configs}
     measured = {} if args.no_gloo else {
-        (m, v): row for m, v, *row in run_distributed(_measure, p, configs, t_f, args.steps,
-                                                     timeout_s=1800, collective_timeout_s=600)[0]}
+        (m, v, o): row for m, v, o, *row in run_distributed(_measure, p, configs, t_f, args.steps,
+                                                           timeout_s=1800,
+                                                           collective_timeout_s=600)[0]}
     print(f"pipeline bubble, pp={p}, stage compute as delays: t_f={args.tf_ms:g} ms, "
           f"t_b={2 * args.tf_ms:g} ms per micro-batch and stage (split over the v chunks); "
           f"sim = virtual clocks, gloo = {p} gloo ranks on CPU with sleeps (median of {args.steps} steps)")
-    print(f"{'schedule':<12}{'m':>4}{'v':>3}{'ideal ms':>10}{'sim ms':>9}{'gloo ms':>9} | "
+    print(f"{'schedule':<19}{'m':>4}{'v':>3}{'ideal ms':>10}{'sim ms':>9}{'gloo ms':>9} | "
           f"{'bubble/step: sim':>16}{'gloo':>7}{'idle':>7}{'formula':>9} | "
           f"{'bubble/ideal: sim':>17}{'gloo':>7}{'formula':>9}")
     nan = float("nan")
-    for m, v in configs:
+    for m, v, overlap in configs:
         ideal = m * 3 * t_f
-        name = "1F1B" if v == 1 else "interleaved"
-        sim = simulated[(m, v)]
-        wall, idle, _ = measured.get((m, v), (nan, nan, None))
+        name = "1F1B" if v == 1 else "interleaved" + ("" if overlap else " (sync)")
+        sim = simulated[(m, v, overlap)]
+        wall, idle, _ = measured.get((m, v, overlap), (nan, nan, None))
         frac_f, ratio_f = (p - 1) / (v * m + p - 1), (p - 1) / (v * m)
-        print(f"{name:<12}{m:>4}{v:>3}{1000 * ideal:>10.1f}{1000 * sim:>9.1f}{1000 * wall:>9.1f} | "
+        print(f"{name:<19}{m:>4}{v:>3}{1000 * ideal:>10.1f}{1000 * sim:>9.1f}{1000 * wall:>9.1f} | "
               f"{(sim - ideal) / sim:>16.3f}{(wall - ideal) / wall:>7.3f}{idle:>7.3f}{frac_f:>9.3f} | "
               f"{(sim - ideal) / ideal:>17.3f}{(wall - ideal) / ideal:>7.3f}{ratio_f:>9.3f}")
     print("bubble/step gloo: (T - T_ideal)/T, the delays at their nominal length; idle: 1 - busy/T, "
-          "the time ranks spent waiting (delays as actually slept)")
+          "the time ranks spent waiting (delays as actually slept); interleaved: p2p overlapped "
+          "(the default), (sync): every exchange waited for as posted (the schedule before)")
     if measured:
         print(f"\np2p messages sent per step by stage 0, [{B}, {S}, {H}] activations / gradients:")
         print(f"{'schedule':<12}{'m':>4}{'v':>3} | {'messages':>8} {'fp32 B/msg':>10} {'bf16 B/msg':>10}")
-        for m, v in configs:
-            wire = measured[(m, v)][2]
+        for m, v, overlap in configs:
+            if overlap is False:
+                continue
+            wire = measured[(m, v, overlap)][2]
             (n32, b32), (n16, b16) = wire["fp32"], wire["bf16"]
             print(f"{'1F1B' if v == 1 else 'interleaved':<12}{m:>4}{v:>3} | {n32:>8} "
                   f"{b32 // n32:>10} {b16 // n16:>10}")

@@ -79,9 +79,11 @@ class P2PCommunicator:
 
         wait=False (Megatron's overlap_p2p_comm): the ops are posted and not waited for; the
         results are PendingRecv handles, waited for when the schedule needs them, and sends are
-        waited for by a later exchange or wait_sends(). Posting order is unchanged, so the
-        exchanges match as before.
+        waited for at the start of the next exchange (or by wait_sends()), so a sent buffer lives
+        no longer than one exchange. Posting order is unchanged, so the exchanges match as before,
+        and every wait comes no earlier than with wait=True: no new deadlock.
         """
+        self.wait_sends()       # the previous exchange's sends (done by now): release their buffers
         from_prev = self._empty() if recv_prev else None
         from_next = self._empty() if recv_next else None
         ops = []

@@ -170,8 +170,13 @@ def forward_backward_pipelining_without_interleaving(model_chunks, micro_batches
 
 def forward_backward_pipelining_with_interleaving(model_chunks, micro_batches, mesh, *, num_tokens,
                                                   grad_sync=None, autocast=contextlib.nullcontext,
-                                                  forward_only=False):
-    """Interleaved 1F1B (Megatron-LM's schedule) over v model chunks per stage."""
+                                                  forward_only=False, overlap_p2p_comm=True):
+    """Interleaved 1F1B (Megatron-LM's schedule) over v model chunks per stage.
+
+    overlap_p2p_comm (Megatron's --overlap-p2p-communication, on here by default): exchanges are
+    posted without waiting and each receive is waited for only when its compute needs it; False
+    waits for every exchange as it is posted (one combined exchange per steady-state step).
+    """
     chunks = list(model_chunks)
     v, m, p, r = len(chunks), len(micro_batches), mesh.pp_size, mesh.pp_rank
     check_num_microbatches(m, p, v)
@@ -241,7 +246,7 @@ def forward_backward_pipelining_with_interleaving(model_chunks, micro_batches, m
         recv_prev = not (first_stage and next_c == 0) and k != total_k - 1
         if k == num_warmup - 1 and not forward_only and not all_warmup:
             inp, og = comm.communicate(send_next=out, recv_prev=recv_prev,
-                                       recv_next=not last_stage, wait=False)
+                                       recv_next=not last_stage, wait=not overlap_p2p_comm)
             out_grads[v - 1].append(og)
         else:
             inp = comm.send_forward_recv_forward(out, recv_prev=recv_prev)
@@ -272,12 +277,18 @@ def forward_backward_pipelining_with_interleaving(model_chunks, micro_batches, m
             next_bc = chunk_id(bk + 1, False)
         if k == num_remaining - 1:
             recv_prev = False
-        inp = comm.communicate(send_next=out, recv_prev=recv_prev, wait=False)[0]
-        deallocate_output_tensor(out)
+        if overlap_p2p_comm:
+            inp = comm.communicate(send_next=out, recv_prev=recv_prev, wait=False)[0]
+            deallocate_output_tensor(out)
+            in_grad = backward_k(bk)
+            og = comm.communicate(send_prev=in_grad, recv_next=recv_next, wait=False)[1]
+        else:
+            in_grad = backward_k(bk)
+            inp, og = comm.send_forward_backward_recv_forward_backward(
+                out, in_grad, recv_prev=recv_prev, recv_next=recv_next)
+            deallocate_output_tensor(out)
         if recv_prev:
             inputs[next_fc].append(inp)
-        in_grad = backward_k(bk)
-        og = comm.communicate(send_prev=in_grad, recv_next=recv_next, wait=False)[1]
         if recv_next:
             out_grads[next_bc].append(og)
 
@@ -289,7 +300,7 @@ def forward_backward_pipelining_with_interleaving(model_chunks, micro_batches, m
             next_bc = chunk_id(k + 1, False)
             recv_next = not (last_stage and next_bc == v - 1) and k != total_k - 1
             out_grads[next_bc].append(comm.communicate(send_prev=in_grad, recv_next=recv_next,
-                                                       wait=False)[1])
+                                                       wait=not overlap_p2p_comm)[1])
     comm.wait_sends()
     return total
 
