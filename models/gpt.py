@@ -46,46 +46,8 @@ def _mark_sequence_parallel(module: nn.Module) -> None:
 
 def make_norm(config: GPTConfig) -> nn.Module:
     if config.normalization == "RMSNorm":
-        return RMSNorm(config.hidden_size, eps=config.norm_epsilon)
+        return nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon)
     return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon)
-
-
-class _RMSNormFunction(torch.autograd.Function):
-    """y = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps) over the last dim, in fp32.
-
-    One reduction forward (a vector norm) and a closed-form backward (Zhang & Sennrich 2019):
-    dx = rstd * (g*w - x_hat * mean(g*w * x_hat)), dw = sum over tokens of g * x_hat; it saves
-    x and rstd only, where the composite rms_norm runs and keeps about ten tensors.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        xf = x.float()                                             # [..., H] (no copy in fp32)
-        hidden = x.shape[-1]
-        norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)  # [..., 1]
-        rstd = (norm.square_().div_(hidden).add_(eps)).rsqrt_()     # [..., 1]
-        ctx.save_for_backward(x, weight, rstd)
-        return (xf * rstd * weight).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, rstd = ctx.saved_tensors
-        x_hat = x.float() * rstd                                   # [..., H]
-        g = grad.float()
-        grad_w = (g * x_hat).reshape(-1, x.shape[-1]).sum(0)       # [N, H] -> [H]
-        gw = g * weight                                            # [..., H]
-        dot = (gw * x_hat).mean(-1, keepdim=True)                  # [..., 1]
-        grad_x = (gw - x_hat * dot).mul_(rstd)
-        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
-
-
-class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm (same parameter, same result) with a fused fp32 forward and backward."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is None or self.eps is None:
-            return super().forward(x)
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
