@@ -78,12 +78,13 @@ class P2PCommunicator:
         receive a gradient from the next stage. Returns (from_prev, from_next) (None if not asked).
 
         wait=False (Megatron's overlap_p2p_comm): the ops are posted and not waited for; the
-        results are PendingRecv handles, waited for when the schedule needs them, and sends are
-        waited for at the start of the next exchange (or by wait_sends()), so a sent buffer lives
-        no longer than one exchange. Posting order is unchanged, so the exchanges match as before,
-        and every wait comes no earlier than with wait=True: no new deadlock.
+        results are PendingRecv handles, waited for when the schedule needs them; a send's buffer
+        is released by the first exchange that finds it completed (never waited for early), the
+        rest by wait_sends() at the end of the step. On every link the ops of each kind (tag)
+        keep their order, so they match as before, and no wait comes earlier than with
+        wait=True: no new deadlock.
         """
-        self.wait_sends()       # the previous exchange's sends (done by now): release their buffers
+        self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]  # release the sent
         from_prev = self._empty() if recv_prev else None
         from_next = self._empty() if recv_next else None
         ops = []
