@@ -112,8 +112,10 @@ def _seq_to_head_packed(tensors, group):
     # received[i] = sequence chunk i of our heads of every tensor: [sp, b, s/sp, sum(n_i)/sp, d]
     received = _all_to_all(chunks, group)
     parts = received.split([t.shape[2] // sp for t in tensors], dim=3)
-    # each [sp, b, s/sp, n_i/sp, d] -> [b, sp, s/sp, n_i/sp, d] -> [b, s, n_i/sp, d]
-    return tuple(p.permute(1, 0, 2, 3, 4).reshape(b, sp * s_local, p.shape[3], d) for p in parts)
+    # each [sp, b, s/sp, n_i/sp, d] -> [b, sp, s/sp, n_i/sp, d] -> [b, s, n_i/sp, d], contiguous
+    # (with b = 1 the reshape alone would be a view with gaps between the heads)
+    return tuple(p.permute(1, 0, 2, 3, 4).reshape(b, sp * s_local, p.shape[3], d).contiguous()
+                 for p in parts)
 
 
 def _head_to_seq_packed(tensors, group):
