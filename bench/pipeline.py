@@ -11,7 +11,10 @@ and stage (split evenly over the v chunks when interleaved), run through the rea
 - measured: p gloo ranks on CPU with the real batched p2p (tiny [1, 8, 16] fp32 activations) and
   the delays as sleeps; this adds p2p latency and OS wake-up jitter (large on a loaded machine).
 A step's time T (max over ranks; measured: median of several steps after a barrier) is compared
-with the ideal T_ideal = m (t_f + t_b) of a stage with no bubble:
+with the ideal T_ideal = m (t_f + t_b) of a stage with no bubble, and (gloo) with the time each
+rank actually spent in its delays, `busy` (a sleep on a loaded machine oversleeps: that is compute
+taking longer, not pipeline idle time). The measured bubble is then the idle fraction of the step,
+1 - mean over ranks of busy / T, Megatron's definition of the bubble (stages idle, waiting):
 
     bubble fraction of the step   (T - T_ideal) / T     vs (p-1)/(m+p-1)      (1F1B)
                                                             (p-1)/(v m+p-1)    (interleaved)
@@ -28,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -41,10 +46,11 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_sp import comm_stats  # noqa: E402
 from megatron_sp.mesh import ParallelMesh  # noqa: E402
-from megatron_sp.pipeline import get_forward_backward_func  # noqa: E402
 from megatron_sp.testing import run_distributed  # noqa: E402
 
+from megatron_sp.pipeline import p2p as pp_p2p  # noqa: E402
 from megatron_sp.pipeline import schedules as pp_schedules  # noqa: E402
 
 B, S, H = 1, 8, 16
@@ -55,7 +61,9 @@ def _delay(seconds):
     if getattr(_local, "simulated", False):
         _local.clock += seconds
     else:
+        start = time.perf_counter()
         time.sleep(seconds)
+        _local.busy = getattr(_local, "busy", 0.0) + time.perf_counter() - start   # as slept
 
 
 class _Sleep(torch.autograd.Function):
@@ -102,6 +110,19 @@ class _Fabric:
 
     def exchange(self, me, ops, timeout=60.0):
         """ops: [("send"|"recv", peer, tag, tensor)]; returns received tensors; advances the clock."""
+        posted = self.post(me, ops)
+        self.wait(me, posted, timeout)
+        return [o["tensor"] for (kind, *_), o in zip(ops, posted) if kind == "recv"]
+
+    def wait(self, me, posted, timeout=60.0):
+        """Block until the posted ops have met their peers; the clock moves to the latest."""
+        with self.cond:
+            if not self.cond.wait_for(lambda: all(o["done"] is not None for o in posted), timeout):
+                raise RuntimeError(f"simulated stage {me}: exchange never matched (schedule deadlock)")
+        _local.clock = max([_local.clock] + [o["done"] for o in posted])
+
+    def post(self, me, ops):
+        """Post ops at this stage's clock, matching those the peers posted before; no waiting."""
         posted = []
         with self.cond:
             for kind, peer, tag, tensor in ops:
@@ -120,10 +141,18 @@ class _Fabric:
                 else:
                     mine[key].append(op)
                 posted.append(op)
-            if not self.cond.wait_for(lambda: all(o["done"] is not None for o in posted), timeout):
-                raise RuntimeError(f"simulated stage {me}: exchange never matched (schedule deadlock)")
-        _local.clock = max([_local.clock] + [o["done"] for o in posted])
-        return [o["tensor"] for (kind, *_), o in zip(ops, posted) if kind == "recv"]
+        return posted
+
+
+class _SimPendingRecv(pp_p2p.PendingRecv):
+    """A receive posted on the simulated fabric; get() waits for it on the virtual clock."""
+
+    def __init__(self, fabric, me, op):
+        self.fabric, self.me, self.op = fabric, me, op
+
+    def get(self):
+        self.fabric.wait(self.me, [self.op])
+        return self.op["tensor"]
 
 
 class _SimComm:
@@ -133,7 +162,8 @@ class _SimComm:
         self.fabric, self.rank = fabric, rank
         self.next, self.prev = (rank + 1) % pp, (rank - 1) % pp
 
-    def communicate(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+    def communicate(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False,
+                    wait=True):
         ops = []
         if send_next is not None:
             ops.append(("send", self.next, 0, send_next.detach().clone()))
@@ -143,10 +173,18 @@ class _SimComm:
             ops.append(("send", self.prev, 1, send_prev.detach().clone()))
         if recv_next:
             ops.append(("recv", self.next, 1, None))
+        if not wait:      # posted now, each receive waited for by its user (sends: never)
+            posted = iter(o for (kind, *_), o in zip(ops, self.fabric.post(self.rank, ops))
+                          if kind == "recv")
+            return (_SimPendingRecv(self.fabric, self.rank, next(posted)) if recv_prev else None,
+                    _SimPendingRecv(self.fabric, self.rank, next(posted)) if recv_next else None)
         received = iter(self.fabric.exchange(self.rank, ops))
         from_prev = next(received) if recv_prev else None
         from_next = next(received) if recv_next else None
         return from_prev, from_next
+
+    def wait_sends(self):
+        pass
 
     recv_forward = lambda self, recv=True: self.communicate(recv_prev=recv)[0]
     send_forward = lambda self, out: self.communicate(send_next=out)
@@ -169,7 +207,13 @@ def _micro_batches(m):
              "loss_mask": torch.ones(B, S)} for _ in range(m)]
 
 
-def simulate(p, m, v, t_f):
+def _schedule(p, v, overlap):
+    """The schedule of (p, v); interleaved with or without Megatron's p2p overlap."""
+    fn = pp_schedules.get_forward_backward_func(p, v)
+    return fn if overlap is None else functools.partial(fn, overlap_p2p_comm=overlap)
+
+
+def simulate(p, m, v, t_f, overlap=None):
     """Step time of the real schedule code on p simulated stages (virtual clocks)."""
     fabric, times, errors = _Fabric(), [0.0] * p, []
 
@@ -181,14 +225,14 @@ def simulate(p, m, v, t_f):
             _local.comm = _SimComm(fabric, rank, p)
             chunks = [SleepChunk(t_f / v, 2 * t_f / v, rank == 0 and c == 0, rank == p - 1 and c == v - 1)
                       for c in range(v)]
-            pp_schedules.get_forward_backward_func(p, v)(chunks, _micro_batches(m), mesh,
+            _schedule(p, v, overlap)(chunks, _micro_batches(m), mesh,
                                                           num_tokens=torch.tensor(float(m * B * S)))
             times[rank] = _local.clock
         except BaseException as err:  # report in the main thread
             errors.append(err)
 
     original = pp_schedules._communicator
-    pp_schedules._communicator = lambda chunks, mbs, mesh: _local.comm
+    pp_schedules._communicator = lambda chunks, mbs, mesh, *rest: _local.comm
     try:
         threads = [threading.Thread(target=stage, args=(r,)) for r in range(p)]
         for t in threads:
@@ -203,23 +247,36 @@ def simulate(p, m, v, t_f):
 
 
 def _measure(rank, world, configs, t_f, steps):
+    """Per config: (m, v, median step time, median idle fraction, p2p messages and bytes sent per
+    step by this rank in fp32 and under bf16 autocast)."""
     mesh = ParallelMesh.from_sizes(pp=world)
     rows = []
-    for m, v in configs:
+    for m, v, overlap in configs:
         chunks = [SleepChunk(t_f / v, 2 * t_f / v, mesh.is_first_stage and c == 0,
                              mesh.is_last_stage and c == v - 1) for c in range(v)]
-        schedule = get_forward_backward_func(world, v)
+        schedule = _schedule(world, v, overlap)
         mbs = _micro_batches(m)
-        times = []
+        num_tokens = torch.tensor(float(m * B * S))
+        times, idle = [], []
         for step in range(steps + 1):                   # the first step warms up the p2p pairs
             dist.barrier()
+            _local.busy = 0.0
             start = time.perf_counter()
-            schedule(chunks, mbs, mesh, num_tokens=torch.tensor(float(m * B * S)))
+            schedule(chunks, mbs, mesh, num_tokens=num_tokens)
             elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            busy = torch.tensor(_local.busy, dtype=torch.float64)
+            dist.all_reduce(busy)                        # summed over ranks
             if step:
                 times.append(elapsed.item())
-        rows.append((m, v, statistics.median(times)))
+                idle.append(1.0 - busy.item() / world / elapsed.item())
+        wire = {}
+        for name, autocast in (("fp32", contextlib.nullcontext),
+                               ("bf16", lambda: torch.autocast("cpu", dtype=torch.bfloat16))):
+            comm_stats.reset()
+            schedule(chunks, mbs, mesh, num_tokens=num_tokens, autocast=autocast)
+            wire[name] = (comm_stats.calls()["pp/send"], comm_stats.snapshot()["pp/send"])
+        rows.append((m, v, overlap, statistics.median(times), statistics.median(idle), wire))
     return rows
 
 
@@ -233,25 +290,42 @@ def main():
     parser.add_argument("--no-gloo", action="store_true", help="only the simulation (instant)")
     args = parser.parse_args()
     p, t_f = args.pp, args.tf_ms / 1000
-    configs = [(m, v) for m in args.micro_batches for v in [1] + args.chunks if v == 1 or m % p == 0]
-    simulated = {(m, v): simulate(p, m, v, t_f) for m, v in configs}
+    configs = [(m, v, overlap) for m in args.micro_batches for v in [1] + args.chunks
+               if v == 1 or m % p == 0 for overlap in ((None,) if v == 1 else (True, False))]
+    simulated = {c: simulate(p, *c[:2], t_f, c[2]) for c in configs}
     measured = {} if args.no_gloo else {
-        (m, v): t for m, v, t in run_distributed(_measure, p, configs, t_f, args.steps,
-                                                 timeout_s=1800, collective_timeout_s=600)[0]}
+        (m, v, o): row for m, v, o, *row in run_distributed(_measure, p, configs, t_f, args.steps,
+                                                           timeout_s=1800,
+                                                           collective_timeout_s=600)[0]}
     print(f"pipeline bubble, pp={p}, stage compute as delays: t_f={args.tf_ms:g} ms, "
           f"t_b={2 * args.tf_ms:g} ms per micro-batch and stage (split over the v chunks); "
           f"sim = virtual clocks, gloo = {p} gloo ranks on CPU with sleeps (median of {args.steps} steps)")
-    print(f"{'schedule':<12}{'m':>4}{'v':>3}{'ideal ms':>10}{'sim ms':>9}{'gloo ms':>9} | "
-          f"{'bubble/step: sim':>16}{'gloo':>7}{'formula':>9} | "
+    print(f"{'schedule':<19}{'m':>4}{'v':>3}{'ideal ms':>10}{'sim ms':>9}{'gloo ms':>9} | "
+          f"{'bubble/step: sim':>16}{'gloo':>7}{'idle':>7}{'formula':>9} | "
           f"{'bubble/ideal: sim':>17}{'gloo':>7}{'formula':>9}")
-    for m, v in configs:
+    nan = float("nan")
+    for m, v, overlap in configs:
         ideal = m * 3 * t_f
-        name = "1F1B" if v == 1 else "interleaved"
-        sim, wall = simulated[(m, v)], measured.get((m, v), float("nan"))
+        name = "1F1B" if v == 1 else "interleaved" + ("" if overlap else " (sync)")
+        sim = simulated[(m, v, overlap)]
+        wall, idle, _ = measured.get((m, v, overlap), (nan, nan, None))
         frac_f, ratio_f = (p - 1) / (v * m + p - 1), (p - 1) / (v * m)
-        print(f"{name:<12}{m:>4}{v:>3}{1000 * ideal:>10.1f}{1000 * sim:>9.1f}{1000 * wall:>9.1f} | "
-              f"{(sim - ideal) / sim:>16.3f}{(wall - ideal) / wall:>7.3f}{frac_f:>9.3f} | "
+        print(f"{name:<19}{m:>4}{v:>3}{1000 * ideal:>10.1f}{1000 * sim:>9.1f}{1000 * wall:>9.1f} | "
+              f"{(sim - ideal) / sim:>16.3f}{(wall - ideal) / wall:>7.3f}{idle:>7.3f}{frac_f:>9.3f} | "
               f"{(sim - ideal) / ideal:>17.3f}{(wall - ideal) / ideal:>7.3f}{ratio_f:>9.3f}")
+    print("bubble/step gloo: (T - T_ideal)/T, the delays at their nominal length; idle: 1 - busy/T, "
+          "the time ranks spent waiting (delays as actually slept); interleaved: p2p overlapped "
+          "(the default), (sync): every exchange waited for as posted (the schedule before)")
+    if measured:
+        print(f"\np2p messages sent per step by stage 0, [{B}, {S}, {H}] activations / gradients:")
+        print(f"{'schedule':<12}{'m':>4}{'v':>3} | {'messages':>8} {'fp32 B/msg':>10} {'bf16 B/msg':>10}")
+        for m, v, overlap in configs:
+            if overlap is False:
+                continue
+            wire = measured[(m, v, overlap)][2]
+            (n32, b32), (n16, b16) = wire["fp32"], wire["bf16"]
+            print(f"{'1F1B' if v == 1 else 'interleaved':<12}{m:>4}{v:>3} | {n32:>8} "
+                  f"{b32 // n32:>10} {b16 // n16:>10}")
 
 
 if __name__ == "__main__":

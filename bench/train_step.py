@@ -6,7 +6,7 @@ side by side (fp32 must agree to ~1e-5). One training step, for both, is
 
     zero_grad -> forward + loss (autocast bf16 for the bf16 rows) -> backward -> AdamW step
 
-with the same optimizer (megatron_sp.optimizer.build_optimizer: torch AdamW, foreach on CPU, the same
+with the same optimizer (megatron_sp.optimizer.build_optimizer: torch AdamW, fused, the same
 weight-decay groups), the same tokens and the same loss: the mean next-token cross entropy over the
 b*(s-1) positions that have a next token. HF gets labels=input_ids (it shifts inside and ignores the
 last position); ours gets the left-shifted ids as labels and a loss mask that zeroes the last position
@@ -16,6 +16,12 @@ vocabulary already is one, as the default 8192 is).
 
 Steps of the two models are interleaved (ours first on even steps, HF first on odd ones) so that
 machine noise hits both alike; tokens/s = b*s / median step time after the warm-up steps.
+
+The machine's limit is measured in the same run: the rate of a 2048-square matrix product (fp32 and
+bf16, the threads of the run), once at the start and, per row, after every timed step (median), so
+that it sees the same machine load as the steps. Each row prints the model FLOP/s of both models
+(Megatron's formula, megatron_sp.flops, as the training log line) and that as a fraction of the
+GEMM rate of the row's dtype: a CPU "MFU".
 
     python bench/train_step.py                                # gpt2 + llama, fp32 + bf16, defaults
     python bench/train_step.py --models llama --dtype bf16 --layers 8 --seq 1024 --steps 10
@@ -37,6 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root: models/
 
+from megatron_sp.flops import flops_for_config
 from megatron_sp.optimizer import build_optimizer
 from models.config import GPTConfig
 from models.gpt import GPTModel
@@ -197,8 +204,9 @@ def build(family, args):
 
 def bench_row(family, dtype, args) -> dict:
     cfg, ours, hf, opt_ours, opt_hf = build(family, args)
-    times = {"ours": [], "hf": []}
+    times = {"ours": [], "hf": [], "gemm": []}
     cpu = {"ours": [], "hf": []}
+    gemm = Gemm(dtype)
     first = {}
     runners = {"ours": lambda b: ours_step(ours, opt_ours, b, dtype),
                "hf": lambda b: hf_step(hf, opt_hf, b, dtype)}
@@ -214,6 +222,8 @@ def bench_row(family, dtype, args) -> dict:
             if step >= args.warmup:
                 times[name].append(elapsed)
                 cpu[name].append(cpu_s)
+        if step >= args.warmup:      # the limit, under the same machine load as the steps
+            times["gemm"].append(gemm.time())
     tokens = args.batch * args.seq
     row = {"model": family, "dtype": dtype, "params": sum(p.numel() for p in hf.parameters()),
            "loss_ours": first["ours"], "loss_hf": first["hf"]}
@@ -221,10 +231,39 @@ def bench_row(family, dtype, args) -> dict:
         row[f"ms_{name}"] = 1000 * statistics.median(times[name])
         row[f"tps_{name}"] = tokens / statistics.median(times[name])
     row["ratio"] = row["tps_ours"] / row["tps_hf"]
+    flops = flops_for_config(cfg, args.batch, args.seq)      # per step, Megatron's formula
+    for name in ("ours", "hf"):
+        row[f"flops_{name}"] = flops / statistics.median(times[name])
+    row["gemm"] = gemm.flops / statistics.median(times["gemm"])
     row["cpu_ratio"] = statistics.median(cpu["hf"]) / statistics.median(cpu["ours"])
     if args.profile:
         profile_row(family, dtype, args, ours, hf, opt_ours, opt_hf)
     return row
+
+
+# The machine's limit ------------------------------------------------------------------------------
+
+class Gemm:
+    """An n x n matrix product in `dtype`: the machine's limit, timed between the steps too."""
+
+    def __init__(self, dtype: str, n: int = 2048):
+        dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+        gen = torch.Generator().manual_seed(0)
+        self.a, self.b = (torch.randn(n, n, generator=gen).to(dt) for _ in range(2))
+        self.out = torch.empty(n, n, dtype=dt)
+        self.flops = 2.0 * n ** 3
+        self.time()                                   # warm-up
+
+    def time(self) -> float:
+        t0 = time.perf_counter()
+        torch.mm(self.a, self.b, out=self.out)
+        return time.perf_counter() - t0
+
+
+def gemm_rate(dtype: str, reps: int = 5) -> float:
+    """FLOP/s of a 2048-square matrix product in `dtype` (median of reps after one warm-up)."""
+    gemm = Gemm(dtype)
+    return gemm.flops / statistics.median(gemm.time() for _ in range(reps))
 
 
 # Profiling --------------------------------------------------------------------------------------
@@ -284,6 +323,10 @@ def main(argv=None):
         print(f"warning: load average {load:.1f} > {args.threads} threads: other processes share "
               f"these cores, so step times are noisy (the CPU-time ratio column is steadier)")
     start = time.perf_counter()
+    gemm = {dtype: gemm_rate(dtype) for dtype in args.dtype}
+    print("machine limit: 2048-square GEMM " + ", ".join(
+        f"{dtype} {gemm[dtype] / 1e12:.3f} TFLOP/s" for dtype in args.dtype) +
+        f" ({torch.get_num_threads()} threads)")
     rows = []
     for family in args.models:
         for dtype in args.dtype:
@@ -293,11 +336,17 @@ def main(argv=None):
                   f"(first-step loss ours {r['loss_ours']:.6f}, HF {r['loss_hf']:.6f})", flush=True)
 
     header = (f"{'model':6s} {'dtype':5s} {'params':>8s} {'ours tok/s':>11s} {'HF tok/s':>10s} "
-              f"{'ours/HF':>8s} {'(CPU-time ratio)':>17s}")
+              f"{'ours/HF':>8s} {'(CPU-time ratio)':>17s} | {'ours TFLOP/s':>12s} {'HF TFLOP/s':>10s} "
+              f"{'GEMM TFLOP/s':>12s} {'ours MFU':>8s} {'HF MFU':>7s}")
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
+        peak = r["gemm"]
         print(f"{r['model']:6s} {r['dtype']:5s} {r['params'] / 1e6:7.1f}M {r['tps_ours']:11.0f} "
-              f"{r['tps_hf']:10.0f} {r['ratio']:7.2f}x {r['cpu_ratio']:16.2f}x")
+              f"{r['tps_hf']:10.0f} {r['ratio']:7.2f}x {r['cpu_ratio']:16.2f}x | "
+              f"{r['flops_ours'] / 1e12:12.4f} {r['flops_hf'] / 1e12:10.4f} {peak / 1e12:12.4f} "
+              f"{100 * r['flops_ours'] / peak:7.1f}% {100 * r['flops_hf'] / peak:6.1f}%")
+    print("TFLOP/s: Megatron's model FLOPs per step / median step time; GEMM: 2048-square matrix "
+          "product of the row's dtype timed after every step (median); MFU: TFLOP/s / GEMM")
     worst = min(r["ratio"] for r in rows)
     met = all(r["ratio"] >= GOAL for r in rows)
     print(f"\ngoal: ours/HF >= {GOAL}x on every row -> {'MET' if met else 'NOT MET'} "

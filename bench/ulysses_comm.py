@@ -16,12 +16,19 @@ Formulas printed, with b batch, s sequence, H = h*d hidden of the attention head
                                                per rank (a whole layer, with the MLP block, twice)
 so Megatron SP / Ulysses = sp/2: Ulysses' traffic per rank falls as 1/sp, Megatron's does not.
 
+Second table: measured time per attention layer on gloo, q, k and v in ONE packed all-to-all
+(fused, the default) against one all-to-all each (separate), same bytes: the all-to-alls of one
+layer's forward and backward alone (exchange), and a whole UlyssesAttention forward + backward over
+SDPA (layer); medians of interleaved repetitions, max over ranks.
+
     python bench/ulysses_comm.py                      # sp 2 4 8, s 2048..16384, h 16, d 8
     python bench/ulysses_comm.py --seq 1024 4096 --sp 2 4 --heads 32 --head-dim 4
+    python bench/ulysses_comm.py --time-sp 2 4 --time-seq 4096 --kv-heads 4   # timing, GQA
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -29,7 +36,8 @@ import torch
 from megatron_sp import comm_stats
 from megatron_sp.attention import SDPAAttention
 from megatron_sp.testing import run_distributed
-from megatron_sp.ulysses import COMM_KIND, UlyssesAttention
+from megatron_sp.ulysses import (COMM_KIND, UlyssesAttention, head_to_seq_all_to_all,
+                                 seq_to_head_all_to_all, seq_to_head_qkv_all_to_all)
 
 
 def _measure(rank, world, seqs, heads, head_dim, batch):
@@ -44,8 +52,64 @@ def _measure(rank, world, seqs, heads, head_dim, batch):
         comm_stats.reset()
         with torch.no_grad():
             attention(q, k, v)
-        sent[s] = comm_stats.snapshot()[COMM_KIND]
+        sent[s] = comm_stats.snapshot()[COMM_KIND], comm_stats.calls()[COMM_KIND]
     return sent
+
+
+def _time_layer(rank, world, s, heads, kv_heads, head_dim, batch, reps):
+    """Median seconds (max over ranks) per attention layer: exchange only and whole layer,
+    fused and separate, interleaved."""
+    import torch.distributed as dist
+
+    torch.manual_seed(rank)
+    group = dist.new_group(list(range(world)))
+    q = torch.randn(batch, s // world, heads, head_dim, requires_grad=True)
+    k, v = (torch.randn(batch, s // world, kv_heads, head_dim, requires_grad=True) for _ in range(2))
+    grad = torch.randn(batch, s // world, heads, head_dim)
+
+    def exchange(fused):
+        parts = seq_to_head_qkv_all_to_all(q, k, v, group) if fused else \
+            [seq_to_head_all_to_all(t, group) for t in (q, k, v)]
+        out = head_to_seq_all_to_all(parts[0], group)     # stands in for attention's output
+        torch.autograd.backward([out] + list(parts[1:]),
+                                [grad] + [torch.ones_like(p) for p in parts[1:]])
+
+    layers = {fused: UlyssesAttention(SDPAAttention(), group, fuse_qkv=fused) for fused in (True, False)}
+
+    def layer(fused):
+        layers[fused](q, k, v).backward(grad)
+
+    times = {(what, fused): [] for what in ("exchange", "layer") for fused in (True, False)}
+    for rep in range(reps + 1):                           # the first repetition warms up
+        for what, fn in (("exchange", exchange), ("layer", layer)):
+            for fused in ((True, False) if rep % 2 else (False, True)):
+                dist.barrier(group)
+                start = time.perf_counter()
+                fn(fused)
+                elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+                if rep:
+                    times[(what, fused)].append(elapsed.item())
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
+def timing_table(args):
+    kv = args.kv_heads or args.heads
+    print(f"\nMeasured time per attention layer, forward + backward, gloo, fp32, b={args.batch}, "
+          f"h={args.heads}, kv heads={kv}, d={args.head_dim}; median of {args.reps} interleaved "
+          f"repetitions, max over ranks")
+    header = (f"{'sp':>3} {'s':>6} | {'exchange fused ms':>17} {'separate ms':>11} {'sep/fused':>9} | "
+              f"{'layer fused ms':>14} {'separate ms':>11} {'sep/fused':>9}")
+    print(header + "\n" + "-" * len(header))
+    for sp in args.time_sp:
+        for s in args.time_seq:
+            t = run_distributed(_time_layer, sp, s, args.heads, kv, args.head_dim, args.batch,
+                                args.reps)[0]
+            ex, lay = (t[("exchange", True)], t[("exchange", False)]), (t[("layer", True)], t[("layer", False)])
+            print(f"{sp:>3} {s:>6} | {1e3 * ex[0]:>17.2f} {1e3 * ex[1]:>11.2f} {ex[1] / ex[0]:>8.2f}x | "
+                  f"{1e3 * lay[0]:>14.2f} {1e3 * lay[1]:>11.2f} {lay[1] / lay[0]:>8.2f}x", flush=True)
+    print("exchange: seq->head of q, k, v (one packed all-to-all, or three) and head->seq of the "
+          "output, forward and backward (2 vs 4 all-to-alls each way); layer: the same around SDPA.")
 
 
 def formulas(sp: int, s: int, hidden: int, batch: int) -> dict[str, float]:
@@ -64,12 +128,24 @@ def main():
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=8)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--kv-heads", type=int, default=None, help="timing: key/value heads (default h)")
+    parser.add_argument("--time-sp", type=int, nargs="*", default=[2, 4], help="timing table sp sizes")
+    parser.add_argument("--time-seq", type=int, nargs="+", default=[1024])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--no-bytes", action="store_true", help="only the timing table")
     args = parser.parse_args()
+    if not args.no_bytes:
+        bytes_table(args)
+    if args.time_sp:
+        timing_table(args)
+
+
+def bytes_table(args):
     hidden = args.heads * args.head_dim
     print(f"Forward elements sent per rank and attention layer (fp32 => bytes = 4x); "
           f"b={args.batch}, h={args.heads}, d={args.head_dim}, H={hidden}, MHA, tp=1.")
     header = (f"{'sp':>3} {'s':>6} | {'measured B':>11} {'measured el':>11} | {'Ulysses exact':>13} "
-              f"{'4sH/sp':>9} | {'Megatron SP t=sp':>16} {'Meg/Uly':>7}")
+              f"{'4sH/sp':>9} | {'Megatron SP t=sp':>16} {'Meg/Uly':>7} | {'a2a calls':>9}")
     print(header)
     print("-" * len(header))
     for sp in args.sp:
@@ -77,12 +153,12 @@ def main():
         per_rank = run_distributed(_measure, sp, args.seq, args.heads, args.head_dim, args.batch)
         assert all(r == per_rank[0] for r in per_rank), f"ranks disagree: {per_rank}"
         for s in args.seq:
-            measured = per_rank[0][s]
+            measured, calls = per_rank[0][s]
             f = formulas(sp, s, hidden, args.batch)
             assert measured == 4 * f["ulysses"], (sp, s, measured, f)
             print(f"{sp:>3} {s:>6} | {measured:>11,} {measured // 4:>11,} | {f['ulysses']:>13,.0f} "
                   f"{f['design']:>9,.0f} | {f['megatron_sp']:>16,.0f} "
-                  f"{f['megatron_sp'] / f['ulysses']:>7.2f}")
+                  f"{f['megatron_sp'] / f['ulysses']:>7.2f} | {calls:>9}")
         print(f"    (sp={sp}: {time.perf_counter() - start:.1f} s with spawn)")
     print("Measured = counter 'sp/all_to_all' of every rank (all equal), which equals the Ulysses "
           "exact formula; Megatron SP is a formula (all-gather + reduce-scatter per attention block).")

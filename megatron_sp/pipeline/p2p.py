@@ -12,7 +12,9 @@ same step (with pp=2 and virtual stages a peer is both previous and next), so me
 apart by tag (activations 0, gradients 1) and posted in a canonical order (activation ops, then
 gradient ops) on both sides, which also keeps them matched on backends that ignore tags.
 
-Bytes sent are counted as "pp/send" in megatron_sp.comm_stats.
+Bytes sent are counted as "pp/send" in megatron_sp.comm_stats. Under --bf16 tensors cross the
+wire in bf16 (wire_dtype, as Megatron's pipeline_dtype): half the bytes; the receiver gets them back
+in the compute dtype, so the residual stream of every stage keeps its dtype.
 """
 from __future__ import annotations
 
@@ -25,39 +27,64 @@ ACTIVATION_TAG = 0
 GRADIENT_TAG = 1
 
 
+class PendingRecv:
+    """A posted receive (communicate(wait=False)): get() waits for it and returns the tensor."""
+
+    def __init__(self, work, buffer, dtype):
+        self.work, self.buffer, self.dtype = work, buffer, dtype
+
+    def get(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.buffer.to(self.dtype)
+
+
 class P2PCommunicator:
     """Send/receive of one fixed-shape tensor between this stage and its pipeline neighbours.
 
-    shape: the activation shape [b, s_local, H]; dtype: the wire dtype (fp32 by default, the dtype
-    of the residual stream, also under bf16 autocast). Tensors are cast to it on send.
+    shape: the activation shape [b, s_local, H]; dtype: the dtype of the residual stream (fp32,
+    also under bf16 autocast), which received tensors are returned in; wire_dtype: the dtype on the
+    wire (default dtype; bf16 under --bf16). Tensors are cast to it on send.
     """
 
-    def __init__(self, mesh, shape, dtype=torch.float32, device=None):
+    def __init__(self, mesh, shape, dtype=torch.float32, device=None, wire_dtype=None):
         self.mesh = mesh
         self.shape = tuple(shape)
         self.dtype = dtype
+        self.wire_dtype = wire_dtype or dtype
         self.device = device or torch.device("cpu")
         self.group = mesh.pp_group
         pp, r = mesh.pp_size, mesh.pp_rank
         self.next_rank = mesh.stage_rank((r + 1) % pp)
         self.prev_rank = mesh.stage_rank((r - 1) % pp)
+        self._sends = []           # works of sends posted without waiting (wait=False)
 
     def _empty(self):
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return torch.empty(self.shape, dtype=self.wire_dtype, device=self.device)
 
     def _send_op(self, tensor, peer, tag):
-        tensor = tensor.detach().to(self.dtype).contiguous()
+        tensor = tensor.detach().to(self.wire_dtype).contiguous()
         if tuple(tensor.shape) != self.shape:
             raise RuntimeError(f"pipeline send of shape {tuple(tensor.shape)}, expected {self.shape} "
                                f"(micro-batch shape changed inside one step?).")
         comm_stats.record("pp/send", tensor.numel() * tensor.element_size())
         return dist.P2POp(dist.isend, tensor, peer, self.group, tag)
 
-    def communicate(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+    def communicate(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False,
+                    wait=True):
         """One batched exchange. send_next: activation to the next stage; send_prev: gradient to
         the previous stage; recv_prev: receive an activation from the previous stage; recv_next:
         receive a gradient from the next stage. Returns (from_prev, from_next) (None if not asked).
+
+        wait=False (Megatron's overlap_p2p_comm): the ops are posted and not waited for; the
+        results are PendingRecv handles, waited for when the schedule needs them; a send's buffer
+        is released by the first exchange that finds it completed (never waited for early), the
+        rest by wait_sends() at the end of the step. On every link the ops of each kind (tag)
+        keep their order, so they match as before, and no wait comes earlier than with
+        wait=True: no new deadlock.
         """
+        self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]  # release the sent
         from_prev = self._empty() if recv_prev else None
         from_next = self._empty() if recv_next else None
         ops = []
@@ -71,10 +98,30 @@ class P2PCommunicator:
             ops.append(self._send_op(send_prev, self.prev_rank, GRADIENT_TAG))
         if from_next is not None:
             ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, self.group, GRADIENT_TAG))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if wait or len(works) != len(ops):   # (a backend that coalesces the batch: wait now)
+            for work in works:
                 work.wait()
-        return from_prev, from_next
+            if wait:
+                return self._received(from_prev), self._received(from_next)
+            works = [None] * len(ops)
+        pending = {}
+        for op, work in zip(ops, works):
+            if op.op is dist.irecv:
+                pending[id(op.tensor)] = PendingRecv(work, op.tensor, self.dtype)
+            elif work is not None:
+                self._sends.append((work, op.tensor))   # the tensor lives until the send is done
+        return (pending.get(id(from_prev)) if from_prev is not None else None,
+                pending.get(id(from_next)) if from_next is not None else None)
+
+    def wait_sends(self) -> None:
+        """Wait for every send posted with wait=False (their buffers are released)."""
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
+
+    def _received(self, t):
+        return None if t is None else t.to(self.dtype)
 
     # Megatron's named exchanges ---------------------------------------------------------------
     def recv_forward(self, recv=True):

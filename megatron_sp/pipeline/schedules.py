@@ -16,6 +16,11 @@ are alive. Interleaved: each stage holds v model chunks (virtual stages) and run
 schedule over m*v virtual micro-batches (m must be a multiple of p), shrinking the bubble by v.
 The bucketed gradient all-reduce is armed (grad_sync.start_last_backward()) right before the last
 backward pass of the stage; the Trainer calls grad_sync.finish().
+
+Memory and wire (as Megatron-LM): once a stage output has been sent, its data is freed
+(deallocate_output_tensor): backward only needs its autograd graph, not its values, so a stage
+keeps no copy of the activations it passed on. Under bf16 autocast activations and gradients cross
+stages in bf16.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ import torch
 
 from megatron_sp.schedules import forward_backward_no_pipelining
 
-from .p2p import P2PCommunicator
+from .p2p import P2PCommunicator, PendingRecv
 from .partition import check_num_microbatches
 
 
@@ -36,9 +41,30 @@ def activation_shape(model, micro_batch: dict, mesh) -> tuple[int, int, int]:
     return (b, s // shards, model.config.hidden_size)
 
 
-def _communicator(model_chunks, micro_batches, mesh) -> P2PCommunicator:
+def wire_dtype(autocast) -> torch.dtype | None:
+    """The autocast dtype when `autocast()` enables autocast (bf16 under --bf16), else None."""
+    with autocast():
+        for device in ("cuda", "cpu"):
+            if torch.is_autocast_enabled(device):
+                return torch.get_autocast_dtype(device)
+    return None
+
+
+def _communicator(model_chunks, micro_batches, mesh, autocast=contextlib.nullcontext) -> P2PCommunicator:
     shape = activation_shape(model_chunks[0], micro_batches[0], mesh)
-    return P2PCommunicator(mesh, shape, device=micro_batches[0]["tokens"].device)
+    return P2PCommunicator(mesh, shape, device=micro_batches[0]["tokens"].device,
+                           wire_dtype=wire_dtype(autocast))
+
+
+def deallocate_output_tensor(out) -> None:
+    """Free a sent stage output's data (Megatron's deallocate_output_tensor).
+
+    Its grad_fn keeps what backward needs; the values themselves live on in the next stage. Views
+    share their base's storage and are left alone.
+    """
+    if out is None or out._base is not None or out.grad_fn is None:
+        return
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
 
 
 def forward_step(model, mb: dict, input_tensor, num_tokens, autocast):
@@ -57,9 +83,16 @@ def backward_step(input_tensor, output, output_grad):
     """Backward through one chunk; returns the gradient of its input (None for the first chunk)."""
     if output_grad is None:                      # the loss: the start of backward
         output.backward()
-    else:
-        torch.autograd.backward(output, grad_tensors=output_grad.to(output.dtype))
+    else:   # the engine directly: `output` may have been deallocated (its shape is [1] now)
+        torch.autograd.Variable._execution_engine.run_backward(
+            tensors=(output,), grad_tensors=(output_grad.to(output.dtype),), keep_graph=False,
+            create_graph=False, inputs=(), allow_unreachable=True, accumulate_grad=True)
     return None if input_tensor is None else input_tensor.grad
+
+
+def _resolve(t):
+    """A received tensor, waiting for it first if its receive was posted without waiting."""
+    return t.get() if isinstance(t, PendingRecv) else t
 
 
 def _as_input(t):
@@ -77,7 +110,7 @@ def forward_backward_pipelining_without_interleaving(model_chunks, micro_batches
     (model,) = model_chunks
     m, p, r = len(micro_batches), mesh.pp_size, mesh.pp_rank
     check_num_microbatches(m, p)
-    comm = _communicator(model_chunks, micro_batches, mesh)
+    comm = _communicator(model_chunks, micro_batches, mesh, autocast)
     first, last = mesh.is_first_stage, mesh.is_last_stage
     total = torch.zeros((), dtype=torch.float64, device=num_tokens.device)   # no host sync per micro-batch
     grad_ctx = torch.no_grad if forward_only else contextlib.nullcontext
@@ -104,6 +137,8 @@ def forward_backward_pipelining_without_interleaving(model_chunks, micro_batches
         inp = comm.recv_forward(recv=not first)
         out = run_forward(i, inp)
         comm.send_forward(None if last else out)
+        if not last:
+            deallocate_output_tensor(out)
         if not forward_only:
             inputs.append(inp)
             outputs.append(out)
@@ -113,6 +148,8 @@ def forward_backward_pipelining_without_interleaving(model_chunks, micro_batches
         i = num_warmup + j
         out = run_forward(i, inp)
         out_grad = comm.send_forward_recv_backward(None if last else out, recv=not last)
+        if not last:
+            deallocate_output_tensor(out)
         inputs.append(inp)
         outputs.append(out)
         in_grad = run_backward(j, inputs.pop(0), outputs.pop(0), out_grad)   # oldest: micro-batch j
@@ -133,12 +170,17 @@ def forward_backward_pipelining_without_interleaving(model_chunks, micro_batches
 
 def forward_backward_pipelining_with_interleaving(model_chunks, micro_batches, mesh, *, num_tokens,
                                                   grad_sync=None, autocast=contextlib.nullcontext,
-                                                  forward_only=False):
-    """Interleaved 1F1B (Megatron-LM's schedule) over v model chunks per stage."""
+                                                  forward_only=False, overlap_p2p_comm=True):
+    """Interleaved 1F1B (Megatron-LM's schedule) over v model chunks per stage.
+
+    overlap_p2p_comm (Megatron's --overlap-p2p-communication, on here by default): exchanges are
+    posted without waiting and each receive is waited for only when its compute needs it; False
+    waits for every exchange as it is posted (one combined exchange per steady-state step).
+    """
     chunks = list(model_chunks)
     v, m, p, r = len(chunks), len(micro_batches), mesh.pp_size, mesh.pp_rank
     check_num_microbatches(m, p, v)
-    comm = _communicator(chunks, micro_batches, mesh)
+    comm = _communicator(chunks, micro_batches, mesh, autocast)
     first_stage, last_stage = mesh.is_first_stage, mesh.is_last_stage
     total_k = m * v
     total = torch.zeros((), dtype=torch.float64, device=num_tokens.device)   # no host sync per micro-batch
@@ -166,7 +208,7 @@ def forward_backward_pipelining_with_interleaving(model_chunks, micro_batches, m
         c = chunk_id(k, True)
         if pre(c) and len(inputs[c]) == len(outputs[c]):
             inputs[c].append(None)
-        inp = inputs[c][-1]
+        inputs[c][-1] = inp = _resolve(inputs[c][-1])
         with grad_ctx():
             out = forward_step(chunks[c], micro_batches[micro_batch_id(k)],
                                inp if forward_only else _as_input(inp), num_tokens, autocast)
@@ -182,7 +224,7 @@ def forward_backward_pipelining_with_interleaving(model_chunks, micro_batches, m
         c = chunk_id(k, False)
         if post(c) and len(out_grads[c]) == 0:
             out_grads[c].append(None)
-        inp, out, og = inputs[c].pop(0), outputs[c].pop(0), out_grads[c].pop(0)
+        inp, out, og = inputs[c].pop(0), outputs[c].pop(0), _resolve(out_grads[c].pop(0))
         if grad_sync is not None and k == total_k - 1:
             grad_sync.start_last_backward()
         in_grad = backward_step(inp, out, og)
@@ -203,17 +245,20 @@ def forward_backward_pipelining_with_interleaving(model_chunks, micro_batches, m
         next_c = chunk_id(k + 1, True)
         recv_prev = not (first_stage and next_c == 0) and k != total_k - 1
         if k == num_warmup - 1 and not forward_only and not all_warmup:
-            inp, og = comm.send_forward_backward_recv_forward_backward(
-                out, None, recv_prev=recv_prev, recv_next=not last_stage)
+            inp, og = comm.communicate(send_next=out, recv_prev=recv_prev,
+                                       recv_next=not last_stage, wait=not overlap_p2p_comm)
             out_grads[v - 1].append(og)
         else:
             inp = comm.send_forward_recv_forward(out, recv_prev=recv_prev)
+        deallocate_output_tensor(out)
         inputs[next_c].append(inp)
 
+    # Steady state, as Megatron's overlap_p2p_comm: the output is sent (and the next input
+    # posted for) right after the forward, the input gradient right after the backward; each
+    # receive is waited for only when its forward / backward needs it.
     for k in range(num_remaining):
         fk, bk = k + num_warmup, k
         out = forward_k(fk)
-        in_grad = backward_k(bk)
         recv_prev = True
         if first_stage:     # the first stage is p-1 virtual steps ahead of the last
             next_fc = chunk_id(fk - (p - 1), True)
@@ -232,8 +277,16 @@ def forward_backward_pipelining_with_interleaving(model_chunks, micro_batches, m
             next_bc = chunk_id(bk + 1, False)
         if k == num_remaining - 1:
             recv_prev = False
-        inp, og = comm.send_forward_backward_recv_forward_backward(
-            out, in_grad, recv_prev=recv_prev, recv_next=recv_next)
+        if overlap_p2p_comm:
+            inp = comm.communicate(send_next=out, recv_prev=recv_prev, wait=False)[0]
+            deallocate_output_tensor(out)
+            in_grad = backward_k(bk)
+            og = comm.communicate(send_prev=in_grad, recv_next=recv_next, wait=False)[1]
+        else:
+            in_grad = backward_k(bk)
+            inp, og = comm.send_forward_backward_recv_forward_backward(
+                out, in_grad, recv_prev=recv_prev, recv_next=recv_next)
+            deallocate_output_tensor(out)
         if recv_prev:
             inputs[next_fc].append(inp)
         if recv_next:
@@ -246,7 +299,9 @@ def forward_backward_pipelining_with_interleaving(model_chunks, micro_batches, m
             in_grad = backward_k(k)
             next_bc = chunk_id(k + 1, False)
             recv_next = not (last_stage and next_bc == v - 1) and k != total_k - 1
-            out_grads[next_bc].append(comm.send_backward_recv_backward(in_grad, recv_next=recv_next))
+            out_grads[next_bc].append(comm.communicate(send_prev=in_grad, recv_next=recv_next,
+                                                       wait=not overlap_p2p_comm)[1])
+    comm.wait_sends()
     return total
 
 

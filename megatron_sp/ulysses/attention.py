@@ -1,10 +1,11 @@
 """Ulysses sequence-parallel attention (DeepSpeed-Ulysses; DESIGN 4).
 
 Each sp rank holds a contiguous chunk s/sp of the sequence with all h_l query and g_l key/value
-heads of its tp rank. A seq->head all-to-all of q, k and v gives it the whole sequence for h_l/sp
-query heads; any local attention backend then runs causal attention over the full sequence (so
-there is no causal load imbalance), and a head->seq all-to-all of the output returns to sequence
-chunks. Four all-to-alls per layer forward (q, k, v, out), four more in backward.
+heads of its tp rank. One seq->head all-to-all of q, k and v packed together gives it the whole
+sequence for h_l/sp query heads; any local attention backend then runs causal attention over the
+full sequence (so there is no causal load imbalance), and a head->seq all-to-all of the output
+returns to sequence chunks. Two all-to-alls per layer forward (qkv, out), two more in backward
+(fuse_qkv=False: one per tensor, four and four, the same bytes).
 
 Key/value heads (GQA), per tp rank: if g_l % sp == 0 they are split like the query heads; if
 sp % g_l == 0 each is replicated sp/g_l times first (repeat_interleave, so sp rank r receives key/
@@ -17,7 +18,8 @@ import torch
 from torch import nn
 
 from megatron_sp.mesh import LayoutError
-from megatron_sp.ulysses.comm import group_size, head_to_seq_all_to_all, seq_to_head_all_to_all
+from megatron_sp.ulysses.comm import (group_size, head_to_seq_all_to_all, seq_to_head_all_to_all,
+                                      seq_to_head_qkv_all_to_all)
 
 
 def check_ulysses_layout(num_heads: int, num_kv_heads: int, tp: int, sp: int) -> None:
@@ -74,14 +76,16 @@ class UlyssesAttention(nn.Module):
       q [b, s/sp, h_l, d], k/v [b, s/sp, g_l, d] (this rank's sequence chunk, its tp rank's heads)
       -> out [b, s/sp, h_l, d]. document_ids [b, s] covers the FULL sequence (every sp rank has
       it) and goes to the local attention unchanged. Always causal.
-    With sp_group None or of size 1 it is just local_attention.
+    With sp_group None or of size 1 it is just local_attention. fuse_qkv=False sends q, k and v in
+    three all-to-alls instead of one (for the benchmark's comparison).
     """
 
-    def __init__(self, local_attention, sp_group=None):
+    def __init__(self, local_attention, sp_group=None, fuse_qkv: bool = True):
         super().__init__()
         self.local_attention = local_attention
         self.sp_group = sp_group
         self.sp_size = group_size(sp_group)
+        self.fuse_qkv = fuse_qkv
 
     def forward(self, q, k, v, *, document_ids=None, softmax_scale=None, dropout_p=0.0):
         sp = self.sp_size
@@ -93,12 +97,14 @@ class UlyssesAttention(nn.Module):
             raise ValueError(f"document_ids must cover the full sequence s = {q.shape[1] * sp} "
                              f"(sp = {sp} chunks of {q.shape[1]}), got {document_ids.shape[1]}.")
         group = self.sp_group
-        q = seq_to_head_all_to_all(q, group)                          # [b, s, h_l/sp, d]
-        k = seq_to_head_all_to_all(expand_kv_heads(k, sp), group)     # [b, s, max(g_l/sp, 1), d]
-        v = seq_to_head_all_to_all(expand_kv_heads(v, sp), group)     # [b, s, max(g_l/sp, 1), d]
+        k, v = expand_kv_heads(k, sp), expand_kv_heads(v, sp)         # [b, s/sp, max(g_l, sp), d]
+        if self.fuse_qkv:   # q [b, s, h_l/sp, d], k, v [b, s, max(g_l/sp, 1), d]
+            q, k, v = seq_to_head_qkv_all_to_all(q, k, v, group)
+        else:
+            q, k, v = (seq_to_head_all_to_all(t, group) for t in (q, k, v))
         out = self.local_attention(q, k, v, document_ids=document_ids,
                                    softmax_scale=softmax_scale, dropout_p=dropout_p)
         return head_to_seq_all_to_all(out, group)                     # [b, s/sp, h_l, d]
 
     def extra_repr(self) -> str:
-        return f"sp={self.sp_size}"
+        return f"sp={self.sp_size}" + ("" if self.fuse_qkv else ", fuse_qkv=False")

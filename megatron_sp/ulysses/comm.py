@@ -9,6 +9,15 @@ heads; inside attention it holds the whole sequence for 1/sp of the heads:
 Rank r of the sp group holds sequence positions [r*s/sp, (r+1)*s/sp) and, inside attention, heads
 [r*n/sp, (r+1)*n/sp). The two are exact inverses, so each one's backward is the other.
 
+q, k and v travel together in ONE seq->head all-to-all (as DeepSpeed-Ulysses and Megatron's
+context-parallel a2a do): each destination rank's q, k and v heads are packed next to each other
+in one buffer, so an attention layer runs two all-to-alls forward (qkv, out) and two backward,
+with the same bytes as three separate ones:
+
+    pack        q [b, s/sp, n_q, d], k, v [b, s/sp, n_kv, d]  ->  [sp, b, s/sp, (n_q + 2 n_kv)/sp, d]
+    all-to-all  chunk j to rank j                               (one call)
+    unpack      -> q [b, s, n_q/sp, d], k, v [b, s, n_kv/sp, d]
+
 Every torch.distributed call of Ulysses lives in this module. A group that is None or of size 1
 makes both functions the identity without touching torch.distributed. Each all-to-all records
 the bytes this rank sends, (sp-1)/sp of its local tensor, under comm_stats kind "sp/all_to_all"
@@ -90,6 +99,41 @@ def _head_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     return received.permute(1, 2, 0, 3, 4).reshape(b, s // sp, sp * n_local, d)
 
 
+def _seq_to_head_packed(tensors, group):
+    """[b, s/sp, n_i, d] each -> [b, s, n_i/sp, d] each, in one all-to-all (no autograd)."""
+    sp = group_size(group)
+    b, s_local, _, d = tensors[0].shape
+    for t in tensors:
+        _check_divisible("the number of heads", t.shape[2], sp)
+    # Each [b, s/sp, n_i, d] -> [b, s/sp, sp, n_i/sp, d] -> [sp, b, s/sp, n_i/sp, d]; the cat along
+    # the head dim writes one contiguous buffer [sp, b, s/sp, sum(n_i)/sp, d]: per rank its heads
+    chunks = torch.cat([t.reshape(b, s_local, sp, t.shape[2] // sp, d).permute(2, 0, 1, 3, 4)
+                        for t in tensors], dim=3)
+    # received[i] = sequence chunk i of our heads of every tensor: [sp, b, s/sp, sum(n_i)/sp, d]
+    received = _all_to_all(chunks, group)
+    parts = received.split([t.shape[2] // sp for t in tensors], dim=3)
+    # each [sp, b, s/sp, n_i/sp, d] -> [b, sp, s/sp, n_i/sp, d] -> [b, s, n_i/sp, d], contiguous
+    # (with b = 1 the reshape alone would be a view with gaps between the heads)
+    return tuple(p.permute(1, 0, 2, 3, 4).reshape(b, sp * s_local, p.shape[3], d).contiguous()
+                 for p in parts)
+
+
+def _head_to_seq_packed(tensors, group):
+    """[b, s, n_i/sp, d] each -> [b, s/sp, n_i, d] each, in one all-to-all (no autograd)."""
+    sp = group_size(group)
+    b, s, _, d = tensors[0].shape
+    _check_divisible("the sequence length", s, sp)
+    # Each [b, s, n_i/sp, d] -> [b, sp, s/sp, n_i/sp, d] -> [sp, b, s/sp, n_i/sp, d]; cat along the
+    # head dim: one contiguous buffer [sp, b, s/sp, sum(n_i)/sp, d], chunk j = sequence chunk j
+    chunks = torch.cat([t.reshape(b, sp, s // sp, t.shape[2], d).transpose(0, 1) for t in tensors],
+                       dim=3)
+    # received[i] = head group i (of every tensor) of our sequence chunk
+    received = _all_to_all(chunks, group)
+    parts = received.split([t.shape[2] for t in tensors], dim=3)
+    # each [sp, b, s/sp, n_i/sp, d] -> [b, s/sp, sp, n_i/sp, d] -> [b, s/sp, n_i, d]
+    return tuple(p.permute(1, 2, 0, 3, 4).reshape(b, s // sp, sp * p.shape[3], d) for p in parts)
+
+
 class _SeqToHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -110,6 +154,46 @@ class _HeadToSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _seq_to_head(grad, ctx.group), None
+
+
+class _SeqToHeadPacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, *tensors):
+        ctx.group = group
+        return _seq_to_head_packed(tensors, group)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None,) + _head_to_seq_packed(grads, ctx.group)
+
+
+class _HeadToSeqPacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, *tensors):
+        ctx.group = group
+        return _head_to_seq_packed(tensors, group)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None,) + _seq_to_head_packed(grads, ctx.group)
+
+
+def seq_to_head_qkv_all_to_all(q, k, v, group):
+    """q [b, s/sp, n_q, d], k, v [b, s/sp, n_kv, d] -> [b, s, n_q/sp, d], [b, s, n_kv/sp, d] x 2.
+
+    The same result as three seq_to_head_all_to_all calls, in ONE all-to-all of a packed buffer.
+    Backward is head_to_seq_qkv_all_to_all (also one all-to-all).
+    """
+    if group_size(group) == 1:
+        return q, k, v
+    return _SeqToHeadPacked.apply(group, q, k, v)
+
+
+def head_to_seq_qkv_all_to_all(q, k, v, group):
+    """The exact inverse of seq_to_head_qkv_all_to_all: [b, s, n_i/sp, d] -> [b, s/sp, n_i, d]."""
+    if group_size(group) == 1:
+        return q, k, v
+    return _HeadToSeqPacked.apply(group, q, k, v)
 
 
 def seq_to_head_all_to_all(x: torch.Tensor, group) -> torch.Tensor:

@@ -3,6 +3,7 @@ composition with tp, sp and dp, each equal to one rank (loss 1e-5 relative, grad
 several optimizer steps; every stage compares the gradients of the parameters it holds), plus
 pretrain_gpt.py under torchrun (tp 2 x sp 2 x pp 2 on 8 gloo ranks) against its one-rank loss curve.
 """
+import contextlib
 import os
 import subprocess
 import sys
@@ -58,8 +59,12 @@ def test_stage_partition():
         stage_layer_ids(6, 4, first=2, last=3)
     with pytest.raises(PipelineLayoutError, match="not divisible by .* 2 x .* 3 = 6"):
         chunk_layer_ids(8, 2, 0, layers_per_virtual_stage=3)
-    with pytest.raises(PipelineLayoutError, match="cannot be combined"):
-        chunk_layer_ids(8, 2, 0, layers_per_virtual_stage=2, first=2)
+    # Uneven and interleaved (Megatron's offsets): 2+4+4+2 layers, v = 4/2 = 2 chunks per stage.
+    assert [chunk_layer_ids(12, 4, r, layers_per_virtual_stage=2, first=2, last=2)
+            for r in range(4)] == [[[0], [6]], [[1, 2], [7, 8]], [[3, 4], [9, 10]], [[5], [11]]]
+    assert chunk_layer_ids(6, 2, 1, layers_per_virtual_stage=1, first=2, last=4) == [[1, 2], [4, 5]]
+    with pytest.raises(PipelineLayoutError, match="stage 0 holds 3 layers, which do not split into 2"):
+        chunk_layer_ids(12, 4, 0, layers_per_virtual_stage=2, first=3, last=1)
     check_num_microbatches(3, 4)            # 1F1B runs any count, fewer than pp included
     check_num_microbatches(8, 4, 2)
     with pytest.raises(PipelineLayoutError, match=r"micro-batches \(6 .*multiple of .*size 4"):
@@ -99,6 +104,28 @@ class _SyncSpy:
         self.calls += 1
 
 
+def _held_after_send(schedule, chunks, mbs, mesh, count, autocast=contextlib.nullcontext):
+    """One training step recording every activation this stage sends; returns (the most bytes the
+    sent outputs still held at any later exchange or at the end, number sent)."""
+    from megatron_sp.pipeline import p2p
+
+    sent, held = [], [0]
+    original = p2p.P2PCommunicator.communicate
+
+    def spy(self, *, send_next=None, **kwargs):
+        held[0] = max(held[0], sum(t.untyped_storage().nbytes() for t in sent))
+        if send_next is not None:
+            sent.append(send_next)
+        return original(self, send_next=send_next, **kwargs)
+
+    p2p.P2PCommunicator.communicate = spy
+    try:
+        schedule(chunks, mbs, mesh, num_tokens=count, autocast=autocast)
+    finally:
+        p2p.P2PCommunicator.communicate = original
+    return max(held[0], sum(t.untyped_storage().nbytes() for t in sent)), len(sent)
+
+
 def pipeline_extras(rank, world):
     """pp=2: evaluation (forward only), byte counts, arming, the interleaved micro-batch check and
     identical tied embeddings on both stages after training."""
@@ -133,6 +160,17 @@ def pipeline_extras(rank, world):
         assert spy.calls == 1
         schedule(chunks, mbs, mesh, num_tokens=count, grad_sync=spy, forward_only=True)
         assert spy.calls == 1, "forward-only must not arm the gradient reduction"
+        # The sender frees what it sent (Megatron's deallocate_output_tensor): at most one element
+        # of each [1, 16, 32] fp32 output (2 KiB) is held after its send, until the step ends.
+        held, n_sent = _held_after_send(schedule, chunks, mbs, mesh, count)
+        assert n_sent == (4 * v if rank == 0 else 4 * (v - 1)), (name, n_sent)
+        assert held <= 4 * n_sent, f"{name}: sent outputs still hold {held} bytes"
+        # Under bf16 autocast activations and gradients cross stages in bf16: half the bytes.
+        comm_stats.reset()
+        bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+        held, _ = _held_after_send(schedule, chunks, mbs, mesh, count, autocast=bf16)
+        assert comm_stats.snapshot()["pp/send"] == (2 * v - 1) * 4 * 16 * 32 * 2, comm_stats.snapshot()
+        assert held <= 4 * n_sent
         for chunk in chunks:
             chunk.zero_grad(set_to_none=True)
         # Training keeps the two copies of the tied word embeddings identical.
@@ -163,6 +201,8 @@ def test_two_stage_pipelines():
              **c),
         dict(LLAMA_8, name="llama pp2 interleaved v=2 m=2 (all warm-up)", micro_batch=2,
              pipeline=dict(virtual=2), **c),
+        dict(LLAMA_6, name="llama pp2 uneven 2+4 interleaved v=2", micro_batch=1,
+             pipeline=dict(virtual=1, first=2, last=4), **c),
     ], extra="pipeline_extras")
 
 

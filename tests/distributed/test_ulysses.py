@@ -13,7 +13,8 @@ from megatron_sp.attention import SDPAAttention
 from megatron_sp.mesh import ParallelMesh
 from megatron_sp.testing import run_distributed
 from megatron_sp.ulysses import (COMM_KIND, UlyssesAttention, head_to_seq_all_to_all,
-                                 seq_to_head_all_to_all)
+                                 head_to_seq_qkv_all_to_all, seq_to_head_all_to_all,
+                                 seq_to_head_qkv_all_to_all)
 
 WORLD = 8
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -63,6 +64,34 @@ def _check_all_to_all(group, sp, sp_rank, seed):
     assert comm_stats.snapshot() == {COMM_KIND: 3 * sent}
 
 
+def _check_packed_all_to_all(group, sp, sp_rank, n_q, n_kv, seed):
+    """One all-to-all of q, k, v packed equals three separate ones, bit for bit; head->seq of the
+    packed pair is its exact inverse; gradients come back through ONE all-to-all; bytes unchanged."""
+    s_local = S // sp
+    gen = torch.Generator().manual_seed(seed)
+    full = [torch.randn(B, S, n, D, generator=gen) for n in (n_q, n_kv, n_kv)]   # [b, s, n_i, d]
+    grads = [torch.randn(B, S, n // sp, D, generator=gen) for n in (n_q, n_kv, n_kv)]
+    chunk = slice(sp_rank * s_local, (sp_rank + 1) * s_local)
+    mine = [t[:, chunk].clone().requires_grad_(True) for t in full]             # [b, s/sp, n_i, d]
+
+    comm_stats.reset()
+    packed = seq_to_head_qkv_all_to_all(*mine, group)                          # [b, s, n_i/sp, d]
+    assert comm_stats.calls() == {COMM_KIND: 1}
+    sent = sum((sp - 1) * t.numel() * t.element_size() // sp for t in mine)
+    assert comm_stats.snapshot() == {COMM_KIND: sent}
+    for t, n, y in zip(full, (n_q, n_kv, n_kv), packed):
+        heads = slice(sp_rank * n // sp, (sp_rank + 1) * n // sp)
+        assert torch.equal(y, t[:, :, heads])
+        assert torch.equal(y, seq_to_head_all_to_all(t[:, chunk], group))
+    back = head_to_seq_qkv_all_to_all(*packed, group)
+    assert all(torch.equal(b_, m) for b_, m in zip(back, mine))
+    comm_stats.reset()
+    torch.autograd.backward(packed, grads)
+    assert comm_stats.calls() == {COMM_KIND: 1}                                # one a2a backward
+    for t, g in zip(mine, grads):                                              # = head->seq of G
+        assert torch.equal(t.grad, head_to_seq_all_to_all(g, group))
+
+
 def _check_attention(group, sp, sp_rank, h, g, packed, seed, softmax_scale=None):
     """UlyssesAttention over SDPA equals SDPA on the full sequence, forward and backward."""
     s_local = S // sp
@@ -83,9 +112,10 @@ def _check_attention(group, sp, sp_rank, h, g, packed, seed, softmax_scale=None)
     kv_heads = max(g, sp)  # replicated up to sp when sp % g == 0
     elems = B * s_local * D * (h + 2 * kv_heads + h)         # q, k, v, out
     assert comm_stats.snapshot() == {COMM_KIND: (sp - 1) * elems * 4 // sp}
-    assert comm_stats.calls() == {COMM_KIND: 4}
+    assert comm_stats.calls() == {COMM_KIND: 2}                # qkv packed, out
     out.backward(grad[:, chunk])
     assert comm_stats.snapshot() == {COMM_KIND: 2 * (sp - 1) * elems * 4 // sp}
+    assert comm_stats.calls() == {COMM_KIND: 4}                # and two in backward
 
     case = f"sp={sp} rank={sp_rank} h={h} g={g} packed={packed}"
     torch.testing.assert_close(out, ref[:, chunk], atol=FWD_TOL, rtol=0, msg=case)
@@ -105,6 +135,7 @@ def _ulysses_checks(rank, world):
         sp_rank = rank % sp
         assert dist.get_rank(group) == sp_rank
         _check_all_to_all(group, sp, sp_rank, seed=sp)
+        _check_packed_all_to_all(group, sp, sp_rank, n_q=8, n_kv=max(2, sp), seed=50 + sp)
         for i, (h, g, packed) in enumerate(CASES):
             _check_attention(group, sp, sp_rank, h, g, packed, seed=100 * sp + i)
     _check_attention(groups[4], 4, rank % 4, 8, 2, True, seed=7, softmax_scale=0.21)
