@@ -14,7 +14,7 @@ def _bool_flag(parser, name, help):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Pretrain a GPT model with megatron_sp.",
-                                allow_abbrev=False)
+                                allow_abbrev=False, formatter_class=_HelpWithDefaults)
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None, help="preset: gpt2-tiny, gpt2-small, gpt2-medium, "
                    "llama-tiny, llama-1b, llama-8b, llama3.1-8b, llama3.2-1b, qwen3-0.6b, qwen3-4b, "
@@ -187,7 +187,85 @@ def build_parser() -> argparse.ArgumentParser:
     _add_megatron_honoured(p)
     from megatron_sp import megatron_compat
     megatron_compat.add_arguments(p)
+    for action in p._actions:           # one sentence for every flag (Megatron's meaning)
+        if action.option_strings and not action.help:
+            action.help = HELP.get(action.option_strings[0])
     return p
+
+
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """--help shows each flag's default where it has one (not for switches and unset values)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if (not unset and action.option_strings
+                and "%(default)" not in text and "default" not in text):
+            text += " (default: %(default)s)"
+        return text
+
+
+# Help of the flags added above without one: Megatron-LM's meaning, in a sentence each.
+HELP = {
+    "--num-layers": "transformer layers", "--hidden-size": "hidden size H",
+    "--ffn-hidden-size": "MLP hidden size (default 4H, or Megatron's SwiGLU rule)",
+    "--num-attention-heads": "query heads", "--num-query-groups": "key/value heads (GQA)",
+    "--kv-channels": "head dimension (default H / heads)",
+    "--seq-length": "tokens per sample", "--max-position-embeddings":
+    "positions of the learned embedding (defaults to --seq-length)",
+    "--position-embedding-type": "learned absolute positions, RoPE or YaRN-scaled RoPE",
+    "--rotary-base": "RoPE base theta", "--normalization": "LayerNorm or RMSNorm",
+    "--norm-epsilon": "epsilon of the norms",
+    "--make-vocab-size-divisible-by": "pad the vocabulary to a multiple of this times tp",
+    "--attention-dropout": "dropout on attention probabilities (Megatron's 0.1 without --model)",
+    "--hidden-dropout": "dropout on the residual branches (Megatron's 0.1 without --model)",
+    "--init-method-std": "standard deviation of the normal initialisation",
+    "--micro-batch-size": "samples per micro-batch per data-parallel rank",
+    "--global-batch-size": "samples per optimizer step over all data-parallel ranks (default: "
+                           "--micro-batch-size x dp)",
+    "--train-iters": "optimizer steps to train (default 100 when --train-samples is not given)",
+    "--train-samples": "samples to train, instead of --train-iters",
+    "--lr": "peak learning rate", "--min-lr": "learning rate at the end of the decay",
+    "--lr-warmup-iters": "linear warm-up steps", "--lr-warmup-fraction":
+    "warm-up as a fraction of --lr-decay-iters", "--lr-decay-style": "learning-rate decay after warm-up",
+    "--lr-decay-iters": "steps of the decay, warm-up included (default --train-iters)",
+    "--lr-wsd-decay-iters": "WSD: steps of the final linear decay",
+    "--weight-decay": "AdamW decoupled weight decay (not on norms and biases)",
+    "--clip-grad": "clip the global gradient norm to this (0: no clipping)",
+    "--adam-beta1": "Adam beta1", "--adam-beta2": "Adam beta2", "--adam-eps": "Adam epsilon",
+    "--seed": "seed of initialisation, data order and dropout",
+    "--recompute-granularity": "activation recompute: full layers or the attention core (selective)",
+    "--recompute-method": "full recompute: uniform groups or the first N layers (block)",
+    "--grad-bucket-size-mb": "size of the gradient buckets reduced during backward",
+    "--data-path": "dataset prefixes, optionally weighted: [w1] prefix1 [w2 prefix2 ...]",
+    "--split": "train,valid,test proportions of the documents (Megatron's)",
+    "--data-cache-path": "folder of the cached sample indices (default: next to the data)",
+    "--tokenizer-type": "the tokenizer the data was preprocessed with",
+    "--tokenizer-model": "its model file (.model) or Hugging Face folder",
+    "--tensor-model-parallel-size": "tensor-parallel ranks (tp)",
+    "--pipeline-model-parallel-size": "pipeline stages (pp)",
+    "--num-layers-per-virtual-pipeline-stage": "interleaved 1F1B: layers per virtual stage",
+    "--decoder-first-pipeline-num-layers": "layers of the first pipeline stage (uneven stages)",
+    "--decoder-last-pipeline-num-layers": "layers of the last pipeline stage (uneven stages)",
+    "--distributed-backend": "nccl or gloo (default: nccl on GPU, gloo on CPU)",
+    "--distributed-timeout-minutes": "a collective gives up (and the run stops) after this long",
+    "--save": "checkpoint folder to save to", "--load": "checkpoint folder to resume or start from",
+    "--save-interval": "save every N iterations", "--exit-interval": "save and exit at iteration N",
+    "--exit-duration-in-mins": "save and exit after this much wall time",
+    "--optimizer": "adam (AdamW) or sgd", "--fp8-margin": "FP8 scaling margin (Transformer Engine)",
+    "--fp8-amax-history-len": "FP8 amax history length (Transformer Engine)",
+    "--fp8-amax-compute-algo": "FP8 amax from the history's most recent or max value",
+    "--log-interval": "print the log line every N iterations",
+    "--eval-interval": "evaluate every N iterations", "--eval-iters": "batches per evaluation",
+    "--tensorboard-dir": "write TensorBoard scalars here",
+    "--metrics-jsonl": "write one JSON object per logged iteration here",
+    "--lr-decay-samples": "decay length in samples (with --train-samples)",
+    "--lr-warmup-samples": "warm-up length in samples (with --train-samples)",
+    "--lr-wsd-decay-samples": "WSD final decay in samples (with --train-samples)",
+    "--profile-step-start": "first profiled iteration", "--profile-step-end": "iteration after the last profiled one",
+    "--wandb-project": "Weights & Biases project (needs wandb)",
+    "--wandb-exp-name": "Weights & Biases run name", "--wandb-save-dir": "Weights & Biases folder",
+}
 
 
 def _add_megatron_math_args(p, model_group) -> None:

@@ -46,7 +46,7 @@ class _Bucket:
         self.buffer = torch.cat(grads)                                # [sum of numels]
         if dtype is not None:        # --grad-reduce-in-bf16: bf16 on the wire, fp32 grads after
             self.buffer = self.buffer.to(dtype)
-        comm_stats.record("dp/all_reduce", comm_stats.all_reduce_bytes(
+        comm_stats.record("dp_sp/all_reduce", comm_stats.all_reduce_bytes(
             self.buffer.numel(), self.buffer.element_size(), dist.get_world_size(group)))
         self.handle = dist.all_reduce(self.buffer, group=group, async_op=True)
 
@@ -154,7 +154,7 @@ def global_grad_norm(params, mesh, grads=None, shard_group=None) -> float:
             replicated += sq
     # Replicated parameters hold the same gradient on every tp rank: count them once.
     total = torch.stack([sharded, replicated / mesh.tp_size])
-    all_reduce_sum(total, shard_group, "dp/all_reduce")
+    all_reduce_sum(total, shard_group, "dp_sp/all_reduce")
     all_reduce_sum(total, mesh.tp_group, "tp/all_reduce")
     total = total.sum()
     all_reduce_sum(total, mesh.pp_group, "pp/all_reduce")
@@ -205,7 +205,7 @@ def clip_grad_norm(params, max_norm: float, mesh, grads=None, shard_group=None) 
 
 def reduce_loss_and_count(values: torch.Tensor, mesh) -> torch.Tensor:
     """Sum [loss_sum, ...] over dp x sp and across stages (only the last stage has a loss)."""
-    all_reduce_sum(values, mesh.dp_sp_group, "dp/all_reduce")
+    all_reduce_sum(values, mesh.dp_sp_group, "dp_sp/all_reduce")
     all_reduce_sum(values, mesh.pp_group, "pp/all_reduce")
     return values
 

@@ -27,7 +27,7 @@ def reduce_scatter_sum(output: torch.Tensor, buffer: torch.Tensor, group):
     if group_size(group) == 1:
         output.copy_(buffer[0])
         return None
-    comm_stats.record("dp/reduce_scatter", comm_stats.gather_bytes(
+    comm_stats.record("dp_sp/reduce_scatter", comm_stats.gather_bytes(
         output.numel(), output.element_size(), group_size(group)))
     flat = buffer.reshape(-1)                                          # [n, segment] -> [n * segment]
     return dist.reduce_scatter_single(output, flat, group=group, async_op=True)
@@ -38,7 +38,7 @@ def all_gather_segments(buffer: torch.Tensor, mine: torch.Tensor, group):
     if group_size(group) == 1:
         buffer[0].copy_(mine)
         return None
-    comm_stats.record("dp/all_gather", comm_stats.gather_bytes(
+    comm_stats.record("dp_sp/all_gather", comm_stats.gather_bytes(
         mine.numel(), mine.element_size(), group_size(group)))
     flat = buffer.reshape(-1)                           # [n, segment] -> [n * segment], same storage
     return dist.all_gather_single(flat, mine, group=group, async_op=True)

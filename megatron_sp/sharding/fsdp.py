@@ -203,7 +203,7 @@ class FSDP2:
             else:
                 replicated += sq
         total = torch.stack([sharded, replicated])                       # [2]
-        all_reduce_sum(total, self.mesh.dp_sp_group, "dp/all_reduce")
+        all_reduce_sum(total, self.mesh.dp_sp_group, "dp_sp/all_reduce")
         # Replicated parameters hold the same gradient on every tp rank: count them once.
         total = torch.stack([total[0], total[1] / self.mesh.tp_size])   # [2]
         all_reduce_sum(total, self.mesh.tp_group, "tp/all_reduce")

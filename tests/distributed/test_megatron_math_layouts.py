@@ -219,7 +219,7 @@ def _grad_reduce_in_bf16():
         comm_stats.reset()
         history, _ = _run(_trainer(ParallelMesh.from_sizes(), cfg, 1,
                                    precision=dict(grad_reduce_in_bf16=bf16)), [batch])
-        sent[bf16] = comm_stats.snapshot()["dp/all_reduce"]
+        sent[bf16] = comm_stats.snapshot()["dp_sp/all_reduce"]
     assert sent[True] < 0.51 * sent[False]
     (l0, _, g0), (l1, _, g1) = ref_history[0], history[0]
     assert abs(l1 - l0) <= 1e-5 * abs(l0)
@@ -260,7 +260,7 @@ def _grad_reduce_in_bf16_distributed_optimizer():
         trainer = _distributed_optimizer_trainer(ParallelMesh.from_sizes(), cfg, bf16)
         for batch in batches:
             trainer.train_step(micro_batches(batch, 1, trainer.mesh.dp_rank, trainer.mesh.dp_size))
-        sent[bf16] = comm_stats.snapshot()["dp/reduce_scatter"]
+        sent[bf16] = comm_stats.snapshot()["dp_sp/reduce_scatter"]
         runs[bf16] = _full(trainer, "param")
     assert sent[True] < 0.51 * sent[False]
     worst = max((runs[True][n] - p).abs().max().item() for n, p in runs[False].items())

@@ -43,3 +43,16 @@ def test_checkpoint_mismatch_names_the_flag(capsys):
     with pytest.raises(CheckpointError, match="--num-query-groups 4 in the checkpoint but 2 .*"
                                               "--use-checkpoint-args"):
         check_config({**config.to_dict(), "num_query_groups": 4}, config, "ckpt/iter_0000010")
+
+
+def test_help_has_a_sentence_and_default_for_every_flag():
+    """--help: every flag described, defaults shown (issue 15), --fp16 not described as refused."""
+    from megatron_sp.arguments import build_parser
+    parser = build_parser()
+    undocumented = [a.option_strings[0] for a in parser._actions
+                    if a.option_strings and a.dest != "help" and not a.help]
+    assert undocumented == []
+    text = parser.format_help()
+    assert "peak learning rate (default: 0.0003)" in " ".join(text.split())
+    assert "learning rate at the end of the decay (default: 0.0)" in " ".join(text.split())
+    assert "refused" not in text.split("--fp16", 1)[1].split("\n  --", 1)[0]
