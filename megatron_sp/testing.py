@@ -84,3 +84,14 @@ def metrics_losses(path) -> tuple[list[float], list[float]]:
         records = [json.loads(line) for line in f]
     return ([r["lm_loss"] for r in records if "lm_loss" in r],
             [r["valid_lm_loss"] for r in records if "valid_lm_loss" in r])
+
+
+def assert_same_curve(reference, candidate, train: int, valid: int, rel: float = 1e-5) -> None:
+    """Two --metrics-jsonl files log `train` training and `valid` validation losses that agree to
+    `rel` relative (a layout against one rank)."""
+    train1, valid1 = metrics_losses(reference)
+    train2, valid2 = metrics_losses(candidate)
+    assert (len(train1), len(valid1)) == (len(train2), len(valid2)) == (train, valid), \
+        (train1, valid1, train2, valid2)
+    for a, b in zip(train1 + valid1, train2 + valid2):
+        assert abs(a - b) <= rel * abs(a), (train1 + valid1, train2 + valid2)
