@@ -95,3 +95,16 @@ def assert_same_curve(reference, candidate, train: int, valid: int, rel: float =
         (train1, valid1, train2, valid2)
     for a, b in zip(train1 + valid1, train2 + valid2):
         assert abs(a - b) <= rel * abs(a), (train1 + valid1, train2 + valid2)
+
+
+def load_script(relative_path: str):
+    """A repository script (pretrain_gpt.py, tools/...) imported as a module by its path from the
+    checkout root (scripts are not installed as packages)."""
+    import importlib.util
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    name = os.path.splitext(os.path.basename(relative_path))[0]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, relative_path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -10,7 +10,6 @@ pp2 x tp2 and its first training loss equals transformers' loss on the same batc
 One 4-rank spawn for everything (dp fills the ranks a layout leaves)."""
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -113,11 +112,8 @@ def _convert_tiny_qwen3(tmp):
             if p.ndim == 1:
                 p.copy_(torch.randn_like(p) * 0.1 + 1.0)
     hf.save_pretrained(os.path.join(tmp, "hf"), safe_serialization=True)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("convert", os.path.join(root, "tools",
-                                                                          "checkpoint", "convert.py"))
-    convert = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(convert)
+    from megatron_sp.testing import load_script
+    convert = load_script("tools/checkpoint/convert.py")
     convert.main(["--loader", "hf", "--saver", "megatron_sp", "--load-dir", os.path.join(tmp, "hf"),
                   "--save-dir", os.path.join(tmp, "ours")])
     batch = global_batches(300, 32, 4, 1, seed=5)[0]

@@ -1,17 +1,13 @@
 """config_to_flags: the printed flags rebuild the same GPTConfig through pretrain_gpt's parser
 (what `convert.py` prints and `--use-checkpoint-args` applies)."""
-import importlib.util
-import os
 
 import pytest
 
 from megatron_sp.arguments import parse_args
 from megatron_sp.models.config import PRESETS, GPTConfig, config_to_flags, preset
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(ROOT, "pretrain_gpt.py"))
-pretrain_gpt = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pretrain_gpt)
+from megatron_sp.testing import load_script  # noqa: E402
+pretrain_gpt = load_script("pretrain_gpt.py")
 
 
 def _odd_config():

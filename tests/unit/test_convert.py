@@ -4,7 +4,6 @@ pretrain_gpt.py (--load --finetune) and through megatron_sp.load_pretrained and 
 safetensors export."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
@@ -15,10 +14,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location("convert", os.path.join(ROOT, "tools", "checkpoint",
-                                                                        "convert.py"))
-convert = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(convert)
+from megatron_sp.testing import load_script  # noqa: E402
+convert = load_script("tools/checkpoint/convert.py")
 
 VOCAB = 301   # = NullTokenizer(--vocab-size 300).vocab_size; padded to 384 here, 512 at tp=2
 

@@ -5,7 +5,6 @@ functions; the presets' parameter counts against the published ones; GPT2BPEToke
 transformers' GPT-2 tokenizer on vocab/merges files trained here."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -20,10 +19,8 @@ from megatron_sp.models import families                     # noqa: E402
 from megatron_sp.models.rope import rope_frequencies        # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location("convert", os.path.join(ROOT, "tools", "checkpoint",
-                                                                        "convert.py"))
-convert = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(convert)
+from megatron_sp.testing import load_script  # noqa: E402
+convert = load_script("tools/checkpoint/convert.py")
 
 VOCAB = 301
 LOGITS_ATOL = 1e-5

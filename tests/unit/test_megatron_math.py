@@ -81,15 +81,10 @@ def test_rotary_percent_rotates_only_the_first_dims():
 def test_rotary_percent_and_1p_flags_reach_the_config_and_back():
     """config_to_flags -> the parser -> pretrain_gpt.model_config rebuilds both fields, and both
     flags sit in the model group that --use-checkpoint-args copies from a checkpoint."""
-    import importlib.util
-    import os
     from megatron_sp.arguments import build_parser
     from megatron_sp.models.config import config_to_flags
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(root,
-                                                                               "pretrain_gpt.py"))
-    pretrain_gpt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pretrain_gpt)
+    from megatron_sp.testing import load_script
+    pretrain_gpt = load_script("pretrain_gpt.py")
     cfg = tiny(rotary_percent=0.25, apply_layernorm_1p=True)
     flags = config_to_flags(cfg)
     assert "--apply-layernorm-1p" in flags and flags[flags.index("--rotary-percent") + 1] == "0.25"

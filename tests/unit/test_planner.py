@@ -2,9 +2,7 @@
 bytes, the activation model against the bytes measured under bf16 (autocast and bf16 weights), the
 three Arctic Long Sequence Training configurations feasible, --max-seq consistent with feasibility,
 each plan's flags accepted by pretrain_gpt.py's parser, and the table's layout (issue 15)."""
-import importlib.util
 import json
-import os
 import shlex
 import sys
 
@@ -22,11 +20,8 @@ from test_memory_accounting import _cfg  # noqa: E402
 
 GB = 2 ** 30
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location("plan_parallel", os.path.join(ROOT, "tools",
-                                                                             "plan_parallel.py"))
-plan_parallel = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(plan_parallel)
+from megatron_sp.testing import load_script  # noqa: E402
+plan_parallel = load_script("tools/plan_parallel.py")
 
 BF16_MEMS = [MemoryOptions(), MemoryOptions(recompute_granularity="selective"),
              MemoryOptions(recompute_granularity="full"), MemoryOptions(mlp_tiles=4, loss_chunks=3),
