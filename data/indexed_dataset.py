@@ -232,10 +232,28 @@ class IndexedDatasetBuilder:
             raise ValueError(f"{self.bin_path}: lengths sum to {int(lengths.sum())} but "
                              f"{arr.size} tokens were given; pass lengths that cover the tokens.")
         self._file.write(memoryview(arr).cast("B"))
+        self._append_documents(lengths)
+
+    def _append_documents(self, lengths):
+        """Index entries of one-sequence documents (a length of 0: an empty document)."""
         nonempty = lengths > 0
         self._lengths.append(lengths[nonempty].astype(np.int32))
         self._documents.append(self._num_sequences + np.cumsum(nonempty, dtype=np.int64))
         self._num_sequences += int(nonempty.sum())
+
+    def add_documents_from(self, lengths, path, offset, nbytes):
+        """add_documents for tokens already in this builder's dtype at bytes [offset, offset +
+        nbytes) of the file `path` (a preprocessing worker's spill file); returns the count."""
+        lengths = np.asarray(lengths, np.int64).reshape(-1)
+        count = int(lengths.sum())
+        if count * self.dtype.itemsize != nbytes:
+            raise ValueError(f"{path}: {nbytes} bytes at {offset} are not {count} "
+                             f"{self.dtype.name} tokens; spill the tokens in the builder's dtype.")
+        with open(path, "rb") as f:
+            f.seek(offset)
+            self._file.write(f.read(nbytes))
+        self._append_documents(lengths)
+        return count
 
     def add_index(self, path_prefix):
         """Append a whole existing .bin/.idx pair (same dtype), keeping its document structure."""

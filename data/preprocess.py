@@ -3,7 +3,9 @@ import collections
 import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
+import tempfile
 import time
 from itertools import chain
 
@@ -21,13 +23,14 @@ DTYPES = {"uint16": np.uint16, "int32": np.int32}
 _worker = {}
 
 
-def _init_worker(tokenizer, json_keys, append_eod, path, dtype=None):
+def _init_worker(tokenizer, json_keys, append_eod, path, dtype=None, spill=None):
     """The per-process state of encode_lines. Called in the parent before the pool forks, so the
-    workers inherit the tokenizer instead of each loading it again."""
+    workers inherit the tokenizer instead of each loading it again. `spill`: the folder where
+    pool workers write their tokens (the parent then copies bytes instead of unpickling arrays)."""
     if isinstance(tokenizer, tuple):
         tokenizer = build_tokenizer(*tokenizer)
     _worker.update(tok=tokenizer, keys=json_keys, eod=append_eod, path=path, fd=None,
-                   dtype=None if dtype is None else np.dtype(dtype))
+                   dtype=None if dtype is None else np.dtype(dtype), spill=spill, out={})
 
 
 def _tokenize_all(tok, texts, lines, path):
@@ -117,6 +120,74 @@ def encode_lines(task):
     return n_bytes, packed
 
 
+def _ranges(size, block_bytes):
+    """Byte ranges [start, stop) covering the input, one per pool task: the parent reads nothing,
+    each worker takes the whole lines that begin in its range (`_aligned_block`)."""
+    return [(start, min(start + block_bytes, size)) for start in range(0, size, block_bytes)]
+
+
+def _line_start(pos):
+    """The first offset >= pos at which a line begins (0, or just after a newline), or the size."""
+    if pos == 0:
+        return 0
+    at, chunk = pos - 1, 1 << 16
+    while True:
+        data = _read_block(at, chunk)
+        if not data:
+            return at
+        found = data.find(b"\n")
+        if found >= 0:
+            return at + found + 1
+        at += len(data)
+
+
+def _aligned_block(start, stop):
+    """(offset, bytes) of the whole lines that begin in [start, stop) of the input."""
+    begin, end = _line_start(start), _line_start(stop)
+    return begin, (_read_block(begin, end - begin) if begin < end else b"")
+
+
+def _line_number(offset):
+    """1 + the newlines before `offset` (only for error messages: reads the input up to there)."""
+    count, at = 1, 0
+    while at < offset:
+        data = _read_block(at, min(1 << 22, offset - at))
+        count += data.count(b"\n")
+        at += len(data)
+    return count
+
+
+def _spill(key, tokens):
+    """Append `tokens` to this worker's own file for `key`; returns (path, offset, bytes)."""
+    out = _worker["out"]
+    if key not in out:
+        path = os.path.join(_worker["spill"], f"{len(out)}.{os.getpid()}")
+        out[key] = [path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), 0]
+    path, fd, offset = out[key]
+    data = memoryview(np.ascontiguousarray(tokens)).cast("B")
+    written = 0
+    while written < len(data):
+        written += os.write(fd, data[written:])
+    out[key][2] = offset + len(data)
+    return path, offset, len(data)
+
+
+def encode_range(task):
+    """A pool task: encode the lines that begin in the byte range `task`, write the tokens to this
+    worker's spill file and return (n_bytes, {key: ((path, offset, bytes), lengths)}).
+
+    Line numbers count from the block (the parent does not know them); an error is encoded again
+    with the block's line number in the file, so the message names the file's line.
+    """
+    begin, block = _aligned_block(*task)
+    try:
+        n_bytes, packed = encode_lines((1, block))
+    except DataError:
+        encode_lines((_line_number(begin), block))      # raises it with the file's numbers
+        raise
+    return n_bytes, {key: (_spill(key, tokens), lengths) for key, (tokens, lengths) in packed.items()}
+
+
 def _narrow(tokens, dtype):
     """The tokens in the output dtype when they fit (less to send back); else left for the
     builder to report."""
@@ -182,13 +253,17 @@ def preprocess(input, output_prefix, tokenizer_type, tokenizer_model=None, json_
     dtype = _output_dtype(dtype, tokenizer.vocab_size)
     prefixes = {k: f"{output_prefix}_{k}_document" for k in json_keys}
     builders = {k: IndexedDatasetBuilder(p + ".bin", dtype) for k, p in prefixes.items()}
-    _init_worker(tokenizer, tuple(json_keys), append_eod, input, dtype)   # inherited by the pool
+    spill = tempfile.mkdtemp(prefix=".preprocess-", dir=folder) if workers > 1 else None
+    _init_worker(tokenizer, tuple(json_keys), append_eod, input, dtype, spill)   # inherited
     pool = mp.get_context("fork").Pool(workers) if workers > 1 else None
     interrupted = False
     try:
-        tasks = _tasks(input, _block_bytes(os.path.getsize(input), workers))
-        results = (map(encode_lines, tasks) if pool is None else
-                   _in_order(pool, tasks, IN_FLIGHT_PER_WORKER * workers))
+        size = os.path.getsize(input)
+        if pool is None:
+            results = map(encode_lines, _tasks(input, _block_bytes(size, workers)))
+        else:
+            results = _in_order(pool, _ranges(size, _block_bytes(size, workers)),
+                                IN_FLIGHT_PER_WORKER * workers)
         docs, tokens, nbytes = _consume(results, builders, log_interval, log,
                                         os.path.getsize(input))
         for k, b in builders.items():
@@ -208,6 +283,8 @@ def preprocess(input, output_prefix, tokenizer_type, tokenizer_model=None, json_
         if _worker.get("fd") is not None:
             os.close(_worker["fd"])
         _worker.clear()
+        if spill is not None:
+            shutil.rmtree(spill, ignore_errors=True)
     if log_interval:
         dt = max(time.time() - start, 1e-9)
         print(f"done: {docs} documents, {tokens} tokens, {nbytes / 1e6:.1f} MB in {dt:.1f} s "
@@ -216,11 +293,11 @@ def preprocess(input, output_prefix, tokenizer_type, tokenizer_model=None, json_
 
 
 def _in_order(pool, tasks, in_flight):
-    """encode_lines of each task in the pool, results in task order, at most in_flight tasks
+    """encode_range of each task in the pool, results in task order, at most in_flight tasks
     submitted ahead (a stop after an error waits for those few, never for the whole file)."""
     pending = collections.deque()
     for task in tasks:
-        pending.append(pool.apply_async(encode_lines, (task,)))
+        pending.append(pool.apply_async(encode_range, (task,)))
         if len(pending) >= in_flight:
             yield pending.popleft().get()
     while pending:
@@ -245,8 +322,11 @@ def _consume(results, builders, log_interval, log, total_bytes=None):
         for size, packed in results:
             nbytes += size
             for key, (ids, lengths) in packed.items():
-                builders[key].add_documents(ids, lengths)
-                tokens += ids.size
+                if isinstance(ids, tuple):          # (file, offset, bytes) a worker spilled
+                    tokens += builders[key].add_documents_from(lengths, *ids)
+                else:
+                    builders[key].add_documents(ids, lengths)
+                    tokens += ids.size
             docs += len(next(iter(packed.values()))[1])
             if bar is not None:
                 bar.update(size)

@@ -169,3 +169,40 @@ def test_small_corpus_splits(tmp_path):
     assert not (tmp_path / "c").exists()
     better = message.rsplit("--split ", 1)[1].rstrip(".")
     assert all(len(d) for d in build_gpt_datasets([a], better, 16, 1, (100, 10, 10), EOD, -1, None))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_preprocess_ranges_split_lines_anywhere(tmp_path, monkeypatch, seed):
+    """Pool workers take byte ranges of 64 bytes that cut lines anywhere (lines up to ~700 bytes
+    span many ranges, blank lines, no newline at the end): the output equals one worker's
+    byte for byte, an error names the file's line, and the workers' spill folder is gone."""
+    module = sys.modules["megatron_sp.data.preprocess"]
+    monkeypatch.setattr(module, "BLOCK_BYTES", 64)
+    monkeypatch.setattr(module, "MIN_BLOCK_BYTES", 64)
+    rng = np.random.default_rng(seed)
+    lines = []
+    for _ in range(300):
+        if rng.random() < 0.1:
+            lines.append("")
+        else:
+            ids = rng.integers(0, 1000, int(rng.integers(0, 150)))
+            lines.append(json.dumps({"text": " ".join(map(str, ids))}))
+    src = tmp_path / "ids.jsonl"
+    src.write_text("\n".join(lines))                    # no newline after the last line
+    out = {}
+    for workers in (1, 2):
+        prefix = preprocess(str(src), str(tmp_path / f"w{workers}"), "NullTokenizer",
+                            vocab_size=1000, append_eod=True, workers=workers,
+                            log_interval=0)["text"]
+        out[workers] = [open(prefix + ext, "rb").read() for ext in (".bin", ".idx")]
+    assert out[1] == out[2] and len(out[1][0]) > 1000
+    bad = int(rng.integers(150, 290))
+    while not lines[bad - 1]:
+        bad += 1
+    lines[bad - 1] = json.dumps({"text": "1 2000 3"})
+    src.write_text("\n".join(lines))
+    with pytest.raises(DataError, match=rf"ids.jsonl:{bad}: token id 2000 is outside"):
+        preprocess(str(src), str(tmp_path / "bad"), "NullTokenizer", vocab_size=1000, workers=2,
+                   log_interval=0)
+    assert sorted(os.listdir(tmp_path)) == sorted(["ids.jsonl"] + [
+        f"w{w}_text_document{ext}" for w in (1, 2) for ext in (".bin", ".idx")])
