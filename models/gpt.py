@@ -91,20 +91,48 @@ class RotaryEmbedding(nn.Module):
         return emb.cos(), emb.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, s_l, heads, d] rotated by its positions' angles; computed in fp32.
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Each pair (x_i, x_{i+d/2}) of x [b, s_l, heads, d] turned by its angle (cos, sin [b, s_l, 1,
+    d/2]): x1 cos - x2 sin | x2 cos + x1 sin (x * cos + rotate_half(x) * sin), written straight
+    into the output's halves in x's dtype; the products are taken in fp32 when cos and sin are."""
+    x1, x2 = x.chunk(2, dim=-1)                         # each [b, s_l, heads, d/2] (views)
+    out = torch.empty_like(x)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin)
+    return out
 
-    cos, sin [b, s_l, 1, r]: with r < d (--rotary-percent) only the first r dimensions rotate and
-    the other d - r pass through, as Megatron-LM's apply_rotary_pos_emb.
+
+class _Rotary(torch.autograd.Function):
+    """RoPE as an autograd function: a rotation's gradient is the rotation by the opposite angle,
+    so backward needs only cos and sin (no activation is saved, no fp32 copy of x is made)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad.contiguous(), cos, -sin), None, None
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, s_l, heads, d] rotated by its positions' angles, products in fp32 (cos, sin are).
+
+    cos, sin [b, s_l, 1, r] (both halves equal, the rotate_half layout): with r < d
+    (--rotary-percent) only the first r dimensions rotate and the other d - r pass through, as
+    Megatron-LM's apply_rotary_pos_emb.
     """
     r = cos.shape[-1]
     if r < x.shape[-1]:
         x_rot, x_pass = x[..., :r], x[..., r:]          # [b, s_l, heads, r], [..., d - r]
-        return torch.cat([apply_rotary(x_rot, cos, sin), x_pass], dim=-1)
-    xf = x.float()                                      # one cast (a copy under bf16)
-    x1, x2 = xf.chunk(2, dim=-1)                        # each [b, s_l, heads, d/2]
-    rotated = torch.cat([-x2, x1], dim=-1)              # [b, s_l, heads, d]
-    return (xf * cos + rotated * sin).to(x.dtype)
+        return torch.cat([apply_rotary(x_rot.contiguous(), cos, sin), x_pass], dim=-1)
+    half = r // 2                                       # cos, sin [b, s_l, 1, r] -> [..., r/2]
+    return _Rotary.apply(x, cos[..., :half], sin[..., :half])
 
 
 class HeadRMSNorm(nn.RMSNorm):
