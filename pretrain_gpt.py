@@ -19,6 +19,7 @@ import torch
 
 from megatron_sp.arguments import parse_args
 from megatron_sp.checkpointing import CheckpointError, CheckpointManager, finalize_async_save
+from megatron_sp.cpu_allocator import keep_freed_memory
 from megatron_sp.errors import ConfigError, DataError, reraise_as, run_main
 from megatron_sp.flops import flops_for_config
 from megatron_sp.mesh import ParallelMesh, barrier, init_distributed, shutdown
@@ -359,6 +360,8 @@ def main(argv=None):
                                    pp=args.pipeline_model_parallel_size)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available()
                           else "cpu")
+    if device.type == "cpu":
+        keep_freed_memory()      # no page faults for the tensors every step re-allocates
     torch.manual_seed(args.seed)
     with reraise_as(DataError, ValueError):
         tokenizer, data_path = build_tokenizer_and_data(args, mesh)

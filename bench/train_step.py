@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root: models/
 
+from megatron_sp.cpu_allocator import keep_freed_memory
 from megatron_sp.flops import flops_for_config
 from megatron_sp.optimizer import build_optimizer
 from models.config import GPTConfig
@@ -236,6 +237,9 @@ def bench_row(family, dtype, args) -> dict:
         row[f"flops_{name}"] = flops / statistics.median(times[name])
     row["gemm"] = gemm.flops / statistics.median(times["gemm"])
     row["cpu_ratio"] = statistics.median(cpu["hf"]) / statistics.median(cpu["ours"])
+    batch = make_batch(0, args)
+    row["share_ours"] = kernel_share(ours_step, ours, opt_ours, batch, dtype)
+    row["share_hf"] = kernel_share(hf_step, hf, opt_hf, batch, dtype)
     if args.profile:
         profile_row(family, dtype, args, ours, hf, opt_ours, opt_hf)
     return row
@@ -281,6 +285,22 @@ def profile_row(family, dtype, args, ours, hf, opt_ours, opt_hf):
                                         max_name_column_width=48))
 
 
+KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product")
+
+
+def kernel_share(step, model, opt, batch, dtype) -> float:
+    """Fraction of one step's CPU time (profiler self time) spent in the matrix products and the
+    SDPA attention kernels, which both models call with the same shapes: a model whose every other
+    op took no time at all would run the step in that fraction of the time."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(model, opt, batch, dtype)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    shared = sum(e.self_cpu_time_total for e in events if e.key.startswith(KERNELS))
+    return shared / total
+
+
 # Main -------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
@@ -305,12 +325,16 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="print the top ops of one step per model")
     p.add_argument("--profile-rows", type=int, default=25)
+    p.add_argument("--default-malloc", action="store_true",
+                   help="leave glibc's malloc settings as they are (default: keep freed memory, "
+                        "megatron_sp.cpu_allocator, as pretrain_gpt.py on CPU; both models)")
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    kept = False if args.default_malloc else keep_freed_memory()
     import transformers
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
@@ -318,6 +342,8 @@ def main(argv=None):
           f"(llama kv heads {args.kv_heads or max(1, args.heads // 4)}), vocab {args.vocab}, "
           f"seq {args.seq}, batch {args.batch}; {args.warmup} warm-up + {args.steps} timed steps, "
           f"interleaved; step = forward + loss + backward + AdamW")
+    print("malloc: " + ("freed memory kept for reuse (megatron_sp.cpu_allocator), both models" if kept
+                        else "glibc defaults (large tensors page-fault in every step)"))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if load > args.threads:
         print(f"warning: load average {load:.1f} > {args.threads} threads: other processes share "
@@ -337,16 +363,22 @@ def main(argv=None):
 
     header = (f"{'model':6s} {'dtype':5s} {'params':>8s} {'ours tok/s':>11s} {'HF tok/s':>10s} "
               f"{'ours/HF':>8s} {'(CPU-time ratio)':>17s} | {'ours TFLOP/s':>12s} {'HF TFLOP/s':>10s} "
-              f"{'GEMM TFLOP/s':>12s} {'ours MFU':>8s} {'HF MFU':>7s}")
+              f"{'GEMM TFLOP/s':>12s} {'ours MFU':>8s} {'HF MFU':>7s} | {'kernels ours':>12s} "
+              f"{'HF':>5s} {'ceiling':>7s}")
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
         peak = r["gemm"]
         print(f"{r['model']:6s} {r['dtype']:5s} {r['params'] / 1e6:7.1f}M {r['tps_ours']:11.0f} "
               f"{r['tps_hf']:10.0f} {r['ratio']:7.2f}x {r['cpu_ratio']:16.2f}x | "
               f"{r['flops_ours'] / 1e12:12.4f} {r['flops_hf'] / 1e12:10.4f} {peak / 1e12:12.4f} "
-              f"{100 * r['flops_ours'] / peak:7.1f}% {100 * r['flops_hf'] / peak:6.1f}%")
+              f"{100 * r['flops_ours'] / peak:7.1f}% {100 * r['flops_hf'] / peak:6.1f}% | "
+              f"{100 * r['share_ours']:11.0f}% {100 * r['share_hf']:4.0f}% "
+              f"{1 / r['share_hf']:6.2f}x")
     print("TFLOP/s: Megatron's model FLOPs per step / median step time; GEMM: 2048-square matrix "
-          "product of the row's dtype timed after every step (median); MFU: TFLOP/s / GEMM")
+          "product of the row's dtype timed after every step (median); MFU: TFLOP/s / GEMM\n"
+          "kernels: share of one profiled step's CPU time in the matrix products and SDPA attention "
+          "kernels (the same kernels and shapes in both models); ceiling: 1 / HF's share, the "
+          "ours/HF a model\nwould reach if everything else it does took no time")
     worst = min(r["ratio"] for r in rows)
     met = all(r["ratio"] >= GOAL for r in rows)
     print(f"\ngoal: ours/HF >= {GOAL}x on every row -> {'MET' if met else 'NOT MET'} "
