@@ -62,41 +62,118 @@ def _guess_counts(w, steps):
 
 
 class _Step:
-    """One greedy step for all blocks at once; counts C and errors E are [n, B], so every numpy
-    call runs over the B blocks. x is held tiled as X [n, B] and advanced in place (x + 1 is
-    exact), so the products w * x come from one same-shape multiply. The first maximum (Megatron's
-    tie rule): the largest error, the rows equal to it, the highest rank (n for row 0) among them.
+    """One greedy step for all blocks at once; counts C are [n, B] (float64, exact), so every
+    numpy call runs over the B blocks. Each step's pick is the first maximum (Megatron's tie rule)
+    of the errors w * x - C: the rows at the largest error, the highest rank (n for row 0) among
+    them. Two ways to get the errors, both giving the helper's picks exactly:
+
+    exact: recomputed each step as w * x - C, the helper's float64 arithmetic (two products and
+      subtractions per element), ties broken by rank.
+    running: kept in `dtype` (float32 by default) and updated in place, + w per step and - 1 at the
+      pick, recomputed exactly every R steps. They differ from the helper's errors by at most
+      `slack` (rounding, bounded below). A pick is certified when it is the only error within
+      2 * slack of its block's maximum: then its exact error is strictly the largest, so the helper
+      picks it too. Blocks with several errors that close (near-ties; exact ties of tie-prone
+      weights) are picked from their exact errors. Weights that tie often switch to `exact`.
     """
 
-    def __init__(self, w, counts, first):
+    def __init__(self, w, counts, first, R=8, dtype=np.float32, running=True):
         n, B = counts.shape
-        self.C, self.n = counts, n
-        self.W = np.repeat(w[:, None], B, axis=1)       # [n, B]
-        self.X = np.repeat(first[None, :], n, axis=0)   # [n, B]: x of each block, every row
-        self.X[:, 0] = 1.0                              # Megatron uses max(i, 1)
-        self.E, self.best = np.empty((n, B)), np.empty(B)
+        self.n, self.B, self.R, self.running = n, B, R, running
+        self.w, self.w_max = w[:, None], float(w.max())           # [n, 1] float64
+        self.C, self.flat_C = counts, counts.reshape(-1)          # flat_C[d * B + b]
+        self.first = first
+        self.W = np.repeat(w.astype(dtype)[:, None], B, axis=1)   # [n, B]
+        self.E, self.E64 = np.empty((n, B), dtype), np.empty((n, B))
+        self.best, self.best64, self.thr = np.empty(B, dtype), np.empty(B), np.empty(B, dtype)
+        self.u = float(np.finfo(dtype).eps) / 2                     # unit roundoff of dtype
+        self.near = np.empty((n, B), bool)
         rank_dtype = np.int8 if n < 127 else np.int16
-        self.rank = np.arange(n, 0, -1, dtype=rank_dtype)[:, None]   # row d -> n - d
-        self.equal, self.scores = np.empty((n, B), bool), np.empty((n, B), rank_dtype)
-        self.top, self.idx = np.empty(B, rank_dtype), np.empty(B, np.intp)
+        self.rank = np.arange(n, 0, -1, dtype=rank_dtype)[:, None]  # row d -> n - d
+        self.scores, self.top = np.empty((n, B), rank_dtype), np.empty(B, rank_dtype)
+        self.base = n * B + np.arange(B, dtype=np.intp)             # flat index of row n - top
+        self.flat, self.e = np.empty(B, np.intp), np.empty(B, dtype)
+        self.count = np.empty(B, np.uint8 if n < 255 else np.uint16)
+        self.flagged = 0
 
-    def pick(self, t):
-        """The dataset each block takes at its step t (x advanced first, except at steps 0, 1)."""
-        X, E = self.X, self.E
-        if t > 0:
-            X += 1.0
-            if t == 1:
-                X[:, 0] = 1.0                           # step 1 of block 0: x = max(1, 1)
-        np.multiply(self.W, X, out=E)                   # [n, B]
-        np.subtract(E, self.C, out=E)
-        np.max(E, axis=0, out=self.best)
-        np.equal(E, self.best, out=self.equal)          # [n, B]
-        np.multiply(self.equal, self.rank, out=self.scores)
-        np.max(self.scores, axis=0, out=self.top)
-        return np.subtract(self.n, self.top, out=self.idx)
+    def x(self, t):
+        """x = max(i, 1) of each block at its step t, float64 [B]."""
+        x = self.first + t
+        x[0] = max(x[0], 1.0)
+        return x
+
+    def exact(self, t):
+        """The helper's errors at step t, float64 [n, B]."""
+        np.multiply(self.w, self.x(t), out=self.E64)
+        return np.subtract(self.E64, self.C, out=self.E64)
+
+    def refresh(self, t):
+        """Running errors from the exact ones, and `gap`, twice the most they can differ from the
+        helper's errors E over the next R steps (plus room for rounding best - gap).
+
+        Both are compared with the real errors w * x - counts. The helper's product and difference
+        round by at most u64 * x and u64 * V, where V bounds every |error| until the next refresh:
+        errors grow by at most w_max a step from at most A = max |E| now, and the one picked (the
+        largest, >= about 0 as errors sum to about 0) drops by 1, so V = max(A + R * w_max, 1),
+        plus a margin. The running errors round by at most u * V when cast, then per step at most
+        u * V for the + w, u * V for the - 1 and u * w_max for w in `dtype`, for at most R - 1
+        steps.
+        """
+        E64 = self.exact(t)
+        self.E[...] = E64
+        u, R, w_max = self.u, self.R, self.w_max
+        V = max(float(np.abs(E64).max()) + R * w_max, 1.0) + 1e-3
+        x_max = float(self.first[-1]) + t + R
+        u64 = float(np.finfo(np.float64).eps) / 2
+        slack = u * ((2 * R - 1) * V + R * w_max) + 2 * u64 * (x_max + V)
+        self.gap = 2 * slack + 2 * u * V
+
+    def step(self, t, taken):
+        """Pick of every block at step t: returns n - index; `taken` [B] gets the count before the
+        pick; counts (and running errors) updated."""
+        near = self.near
+        if self.running:
+            if t <= 1 or (t - 1) % self.R == 0:
+                if t > 1 and self.flagged * 256 > self.R * self.B:   # near-ties everywhere
+                    self.running = False
+                else:
+                    self.refresh(t)
+                self.flagged = 0
+        if self.running:
+            np.max(self.E, axis=0, out=self.best)
+            np.subtract(self.best, self.gap, out=self.thr)
+            np.greater_equal(self.E, self.thr, out=near)          # [n, B]
+            np.add.reduce(near.view(np.uint8), axis=0, out=self.count)
+            if self.count.max() > 1:
+                self.resolve(t)
+        else:
+            E = self.exact(t)
+            np.max(E, axis=0, out=self.best64)
+            np.equal(E, self.best64, out=near)
+        np.multiply(near, self.rank, out=self.scores)
+        top = np.max(self.scores, axis=0, out=self.top)
+        flat = self.flat
+        np.multiply(top, self.B, out=flat, dtype=np.intp)
+        np.subtract(self.base, flat, out=flat)                  # d * B + b of each pick
+        np.take(self.flat_C, flat, out=taken)
+        self.flat_C[flat] = taken + 1.0
+        if self.running:
+            flat_E, e = self.E.reshape(-1), self.e
+            np.take(flat_E, flat, out=e)
+            flat_E[flat] = e - 1.0
+            np.add(self.E, self.W, out=self.E)
+        return top
+
+    def resolve(self, t):
+        """Blocks with several running errors within `gap` of their maximum: their pick from the
+        exact errors (first maximum), written back as the only `near` row."""
+        several = np.flatnonzero(self.count > 1)
+        self.flagged += len(several)
+        E = self.w * self.x(t)[several] - self.C[:, several]     # [n, F], the helper's arithmetic
+        self.near[:, several] = np.arange(self.n)[:, None] == np.argmax(E, axis=0)
 
 
-def _blocks(w, size, L, W, K=32):
+def _blocks(w, size, L, W, K=32, running=True):
     """Block-parallel greedy: B blocks of L steps run side by side, one numpy step over all blocks
     at a time, each from guessed counts W steps before its start (the rule forgets its start
     quickly, so the guess has almost always been corrected by the block start; block 0 starts from
@@ -109,36 +186,29 @@ def _blocks(w, size, L, W, K=32):
     first[0] = 0.0
     C = _guess_counts(w, first)                         # [n, B] counts of each block
     C[:, 0] = 0.0
-    step = _Step(w, C, first)
-    counts = C.reshape(-1)                              # counts[d * B + b]
-    lanes = np.arange(B, dtype=np.intp)
+    step = _Step(w, C, first, running=running)
     T = W + L
     dataset_index = np.empty((B, L), np.int16)
     sample_index = np.empty((B, L), np.int64)
     head = (np.empty(L, np.int16), np.empty(L, np.int64))   # block 0's steps [0, L)
-    picks, taken = np.empty((K, B), np.int16), np.empty((K, B))
-    flat = np.empty(B, np.intp)
+    picks, taken = np.empty((K, B), step.top.dtype), np.empty((K, B))
     start = end0 = None
+    n = len(w)
     for t in range(T):
         if t == W:
             start = C.copy()
         if t == L:
             end0 = C[:, 0].copy()
-        idx = step.pick(t)
         r = t % K
-        picks[r] = idx
-        np.multiply(idx, B, out=flat)
-        flat += lanes
         row = taken[r]
-        np.take(counts, flat, out=row, mode="clip")     # the count before this pick
-        counts[flat] = row + 1.0
+        picks[r] = step.step(t, row)
         if t < L:
-            head[0][t], head[1][t] = idx[0], row[0]
+            head[0][t], head[1][t] = n - int(picks[r, 0]), row[0]
         if r == K - 1 or t == T - 1:                    # write the chunk out, block-major
             lo = max(t - r, W)
             if lo <= t:
                 rows = slice(lo - (t - r), r + 1)
-                dataset_index[:, lo - W:t + 1 - W] = picks[rows].T
+                np.subtract(n, picks[rows].T, out=dataset_index[:, lo - W:t + 1 - W])
                 sample_index[:, lo - W:t + 1 - W] = taken[rows].T
     if start is None:
         start = C.copy()
@@ -149,6 +219,9 @@ def _blocks(w, size, L, W, K=32):
     end[:, 0] = end0
     dataset_index[0], sample_index[0] = head
     return dataset_index.reshape(-1)[:size], sample_index.reshape(-1)[:size], start, end
+
+
+WARM_MAX, LANE_BYTES = 32, 2 ** 17
 
 
 def build_blending_indices(weights, size):
@@ -165,8 +238,8 @@ def build_blending_indices(weights, size):
     wl = w.tolist()
     n = len(wl)
     size = int(size)
-    W = int(min(256, max(16, 2 * n, np.ceil(2.0 / max(float(w.min()), 1e-9)))))
-    lanes = min(10000, max(64, 2 ** 15 // n))              # the [n, lanes] arrays stay in cache
+    W = int(min(WARM_MAX, max(16, 2 * n, np.ceil(2.0 / max(float(w.min()), 1e-9)))))
+    lanes = min(10000, max(64, LANE_BYTES // n))              # the [n, lanes] arrays stay in cache
     L = max(W + 1, 2 * W, -(-size // lanes))
     if size < 4 * L or n >= 2 ** 15:
         dataset_index = np.empty(size, np.int16)
