@@ -77,7 +77,7 @@ class _Step:
       weights) are picked from their exact errors. Weights that tie often switch to `exact`.
     """
 
-    def __init__(self, w, counts, first, R=8, dtype=np.float32, running=True):
+    def __init__(self, w, counts, first, R=16, dtype=np.float32, running=True):
         n, B = counts.shape
         self.n, self.B, self.R, self.running = n, B, R, running
         self.w, self.w_max = w[:, None], float(w.max())           # [n, 1] float64
@@ -92,7 +92,8 @@ class _Step:
         self.rank = np.arange(n, 0, -1, dtype=rank_dtype)[:, None]  # row d -> n - d
         self.scores, self.top = np.empty((n, B), rank_dtype), np.empty(B, rank_dtype)
         self.base = n * B + np.arange(B, dtype=np.intp)             # flat index of row n - top
-        self.flat, self.e = np.empty(B, np.intp), np.empty(B, dtype)
+        self.flat, self.e, self.c = np.empty(B, np.intp), np.empty(B, dtype), np.empty(B)
+        self.flat_E = self.E.reshape(-1)                            # flat_E[d * B + b]
         self.count = np.empty(B, np.uint8 if n < 255 else np.uint16)
         self.flagged = 0
 
@@ -122,7 +123,8 @@ class _Step:
         E64 = self.exact(t)
         self.E[...] = E64
         u, R, w_max = self.u, self.R, self.w_max
-        V = max(float(np.abs(E64).max()) + R * w_max, 1.0) + 1e-3
+        V = max(float(E64.max()), -float(E64.min())) + R * w_max
+        V = max(V, 1.0) + 1e-3
         x_max = float(self.first[-1]) + t + R
         u64 = float(np.finfo(np.float64).eps) / 2
         slack = u * ((2 * R - 1) * V + R * w_max) + 2 * u64 * (x_max + V)
@@ -150,17 +152,17 @@ class _Step:
             E = self.exact(t)
             np.max(E, axis=0, out=self.best64)
             np.equal(E, self.best64, out=near)
-        np.multiply(near, self.rank, out=self.scores)
+        np.multiply(near.view(np.int8), self.rank, out=self.scores)   # same dtypes: fast
         top = np.max(self.scores, axis=0, out=self.top)
         flat = self.flat
         np.multiply(top, self.B, out=flat, dtype=np.intp)
         np.subtract(self.base, flat, out=flat)                  # d * B + b of each pick
         np.take(self.flat_C, flat, out=taken)
-        self.flat_C[flat] = taken + 1.0
+        self.flat_C[flat] = np.add(taken, 1.0, out=self.c)
         if self.running:
-            flat_E, e = self.E.reshape(-1), self.e
+            flat_E, e = self.flat_E, self.e
             np.take(flat_E, flat, out=e)
-            flat_E[flat] = e - 1.0
+            flat_E[flat] = np.subtract(e, 1.0, out=e)
             np.add(self.E, self.W, out=self.E)
         return top
 
