@@ -54,7 +54,7 @@ def _guess_counts(w, steps):
     ideal = w[:, None] * steps[None, :]
     counts = np.floor(ideal)
     short = steps - counts.sum(0)
-    order = np.argsort(counts - ideal, axis=0, kind="stable")      # largest remainder first
+    order = np.argsort(counts - ideal, axis=0)      # largest remainder first (ties: any order)
     rank = np.empty_like(order)
     np.put_along_axis(rank, order, np.broadcast_to(np.arange(n)[:, None], order.shape), axis=0)
     counts += rank < short
@@ -92,9 +92,9 @@ class _Step:
         self.rank = np.arange(n, 0, -1, dtype=rank_dtype)[:, None]  # row d -> n - d
         self.scores, self.top = np.empty((n, B), rank_dtype), np.empty(B, rank_dtype)
         self.base = n * B + np.arange(B, dtype=np.intp)             # flat index of row n - top
-        self.flat, self.e, self.c = np.empty(B, np.intp), np.empty(B, dtype), np.empty(B)
-        self.flat_E = self.E.reshape(-1)                            # flat_E[d * B + b]
-        self.count = np.empty(B, np.uint8 if n < 255 else np.uint16)
+        self.flat, self.flat_E = np.empty(B, np.intp), self.E.reshape(-1)   # flat_E[d * B + b]
+        self.one = np.ones(1, dtype)
+        self.count_dtype = np.uint8 if n < 255 else np.uint16
         self.flagged = 0
 
     def x(self, t):
@@ -145,8 +145,7 @@ class _Step:
             np.max(self.E, axis=0, out=self.best)
             np.subtract(self.best, self.gap, out=self.thr)
             np.greater_equal(self.E, self.thr, out=near)          # [n, B]
-            np.add.reduce(near.view(np.uint8), axis=0, out=self.count)
-            if self.count.max() > 1:
+            if np.count_nonzero(near) > self.B:                 # some block has several
                 self.resolve(t)
         else:
             E = self.exact(t)
@@ -158,18 +157,17 @@ class _Step:
         np.multiply(top, self.B, out=flat, dtype=np.intp)
         np.subtract(self.base, flat, out=flat)                  # d * B + b of each pick
         np.take(self.flat_C, flat, out=taken)
-        self.flat_C[flat] = np.add(taken, 1.0, out=self.c)
+        np.add.at(self.flat_C, flat, 1.0)                         # flat holds each block once
         if self.running:
-            flat_E, e = self.flat_E, self.e
-            np.take(flat_E, flat, out=e)
-            flat_E[flat] = np.subtract(e, 1.0, out=e)
+            np.subtract.at(self.flat_E, flat, self.one)            # one of dtype: the fast loop
             np.add(self.E, self.W, out=self.E)
         return top
 
     def resolve(self, t):
         """Blocks with several running errors within `gap` of their maximum: their pick from the
         exact errors (first maximum), written back as the only `near` row."""
-        several = np.flatnonzero(self.count > 1)
+        count = np.add.reduce(self.near.view(np.uint8), axis=0, dtype=self.count_dtype)
+        several = np.flatnonzero(count > 1)
         self.flagged += len(several)
         E = self.w * self.x(t)[several] - self.C[:, several]     # [n, F], the helper's arithmetic
         self.near[:, several] = np.arange(self.n)[:, None] == np.argmax(E, axis=0)
