@@ -90,7 +90,7 @@ class _Step:
         self.near = np.empty((n, B), bool)
         rank_dtype = np.int8 if n < 127 else np.int16
         self.rank = np.arange(n, 0, -1, dtype=rank_dtype)[:, None]  # row d -> n - d
-        self.scores, self.top = np.empty((n, B), rank_dtype), np.empty(B, rank_dtype)
+        self.scores = np.empty((n, B), rank_dtype)
         self.base = n * B + np.arange(B, dtype=np.intp)             # flat index of row n - top
         self.flat, self.flat_E = np.empty(B, np.intp), self.E.reshape(-1)   # flat_E[d * B + b]
         self.one = np.ones(1, dtype)
@@ -130,9 +130,9 @@ class _Step:
         slack = u * ((2 * R - 1) * V + R * w_max) + 2 * u64 * (x_max + V)
         self.gap = 2 * slack + 2 * u * V
 
-    def step(self, t, taken):
-        """Pick of every block at step t: returns n - index; `taken` [B] gets the count before the
-        pick; counts (and running errors) updated."""
+    def step(self, t, top, taken):
+        """Picks of all blocks at step t: `top` [B] gets n - index of each pick, `taken` [B] the
+        count before it; counts (and running errors) are updated."""
         near = self.near
         if self.running:
             if t <= 1 or (t - 1) % self.R == 0:
@@ -152,7 +152,7 @@ class _Step:
             np.max(E, axis=0, out=self.best64)
             np.equal(E, self.best64, out=near)
         np.multiply(near.view(np.int8), self.rank, out=self.scores)   # same dtypes: fast
-        top = np.max(self.scores, axis=0, out=self.top)
+        np.max(self.scores, axis=0, out=top)
         flat = self.flat
         np.multiply(top, self.B, out=flat, dtype=np.intp)
         np.subtract(self.base, flat, out=flat)                  # d * B + b of each pick
@@ -161,7 +161,6 @@ class _Step:
         if self.running:
             np.subtract.at(self.flat_E, flat, self.one)            # one of dtype: the fast loop
             np.add(self.E, self.W, out=self.E)
-        return top
 
     def resolve(self, t):
         """Blocks with several running errors within `gap` of their maximum: their pick from the
@@ -191,7 +190,7 @@ def _blocks(w, size, L, W, K=32, running=True):
     dataset_index = np.empty((B, L), np.int16)
     sample_index = np.empty((B, L), np.int64)
     head = (np.empty(L, np.int16), np.empty(L, np.int64))   # block 0's steps [0, L)
-    picks, taken = np.empty((K, B), step.top.dtype), np.empty((K, B))
+    picks, taken = np.empty((K, B), step.rank.dtype), np.empty((K, B))
     start = end0 = None
     n = len(w)
     for t in range(T):
@@ -200,11 +199,12 @@ def _blocks(w, size, L, W, K=32, running=True):
         if t == L:
             end0 = C[:, 0].copy()
         r = t % K
-        row = taken[r]
-        picks[r] = step.step(t, row)
-        if t < L:
-            head[0][t], head[1][t] = n - int(picks[r, 0]), row[0]
+        step.step(t, picks[r], taken[r])
         if r == K - 1 or t == T - 1:                    # write the chunk out, block-major
+            if t - r < L:                               # block 0 from its step 0
+                hi = min(t + 1, L)
+                np.subtract(n, picks[:hi - (t - r), 0], out=head[0][t - r:hi])
+                head[1][t - r:hi] = taken[:hi - (t - r), 0]
             lo = max(t - r, W)
             if lo <= t:
                 rows = slice(lo - (t - r), r + 1)
