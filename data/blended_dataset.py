@@ -113,12 +113,14 @@ class _Step:
         helper's errors E over the next R steps (plus room for rounding best - gap).
 
         Both are compared with the real errors w * x - counts. The helper's product and difference
-        round by at most u64 * x and u64 * V, where V bounds every |error| until the next refresh:
-        errors grow by at most w_max a step from at most A = max |E| now, and the one picked (the
-        largest, >= about 0 as errors sum to about 0) drops by 1, so V = max(A + R * w_max, 1),
-        plus a margin. The running errors round by at most u * V when cast, then per step at most
-        u * V for the + w, u * V for the - 1 and u * w_max for w in `dtype`, for at most R - 1
-        steps.
+        round by at most u64 * x and u64 * V (w <= 1), where V bounds every |error| until the next
+        refresh: errors grow by at most w_max a step from at most A = max |E| now, and only the one
+        picked drops, by 1; it is its block's largest, and a block's errors sum to x * sum(w) - i,
+        within 1e-4 of 0 for weights that sum to 1 (the caller's condition for running errors),
+        so it stays >= -1 - 1e-4: V = max(A + R * w_max, 1) plus a margin (1e-3, which also covers
+        the few 1e-6 by which the running errors differ). The running errors round by at most
+        u * V when cast, then per step at most u * V for the + w, u * V for the - 1 and u * w_max
+        for w in `dtype`, for at most R - 1 steps before the next refresh.
         """
         E64 = self.exact(t)
         self.E[...] = E64
@@ -128,7 +130,7 @@ class _Step:
         x_max = float(self.first[-1]) + t + R
         u64 = float(np.finfo(np.float64).eps) / 2
         slack = u * ((2 * R - 1) * V + R * w_max) + 2 * u64 * (x_max + V)
-        self.gap = 2 * slack + 2 * u * V
+        self.slack, self.gap = slack, 2 * slack + 2 * u * V
 
     def step(self, t, top, taken):
         """Picks of all blocks at step t: `top` [B] gets n - index of each pick, `taken` [B] the
@@ -176,9 +178,10 @@ def _blocks(w, size, L, W, K=32, running=True):
     """Block-parallel greedy: B blocks of L steps run side by side, one numpy step over all blocks
     at a time, each from guessed counts W steps before its start (the rule forgets its start
     quickly, so the guess has almost always been corrected by the block start; block 0 starts from
-    the exact zeros and needs no warm-up). Per step and block: the n errors w * max(i, 1) - counts
-    (the helper's float64 arithmetic), their first maximum, one count incremented. Returns the
-    outputs (block-major) and, per block, the counts at its start and at its end.
+    the exact zeros and needs no warm-up). Per step and block: the pick the helper makes from the
+    counts (_Step, on running or exact errors), one count incremented. Picks and counts are
+    buffered for K steps ([K, B]) and written out block-major. Returns the outputs and, per block,
+    the counts at its start and at its end.
     """
     B = -(-size // L)
     first = np.arange(B, dtype=np.float64) * L - W
@@ -221,7 +224,9 @@ def _blocks(w, size, L, W, K=32, running=True):
     return dataset_index.reshape(-1)[:size], sample_index.reshape(-1)[:size], start, end
 
 
-WARM_MAX, LANE_BYTES = 32, 2 ** 17
+# Warm-up steps at most (a block that has not converged is redone exactly, and quickly); blocks
+# such that n * blocks <= LANE_BYTES (the [n, B] float32 errors and byte masks stay in cache).
+WARM_MAX, LANE_BYTES, LANES_MAX = 32, 2 ** 17, 10000
 
 
 def build_blending_indices(weights, size):
@@ -232,21 +237,24 @@ def build_blending_indices(weights, size):
     The rule is sequential, but it forgets where it started within a few dozen steps: blocks of
     steps are run side by side from guessed counts with a warm-up, and each block's counts at its
     start are checked against the previous block's counts at its end. Blocks whose check fails
-    are redone exactly, one step at a time, until they rejoin the block-parallel result.
+    are redone exactly, one step at a time, until they rejoin the block-parallel result. Weights
+    that sum to 1 (as BlendedDataset passes them) run on float32 running errors whose every pick
+    is certified against the helper's float64 errors (_Step); other weights on exact errors.
     """
     w = np.asarray(weights, np.float64).reshape(-1)
     wl = w.tolist()
     n = len(wl)
     size = int(size)
     W = int(min(WARM_MAX, max(16, 2 * n, np.ceil(2.0 / max(float(w.min()), 1e-9)))))
-    lanes = min(10000, max(64, LANE_BYTES // n))              # the [n, lanes] arrays stay in cache
+    lanes = min(LANES_MAX, max(64, LANE_BYTES // n))              # the [n, lanes] arrays stay in cache
     L = max(W + 1, 2 * W, -(-size // lanes))
     if size < 4 * L or n >= 2 ** 15:
         dataset_index = np.empty(size, np.int16)
         sample_index = np.empty(size, np.int64)
         _greedy(wl, 0, size, [0.0] * n, dataset_index, sample_index)
         return dataset_index, sample_index
-    dataset_index, sample_index, start, end = _blocks(w, size, L, W)
+    running = abs(float(w.sum()) - 1.0) * size <= 1e-4      # errors sum to about 0 (_Step.refresh)
+    dataset_index, sample_index, start, end = _blocks(w, size, L, W, running=running)
     B = start.shape[1]
     ok = np.ones(B, bool)
     ok[1:] = np.all(end[:, :-1] == start[:, 1:], axis=0)
