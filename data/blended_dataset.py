@@ -114,23 +114,23 @@ class _Step:
 
         Both are compared with the real errors w * x - counts. The helper's product and difference
         round by at most u64 * x and u64 * V (w <= 1), where V bounds every |error| until the next
-        refresh: errors grow by at most w_max a step from at most A = max |E| now, and only the one
+        refresh: errors grow by at most w_max a step from at most max E now, and only the one
         picked drops, by 1; it is its block's largest, and a block's errors sum to x * sum(w) - i,
         within 1e-4 of 0 for weights that sum to 1 (the caller's condition for running errors),
-        so it stays >= -1 - 1e-4: V = max(A + R * w_max, 1) plus a margin (1e-3, which also covers
-        the few 1e-6 by which the running errors differ). The running errors round by at most
-        u * V when cast, then per step at most u * V for the + w, u * V for the - 1 and u * w_max
-        for w in `dtype`, for at most R - 1 steps before the next refresh.
+        so it stays >= -1 - 1e-4: V = max(max E + R * w_max, -min E, 1) plus a margin (1e-3, which
+        also covers the few 1e-6 by which the running errors differ), per block. The running errors
+        round by at most u * V when cast, then per step at most u * V for the + w, u * V for the
+        - 1 and u * w_max for w in `dtype`, for at most R - 1 steps before the next refresh.
         """
         E64 = self.exact(t)
         self.E[...] = E64
         u, R, w_max = self.u, self.R, self.w_max
-        V = max(float(E64.max()), -float(E64.min())) + R * w_max
-        V = max(V, 1.0) + 1e-3
-        x_max = float(self.first[-1]) + t + R
+        V = np.maximum(E64.max(axis=0) + R * w_max, -E64.min(axis=0))       # [B], per block
+        V = np.maximum(V, 1.0) + 1e-3
+        x_max = self.first + (t + R)
         u64 = float(np.finfo(np.float64).eps) / 2
         slack = u * ((2 * R - 1) * V + R * w_max) + 2 * u64 * (x_max + V)
-        self.slack, self.gap = slack, 2 * slack + 2 * u * V
+        self.slack, self.gap = slack, (2 * slack + 2 * u * V).astype(self.E.dtype)
 
     def step(self, t, top, taken):
         """Picks of all blocks at step t: `top` [B] gets n - index of each pick, `taken` [B] the
