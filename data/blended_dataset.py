@@ -118,19 +118,20 @@ class _Step:
         picked drops, by 1; it is its block's largest, and a block's errors sum to x * sum(w) - i,
         within 1e-4 of 0 for weights that sum to 1 (the caller's condition for running errors),
         so it stays >= -1 - 1e-4: V = max(max E + R * w_max, -min E, 1) plus a margin (1e-3, which
-        also covers the few 1e-6 by which the running errors differ), per block. The running errors
+        also covers the few 1e-6 by which the running errors, here used for max E and min E,
+        differ), per block. The running errors
         round by at most u * V when cast, then per step at most u * V for the + w, u * V for the
         - 1 and u * w_max for w in `dtype`, for at most R - 1 steps before the next refresh.
         """
-        E64 = self.exact(t)
-        self.E[...] = E64
+        E = self.E
+        E[...] = self.exact(t)
         u, R, w_max = self.u, self.R, self.w_max
-        V = np.maximum(E64.max(axis=0) + R * w_max, -E64.min(axis=0))       # [B], per block
+        V = np.maximum(E.max(axis=0) + R * w_max, -E.min(axis=0))           # [B], per block
         V = np.maximum(V, 1.0) + 1e-3
         x_max = self.first + (t + R)
         u64 = float(np.finfo(np.float64).eps) / 2
         slack = u * ((2 * R - 1) * V + R * w_max) + 2 * u64 * (x_max + V)
-        self.slack, self.gap = slack, (2 * slack + 2 * u * V).astype(self.E.dtype)
+        self.slack, self.gap = slack, (2 * slack + 2 * u * V).astype(E.dtype)
 
     def step(self, t, top, taken):
         """Picks of all blocks at step t: `top` [B] gets n - index of each pick, `taken` [B] the
