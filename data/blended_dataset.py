@@ -70,11 +70,13 @@ class _Step:
     exact: recomputed each step as w * x - C, the helper's float64 arithmetic (two products and
       subtractions per element), ties broken by rank.
     running: kept in `dtype` (float32 by default) and updated in place, + w per step and - 1 at the
-      pick, recomputed exactly every R steps. They differ from the helper's errors by at most
-      `slack` (rounding, bounded below). A pick is certified when it is the only error within
-      2 * slack of its block's maximum: then its exact error is strictly the largest, so the helper
-      picks it too. Blocks with several errors that close (near-ties; exact ties of tie-prone
-      weights) are picked from their exact errors. Weights that tie often switch to `exact`.
+      pick, recomputed exactly every R steps (refresh). They differ from the helper's errors by at
+      most `slack` (rounding, bounded in refresh). A pick is certified when it is the only running
+      error within 2 * slack of its block's maximum: every other error is then below the pick's by
+      more than 2 * slack, so its exact error is strictly below the pick's too, and the helper
+      makes the same pick (no tie to break). Blocks with several errors that close (near-ties, or
+      exact ties of tie-prone weights) are picked from their exact errors (resolve). Weights that
+      tie often switch to `exact` for good.
     """
 
     def __init__(self, w, counts, first, R=16, dtype=np.float32, running=True):
@@ -109,19 +111,19 @@ class _Step:
         return np.subtract(self.E64, self.C, out=self.E64)
 
     def refresh(self, t):
-        """Running errors from the exact ones, and `gap`, twice the most they can differ from the
-        helper's errors E over the next R steps (plus room for rounding best - gap).
+        """Running errors from the exact ones; per block, `slack` (the most they can differ from
+        the helper's errors over the next R steps) and `gap` (2 * slack, plus room for the rounding
+        of best - gap). Both kinds of errors are compared with the real ones, w * x - counts:
 
-        Both are compared with the real errors w * x - counts. The helper's product and difference
-        round by at most u64 * x and u64 * V (w <= 1), where V bounds every |error| until the next
-        refresh: errors grow by at most w_max a step from at most max E now, and only the one
-        picked drops, by 1; it is its block's largest, and a block's errors sum to x * sum(w) - i,
-        within 1e-4 of 0 for weights that sum to 1 (the caller's condition for running errors),
-        so it stays >= -1 - 1e-4: V = max(max E + R * w_max, -min E, 1) plus a margin (1e-3, which
-        also covers the few 1e-6 by which the running errors, here used for max E and min E,
-        differ), per block. The running errors
-        round by at most u * V when cast, then per step at most u * V for the + w, u * V for the
-        - 1 and u * w_max for w in `dtype`, for at most R - 1 steps before the next refresh.
+        - the helper's product and difference round by at most u64 * x and u64 * V (w <= 1),
+          V bounding every |error| until the next refresh;
+        - V: errors grow by at most w_max a step from at most max E, and only the pick drops, by 1.
+          The pick is its block's largest error, >= -1e-4, as a block's errors sum to
+          x * sum(w) - i, within 1e-4 of 0 (the caller runs on running errors only for such
+          weights). So V = max(max E + R * w_max, -min E, 1) + 1e-3 (the margin also covers the
+          ~1e-6 by which the running errors, used here for max E and min E, differ);
+        - the running errors round by at most u * V when cast, then per step by at most u * V for
+          the + w, u * V for the - 1 and u * w_max for w held in `dtype`, for at most R - 1 steps.
         """
         E = self.E
         E[...] = self.exact(t)
@@ -211,7 +213,7 @@ def _blocks(w, size, L, W, K=32, running=True):
                 head[1][t - r:hi] = taken[:hi - (t - r), 0]
             lo = max(t - r, W)
             if lo <= t:
-                rows = slice(lo - (t - r), r + 1)
+                rows = slice(lo - (t - r), r + 1)             # .T: [steps, B] -> [B, steps]
                 np.subtract(n, picks[rows].T, out=dataset_index[:, lo - W:t + 1 - W])
                 sample_index[:, lo - W:t + 1 - W] = taken[rows].T
     if start is None:
@@ -222,6 +224,7 @@ def _blocks(w, size, L, W, K=32, running=True):
     end = C.copy()
     end[:, 0] = end0
     dataset_index[0], sample_index[0] = head
+    # [B, L] -> [B * L]: block-major is sample order
     return dataset_index.reshape(-1)[:size], sample_index.reshape(-1)[:size], start, end
 
 
@@ -247,14 +250,14 @@ def build_blending_indices(weights, size):
     n = len(wl)
     size = int(size)
     W = int(min(WARM_MAX, max(16, 2 * n, np.ceil(2.0 / max(float(w.min()), 1e-9)))))
-    lanes = min(LANES_MAX, max(64, LANE_BYTES // n))              # the [n, lanes] arrays stay in cache
+    lanes = min(LANES_MAX, max(64, LANE_BYTES // n))    # the [n, lanes] arrays stay in cache
     L = max(W + 1, 2 * W, -(-size // lanes))
     if size < 4 * L or n >= 2 ** 15:
         dataset_index = np.empty(size, np.int16)
         sample_index = np.empty(size, np.int64)
         _greedy(wl, 0, size, [0.0] * n, dataset_index, sample_index)
         return dataset_index, sample_index
-    running = abs(float(w.sum()) - 1.0) * size <= 1e-4      # errors sum to about 0 (_Step.refresh)
+    running = w.min() >= 0 and abs(float(w.sum()) - 1.0) * size <= 1e-4   # see _Step.refresh
     dataset_index, sample_index, start, end = _blocks(w, size, L, W, running=running)
     B = start.shape[1]
     ok = np.ones(B, bool)

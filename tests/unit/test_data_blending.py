@@ -65,7 +65,8 @@ def paths(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("n, size", [(50, 1_000_000), (200, 1_000_000), (50, 10_000_000)])
+@pytest.mark.parametrize("n, size", [(50, 1_000_000), (200, 1_000_000),
+                                     (50, 10_000_000)])
 def test_many_datasets_on_running_errors(paths, n, size):
     """Many datasets run on float32 running errors; the picks they certify, and the near-ties
     resolved exactly, equal the helper's. Fails if the certification gap is too small (checked
