@@ -138,26 +138,9 @@ class _Step:
     def step(self, t, top, taken):
         """Picks of all blocks at step t: `top` [B] gets n - index of each pick, `taken` [B] the
         count before it; counts (and running errors) are updated."""
-        near = self.near
-        if self.running:
-            if t <= 1 or (t - 1) % self.R == 0:
-                if t > 1 and self.flagged * 256 > self.R * self.B:   # near-ties everywhere
-                    self.running = False
-                else:
-                    self.refresh(t)
-                self.flagged = 0
-        if self.running:
-            np.max(self.E, axis=0, out=self.best)
-            np.subtract(self.best, self.gap, out=self.thr)
-            np.greater_equal(self.E, self.thr, out=near)          # [n, B]
-            if np.count_nonzero(near) > self.B:                 # some block has several
-                self.resolve(t)
-        else:
-            E = self.exact(t)
-            np.max(E, axis=0, out=self.best64)
-            np.equal(E, self.best64, out=near)
+        near = self.near_running(t) if self.stay_running(t) else self.near_exact(t)
         np.multiply(near.view(np.int8), self.rank, out=self.scores)   # same dtypes: fast
-        np.max(self.scores, axis=0, out=top)
+        np.max(self.scores, axis=0, out=top)                          # first of the near rows
         flat = self.flat
         np.multiply(top, self.B, out=flat, dtype=np.intp)
         np.subtract(self.base, flat, out=flat)                  # d * B + b of each pick
@@ -166,6 +149,34 @@ class _Step:
         if self.running:
             np.subtract.at(self.flat_E, flat, self.one)            # one of dtype: the fast loop
             np.add(self.E, self.W, out=self.E)
+
+    def stay_running(self, t):
+        """Whether step t runs on running errors: refreshed every R steps from step 1 (block 0
+        repeats x = 1 at steps 0 and 1), given up when more than 1 in 256 block steps of the last
+        R needed resolving (weights that tie exactly, over and over)."""
+        if self.running and (t <= 1 or (t - 1) % self.R == 0):
+            if t > 1 and self.flagged * 256 > self.R * self.B:
+                self.running = False
+            else:
+                self.refresh(t)
+            self.flagged = 0
+        return self.running
+
+    def near_running(self, t):
+        """[n, B] bool: per block, the one row the helper picks (certified, or resolved)."""
+        near = self.near
+        np.max(self.E, axis=0, out=self.best)
+        np.subtract(self.best, self.gap, out=self.thr)
+        np.greater_equal(self.E, self.thr, out=near)
+        if np.count_nonzero(near) > self.B:                     # some block has several
+            self.resolve(t)
+        return near
+
+    def near_exact(self, t):
+        """[n, B] bool: per block, the rows at the largest of the helper's errors (ties: several)."""
+        E = self.exact(t)
+        np.max(E, axis=0, out=self.best64)
+        return np.equal(E, self.best64, out=self.near)
 
     def resolve(self, t):
         """Blocks with several running errors within `gap` of their maximum: their pick from the
