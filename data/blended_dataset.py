@@ -54,7 +54,7 @@ def _guess_counts(w, steps):
     ideal = w[:, None] * steps[None, :]
     counts = np.floor(ideal)
     short = steps - counts.sum(0)
-    order = np.argsort(counts - ideal, axis=0, kind="stable")      # largest remainder first
+    order = np.argsort(counts - ideal, axis=0)      # largest remainder first (ties: any order)
     rank = np.empty_like(order)
     np.put_along_axis(rank, order, np.broadcast_to(np.arange(n)[:, None], order.shape), axis=0)
     counts += rank < short
@@ -62,83 +62,170 @@ def _guess_counts(w, steps):
 
 
 class _Step:
-    """One greedy step for all blocks at once; counts C and errors E are [n, B], so every numpy
-    call runs over the B blocks. x is held tiled as X [n, B] and advanced in place (x + 1 is
-    exact), so the products w * x come from one same-shape multiply. The first maximum (Megatron's
-    tie rule): the largest error, the rows equal to it, the highest rank (n for row 0) among them.
+    """One greedy step for all blocks at once; counts C are [n, B] (float64, exact), so every
+    numpy call runs over the B blocks. Each step's pick is the first maximum (Megatron's tie rule)
+    of the errors w * x - C: the rows at the largest error, the highest rank (n for row 0) among
+    them. Two ways to get the errors, both giving the helper's picks exactly:
+
+    exact: recomputed each step as w * x - C, the helper's float64 arithmetic (two products and
+      subtractions per element), ties broken by rank.
+    running: kept in `dtype` (float32 by default) and updated in place, + w per step and - 1 at the
+      pick, recomputed exactly every R steps (refresh). They differ from the helper's errors by at
+      most `slack` (rounding, bounded in refresh). A pick is certified when it is the only running
+      error within 2 * slack of its block's maximum: every other error is then below the pick's by
+      more than 2 * slack, so its exact error is strictly below the pick's too, and the helper
+      makes the same pick (no tie to break). Blocks with several errors that close (near-ties, or
+      exact ties of tie-prone weights) are picked from their exact errors (resolve). Weights that
+      tie often switch to `exact` for good.
     """
 
-    def __init__(self, w, counts, first):
+    def __init__(self, w, counts, first, R=16, dtype=np.float32, running=True):
         n, B = counts.shape
-        self.C, self.n = counts, n
-        self.W = np.repeat(w[:, None], B, axis=1)       # [n, B]
-        self.X = np.repeat(first[None, :], n, axis=0)   # [n, B]: x of each block, every row
-        self.X[:, 0] = 1.0                              # Megatron uses max(i, 1)
-        self.E, self.best = np.empty((n, B)), np.empty(B)
+        self.n, self.B, self.R, self.running = n, B, R, running
+        self.w, self.w_max = w[:, None], float(w.max())           # [n, 1] float64
+        self.C, self.flat_C = counts, counts.reshape(-1)          # flat_C[d * B + b]
+        self.first = first
+        self.W = np.repeat(w.astype(dtype)[:, None], B, axis=1)   # [n, B]
+        self.E, self.E64 = np.empty((n, B), dtype), np.empty((n, B))
+        self.best, self.best64, self.thr = np.empty(B, dtype), np.empty(B), np.empty(B, dtype)
+        self.u = float(np.finfo(dtype).eps) / 2                     # unit roundoff of dtype
+        self.near = np.empty((n, B), bool)
         rank_dtype = np.int8 if n < 127 else np.int16
-        self.rank = np.arange(n, 0, -1, dtype=rank_dtype)[:, None]   # row d -> n - d
-        self.equal, self.scores = np.empty((n, B), bool), np.empty((n, B), rank_dtype)
-        self.top, self.idx = np.empty(B, rank_dtype), np.empty(B, np.intp)
+        self.rank = np.arange(n, 0, -1, dtype=rank_dtype)[:, None]  # row d -> n - d
+        self.scores = np.empty((n, B), rank_dtype)
+        self.base = n * B + np.arange(B, dtype=np.intp)             # flat index of row n - top
+        self.flat, self.flat_E = np.empty(B, np.intp), self.E.reshape(-1)   # flat_E[d * B + b]
+        self.one = np.ones(1, dtype)
+        self.count_dtype = np.uint8 if n < 255 else np.uint16
+        self.flagged = 0
 
-    def pick(self, t):
-        """The dataset each block takes at its step t (x advanced first, except at steps 0, 1)."""
-        X, E = self.X, self.E
-        if t > 0:
-            X += 1.0
-            if t == 1:
-                X[:, 0] = 1.0                           # step 1 of block 0: x = max(1, 1)
-        np.multiply(self.W, X, out=E)                   # [n, B]
-        np.subtract(E, self.C, out=E)
-        np.max(E, axis=0, out=self.best)
-        np.equal(E, self.best, out=self.equal)          # [n, B]
-        np.multiply(self.equal, self.rank, out=self.scores)
-        np.max(self.scores, axis=0, out=self.top)
-        return np.subtract(self.n, self.top, out=self.idx)
+    def x(self, t):
+        """x = max(i, 1) of each block at its step t, float64 [B]."""
+        x = self.first + t
+        x[0] = max(x[0], 1.0)
+        return x
+
+    def exact(self, t):
+        """The helper's errors at step t, float64 [n, B]."""
+        np.multiply(self.w, self.x(t), out=self.E64)
+        return np.subtract(self.E64, self.C, out=self.E64)
+
+    def refresh(self, t):
+        """Running errors from the exact ones; per block, `slack` (the most they can differ from
+        the helper's errors over the next R steps) and `gap` (2 * slack, plus room for the rounding
+        of best - gap). Both kinds of errors are compared with the real ones, w * x - counts:
+
+        - the helper's product and difference round by at most u64 * x and u64 * V (w <= 1),
+          V bounding every |error| until the next refresh;
+        - V: errors grow by at most w_max a step from at most max E, and only the pick drops, by 1.
+          The pick is its block's largest error, >= -1e-4, as a block's errors sum to
+          x * sum(w) - i, within 1e-4 of 0 (the caller runs on running errors only for such
+          weights). So V = max(max E + R * w_max, -min E, 1) + 1e-3 (the margin also covers the
+          ~1e-6 by which the running errors, used here for max E and min E, differ);
+        - the running errors round by at most u * V when cast, then per step by at most u * V for
+          the + w, u * V for the - 1 and u * w_max for w held in `dtype`, for at most R - 1 steps.
+        """
+        E = self.E
+        E[...] = self.exact(t)
+        u, R, w_max = self.u, self.R, self.w_max
+        V = np.maximum(E.max(axis=0) + R * w_max, -E.min(axis=0))           # [B], per block
+        V = np.maximum(V, 1.0) + 1e-3
+        x_max = self.first + (t + R)
+        u64 = float(np.finfo(np.float64).eps) / 2
+        slack = u * ((2 * R - 1) * V + R * w_max) + 2 * u64 * (x_max + V)
+        self.slack, self.gap = slack, (2 * slack + 2 * u * V).astype(E.dtype)
+
+    def step(self, t, top, taken):
+        """Picks of all blocks at step t: `top` [B] gets n - index of each pick, `taken` [B] the
+        count before it; counts (and running errors) are updated."""
+        near = self.near_running(t) if self.stay_running(t) else self.near_exact(t)
+        np.multiply(near.view(np.int8), self.rank, out=self.scores)   # same dtypes: fast
+        np.max(self.scores, axis=0, out=top)                          # first of the near rows
+        flat = self.flat
+        np.multiply(top, self.B, out=flat, dtype=np.intp)
+        np.subtract(self.base, flat, out=flat)                  # d * B + b of each pick
+        np.take(self.flat_C, flat, out=taken)
+        np.add.at(self.flat_C, flat, 1.0)                         # flat holds each block once
+        if self.running:
+            np.subtract.at(self.flat_E, flat, self.one)            # one of dtype: the fast loop
+            np.add(self.E, self.W, out=self.E)
+
+    def stay_running(self, t):
+        """Whether step t runs on running errors: refreshed every R steps from step 1 (block 0
+        repeats x = 1 at steps 0 and 1), given up when more than 1 in 256 block steps of the last
+        R needed resolving (weights that tie exactly, over and over)."""
+        if self.running and (t <= 1 or (t - 1) % self.R == 0):
+            if t > 1 and self.flagged * 256 > self.R * self.B:
+                self.running = False
+            else:
+                self.refresh(t)
+            self.flagged = 0
+        return self.running
+
+    def near_running(self, t):
+        """[n, B] bool: per block, the one row the helper picks (certified, or resolved)."""
+        near = self.near
+        np.max(self.E, axis=0, out=self.best)
+        np.subtract(self.best, self.gap, out=self.thr)
+        np.greater_equal(self.E, self.thr, out=near)
+        if np.count_nonzero(near) > self.B:                     # some block has several
+            self.resolve(t)
+        return near
+
+    def near_exact(self, t):
+        """[n, B] bool: per block, the rows at the largest of the helper's errors (ties: several)."""
+        E = self.exact(t)
+        np.max(E, axis=0, out=self.best64)
+        return np.equal(E, self.best64, out=self.near)
+
+    def resolve(self, t):
+        """Blocks with several running errors within `gap` of their maximum: their pick from the
+        exact errors (first maximum), written back as the only `near` row."""
+        count = np.add.reduce(self.near.view(np.uint8), axis=0, dtype=self.count_dtype)
+        several = np.flatnonzero(count > 1)
+        self.flagged += len(several)
+        E = self.w * self.x(t)[several] - self.C[:, several]     # [n, F], the helper's arithmetic
+        self.near[:, several] = np.arange(self.n)[:, None] == np.argmax(E, axis=0)
 
 
-def _blocks(w, size, L, W, K=32):
+def _blocks(w, size, L, W, K=32, running=True):
     """Block-parallel greedy: B blocks of L steps run side by side, one numpy step over all blocks
     at a time, each from guessed counts W steps before its start (the rule forgets its start
     quickly, so the guess has almost always been corrected by the block start; block 0 starts from
-    the exact zeros and needs no warm-up). Per step and block: the n errors w * max(i, 1) - counts
-    (the helper's float64 arithmetic), their first maximum, one count incremented. Returns the
-    outputs (block-major) and, per block, the counts at its start and at its end.
+    the exact zeros and needs no warm-up). Per step and block: the pick the helper makes from the
+    counts (_Step, on running or exact errors), one count incremented. Picks and counts are
+    buffered for K steps ([K, B]) and written out block-major. Returns the outputs and, per block,
+    the counts at its start and at its end.
     """
     B = -(-size // L)
     first = np.arange(B, dtype=np.float64) * L - W
     first[0] = 0.0
     C = _guess_counts(w, first)                         # [n, B] counts of each block
     C[:, 0] = 0.0
-    step = _Step(w, C, first)
-    counts = C.reshape(-1)                              # counts[d * B + b]
-    lanes = np.arange(B, dtype=np.intp)
+    step = _Step(w, C, first, running=running)
     T = W + L
     dataset_index = np.empty((B, L), np.int16)
     sample_index = np.empty((B, L), np.int64)
     head = (np.empty(L, np.int16), np.empty(L, np.int64))   # block 0's steps [0, L)
-    picks, taken = np.empty((K, B), np.int16), np.empty((K, B))
-    flat = np.empty(B, np.intp)
+    picks, taken = np.empty((K, B), step.rank.dtype), np.empty((K, B))
     start = end0 = None
+    n = len(w)
     for t in range(T):
         if t == W:
             start = C.copy()
         if t == L:
             end0 = C[:, 0].copy()
-        idx = step.pick(t)
         r = t % K
-        picks[r] = idx
-        np.multiply(idx, B, out=flat)
-        flat += lanes
-        row = taken[r]
-        np.take(counts, flat, out=row, mode="clip")     # the count before this pick
-        counts[flat] = row + 1.0
-        if t < L:
-            head[0][t], head[1][t] = idx[0], row[0]
+        step.step(t, picks[r], taken[r])
         if r == K - 1 or t == T - 1:                    # write the chunk out, block-major
+            if t - r < L:                               # block 0 from its step 0
+                hi = min(t + 1, L)
+                np.subtract(n, picks[:hi - (t - r), 0], out=head[0][t - r:hi])
+                head[1][t - r:hi] = taken[:hi - (t - r), 0]
             lo = max(t - r, W)
             if lo <= t:
-                rows = slice(lo - (t - r), r + 1)
-                dataset_index[:, lo - W:t + 1 - W] = picks[rows].T
+                rows = slice(lo - (t - r), r + 1)             # .T: [steps, B] -> [B, steps]
+                np.subtract(n, picks[rows].T, out=dataset_index[:, lo - W:t + 1 - W])
                 sample_index[:, lo - W:t + 1 - W] = taken[rows].T
     if start is None:
         start = C.copy()
@@ -148,7 +235,13 @@ def _blocks(w, size, L, W, K=32):
     end = C.copy()
     end[:, 0] = end0
     dataset_index[0], sample_index[0] = head
+    # [B, L] -> [B * L]: block-major is sample order
     return dataset_index.reshape(-1)[:size], sample_index.reshape(-1)[:size], start, end
+
+
+# Warm-up steps at most (a block that has not converged is redone exactly, and quickly); blocks
+# such that n * blocks <= LANE_BYTES (the [n, B] float32 errors and byte masks stay in cache).
+WARM_MAX, LANE_BYTES, LANES_MAX = 32, 2 ** 17, 10000
 
 
 def build_blending_indices(weights, size):
@@ -159,21 +252,24 @@ def build_blending_indices(weights, size):
     The rule is sequential, but it forgets where it started within a few dozen steps: blocks of
     steps are run side by side from guessed counts with a warm-up, and each block's counts at its
     start are checked against the previous block's counts at its end. Blocks whose check fails
-    are redone exactly, one step at a time, until they rejoin the block-parallel result.
+    are redone exactly, one step at a time, until they rejoin the block-parallel result. Weights
+    that sum to 1 (as BlendedDataset passes them) run on float32 running errors whose every pick
+    is certified against the helper's float64 errors (_Step); other weights on exact errors.
     """
     w = np.asarray(weights, np.float64).reshape(-1)
     wl = w.tolist()
     n = len(wl)
     size = int(size)
-    W = int(min(256, max(16, 2 * n, np.ceil(2.0 / max(float(w.min()), 1e-9)))))
-    lanes = min(10000, max(64, 2 ** 15 // n))              # the [n, lanes] arrays stay in cache
+    W = int(min(WARM_MAX, max(16, 2 * n, np.ceil(2.0 / max(float(w.min()), 1e-9)))))
+    lanes = min(LANES_MAX, max(64, LANE_BYTES // n))    # the [n, lanes] arrays stay in cache
     L = max(W + 1, 2 * W, -(-size // lanes))
     if size < 4 * L or n >= 2 ** 15:
         dataset_index = np.empty(size, np.int16)
         sample_index = np.empty(size, np.int64)
         _greedy(wl, 0, size, [0.0] * n, dataset_index, sample_index)
         return dataset_index, sample_index
-    dataset_index, sample_index, start, end = _blocks(w, size, L, W)
+    running = w.min() >= 0 and abs(float(w.sum()) - 1.0) * size <= 1e-4   # see _Step.refresh
+    dataset_index, sample_index, start, end = _blocks(w, size, L, W, running=running)
     B = start.shape[1]
     ok = np.ones(B, bool)
     ok[1:] = np.all(end[:, :-1] == start[:, 1:], axis=0)
