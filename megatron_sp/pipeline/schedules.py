@@ -248,8 +248,9 @@ def forward_backward_pipelining_with_interleaving(model_chunks, micro_batches, m
             inp, og = comm.communicate(send_next=out, recv_prev=recv_prev,
                                        recv_next=not last_stage, wait=not overlap_p2p_comm)
             out_grads[v - 1].append(og)
-        else:
-            inp = comm.send_forward_recv_forward(out, recv_prev=recv_prev)
+        else:   # overlapped: the next forward waits for its input, nobody for the send
+            inp = comm.communicate(send_next=out, recv_prev=recv_prev,
+                                   wait=not overlap_p2p_comm)[0]
         deallocate_output_tensor(out)
         inputs[next_c].append(inp)
 
