@@ -11,8 +11,9 @@ weight-decay groups), the same tokens and the same loss: the mean next-token cro
 b*(s-1) positions that have a next token. HF gets labels=input_ids (it shifts inside and ignores the
 last position); ours gets the left-shifted ids as labels and a loss mask that zeroes the last position
 (our model returns the per-token loss [b, s]). HF uses attn_implementation="sdpa", our model the SDPA
-backend. Vocabularies are equal; ours pads its output layer to a multiple of 128 (no padding when the
-vocabulary already is one, as the default 8192 is).
+backend (--attention unfused: HF's "eager" attention and our unfused backend, both two matrix
+products around a softmax). Vocabularies are equal; ours pads its output layer to a multiple of
+128 (no padding when the vocabulary already is one, as the default 8192 is).
 
 Steps of the two models are interleaved (ours first on even steps, HF first on odd ones) so that
 machine noise hits both alike; tokens/s = b*s / median step time after the warm-up steps.
@@ -51,6 +52,7 @@ from models.gpt import GPTModel
 from models.init import init_parameters
 
 GOAL = 1.3
+HF_ATTENTION = {"sdpa": "sdpa", "unfused": "eager"}     # ours -> HF at equal settings
 
 
 # Model builders ---------------------------------------------------------------------------------
@@ -69,7 +71,7 @@ def our_config(family: str, args) -> GPTConfig:
                      rotary_base=10000.0, add_bias_linear=False, tie_embeddings=False)
 
 
-def hf_model(family: str, cfg: GPTConfig):
+def hf_model(family: str, cfg: GPTConfig, attention: str = "sdpa"):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     if family == "gpt2":
         hf_cfg = GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_position_embeddings,
@@ -78,7 +80,7 @@ def hf_model(family: str, cfg: GPTConfig):
                             activation_function="gelu_new", layer_norm_epsilon=cfg.norm_epsilon,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
                             tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
-                            attn_implementation="sdpa")
+                            attn_implementation=HF_ATTENTION[attention])
         return GPT2LMHeadModel(hf_cfg)
     hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                          intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
@@ -89,7 +91,7 @@ def hf_model(family: str, cfg: GPTConfig):
                          rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base},
                          tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
                          attention_dropout=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
-                         pad_token_id=None, attn_implementation="sdpa")
+                         pad_token_id=None, attn_implementation=HF_ATTENTION[attention])
     return LlamaForCausalLM(hf_cfg)
 
 
@@ -191,11 +193,11 @@ def make_batch(step: int, args) -> dict:
 
 def build(family, args):
     cfg = our_config(family, args)
-    ours = GPTModel(cfg, attention_backend="sdpa")
+    ours = GPTModel(cfg, attention_backend=args.attention)
     init_parameters(ours, seed=args.seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hf = hf_model(family, cfg)
+        hf = hf_model(family, cfg, args.attention)
     copy_into_hf(ours, hf, family, cfg)
     ours.train(), hf.train()
     opt_ours = build_optimizer([ours], lr=1e-4, weight_decay=0.01)
@@ -325,6 +327,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="print the top ops of one step per model")
     p.add_argument("--profile-rows", type=int, default=25)
+    p.add_argument("--attention", choices=tuple(HF_ATTENTION), default="sdpa",
+                   help="sdpa: SDPA in both (flash kernels); unfused: our unfused backend and HF's "
+                        "eager attention (matmul, softmax, matmul)")
     p.add_argument("--default-malloc", action="store_true",
                    help="leave glibc's malloc settings as they are (default: keep freed memory, "
                         "megatron_sp.cpu_allocator, as pretrain_gpt.py on CPU; both models)")
@@ -341,7 +346,8 @@ def main(argv=None):
     print(f"shapes: layers {args.layers}, hidden {args.hidden}, heads {args.heads} "
           f"(llama kv heads {args.kv_heads or max(1, args.heads // 4)}), vocab {args.vocab}, "
           f"seq {args.seq}, batch {args.batch}; {args.warmup} warm-up + {args.steps} timed steps, "
-          f"interleaved; step = forward + loss + backward + AdamW")
+          f"interleaved; step = forward + loss + backward + AdamW; attention {args.attention} "
+          f"(HF {HF_ATTENTION[args.attention]})")
     print("malloc: " + ("freed memory kept for reuse (megatron_sp.cpu_allocator), both models" if kept
                         else "glibc defaults (large tensors page-fault in every step)"))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0

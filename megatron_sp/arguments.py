@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                "optimizer state on device and on host), with the log line")
     t.add_argument("--attention-backend", default="auto",
                    choices=["auto", "flash", "fused", "unfused", "local", "te", "sdpa"],
-                   help="Megatron's auto, flash, fused (TE), unfused and local (SDPA); ours te, sdpa")
+                   help="Megatron's auto, flash, fused (TE), unfused (two matmuls: short "
+                        "sequences), local (SDPA); ours te, sdpa")
     t.add_argument("--grad-bucket-size-mb", type=float, default=25.0)
     t.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
 

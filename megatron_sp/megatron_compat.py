@@ -52,7 +52,7 @@ HONOURED = (
 
 # What an honoured flag does here, where that needs saying (the README table shows it).
 HONOURED_NOTES = {
-    "--attention-backend": "auto, flash; fused -> te (sdpa without Transformer Engine), unfused and "
+    "--attention-backend": "auto, flash, unfused; fused -> te (sdpa without Transformer Engine), "
                            "local -> sdpa; our te, sdpa accepted",
     "--ckpt-format": "torch_dist (ours: torch.distributed.checkpoint); other formats refused",
     "--rampup-batch-size": "Megatron's ramp; consumed samples, data order and resume follow it",
@@ -133,12 +133,11 @@ REFUSED = {
 }
 
 # Megatron's --attention-backend values onto ours (te, flash, sdpa stay accepted as aliases).
-ATTENTION_BACKENDS = {"auto": "auto", "flash": "flash", "fused": "te", "unfused": "sdpa",
+ATTENTION_BACKENDS = {"auto": "auto", "flash": "flash", "fused": "te", "unfused": "unfused",
                       "local": "sdpa", "te": "te", "sdpa": "sdpa"}
 ATTENTION_NOTES = {"fused": "Transformer Engine's fused attention (te)",
                    "fused-no-te": "PyTorch's fused scaled_dot_product_attention kernels (sdpa): "
                                   "Transformer Engine is not installed",
-                   "unfused": "PyTorch scaled_dot_product_attention (sdpa)",
                    "local": "PyTorch scaled_dot_product_attention (sdpa)"}
 
 # --transformer-impl transformer_engine without Transformer Engine (Megatron's default value).

@@ -15,6 +15,7 @@ from torch import nn
 from megatron_sp.attention import (AttentionBackendUnavailable, FlashAttention, SDPAAttention,
                                    TEAttention, cu_seqlens_from_document_ids, document_causal_mask,
                                    get_attention_backend)
+from megatron_sp.attention.backends import UnfusedAttention
 
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
 
@@ -131,6 +132,34 @@ def test_sdpa_unpacked_builds_no_mask(monkeypatch):
     q, k, v, _, _ = make_inputs(h=8, g=2)
     SDPAAttention()(q, k, v)
     assert seen["attn_mask"] is None and seen["is_causal"] is True and seen["enable_gqa"] is True
+
+
+# Unfused (Megatron's --attention-backend unfused) ------------------------------------------------
+
+@pytest.mark.parametrize("h,g", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_unfused_matches_reference(h, g, packed):
+    """fp32 against the fp64 reference (1e-5 / 1e-4), GQA and packed documents; scale and
+    non-causal; bf16 within bf16 rounding (its scores are rounded to bf16 before the softmax)."""
+    q, k, v, grad, gen = make_inputs(h=h, g=g, seed=h * 10 + g + packed + 100)
+    docs = random_documents(q.shape[0], q.shape[1], gen) if packed else None
+    assert_matches_reference(UnfusedAttention(), q, k, v, grad, document_ids=docs)
+    assert_matches_reference(UnfusedAttention(), q, k, v, grad, document_ids=docs, causal=False,
+                             softmax_scale=0.37)
+    assert_matches_reference_bf16(UnfusedAttention(), q, k, v, grad, document_ids=docs)
+
+
+def test_unfused_dropout_and_megatron_flag():
+    """Dropout acts on the probabilities (seeded: reproducible, and different from no dropout);
+    --attention-backend unfused builds this backend."""
+    q, k, v, _, _ = make_inputs(h=4, g=2, seed=5)
+    backend = get_attention_backend("unfused")
+    assert isinstance(backend, UnfusedAttention) and backend.name == "unfused"
+    torch.manual_seed(0)
+    dropped = backend(q, k, v, dropout_p=0.5)
+    torch.manual_seed(0)
+    assert torch.equal(dropped, backend(q, k, v, dropout_p=0.5))
+    assert not torch.allclose(dropped, backend(q, k, v))
 
 
 def test_shape_errors():

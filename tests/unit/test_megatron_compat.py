@@ -34,7 +34,7 @@ def test_every_categorised_flag_is_parsed_once():
     assert not missing, missing
 
 
-@pytest.mark.parametrize("value,ours", [("auto", "auto"), ("flash", "flash"), ("unfused", "sdpa"),
+@pytest.mark.parametrize("value,ours", [("auto", "auto"), ("flash", "flash"), ("unfused", "unfused"),
                                         ("local", "sdpa"), ("te", "te"), ("sdpa", "sdpa")])
 def test_attention_backend_values(value, ours):
     assert parse_args(BASE + ["--attention-backend", value]).attention_backend == ours
