@@ -132,12 +132,15 @@ def test_bf16_cuda_families_match_fp32_cpu_reference(family):
     _check_bf16_cuda_against_fp32_cpu(cfg, ids, family)
 
 
-@pytest.mark.parametrize("backend,module", [("te", "transformer_engine"), ("flash", "flash_attn")])
+@pytest.mark.parametrize("backend,module", [("te", "transformer_engine"), ("flash", "flash_attn"),
+                                            ("unfused", None)])
 @pytest.mark.parametrize("documents", [False, True])
 def test_fused_backend_matches_sdpa(backend, module, documents):
-    """Transformer Engine and flash-attn (when installed) against fp32 SDPA, GQA, causal, with and
-    without packed documents; forward and the gradient of q (bf16 tolerance)."""
-    pytest.importorskip(module)
+    """Transformer Engine and flash-attn (when installed) and the unfused backend against fp32
+    SDPA, GQA, causal, with and without packed documents; forward and the gradient of q (bf16
+    tolerance)."""
+    if module is not None:
+        pytest.importorskip(module)
     from megatron_sp.attention import SDPAAttention, get_attention_backend
     g = torch.Generator(device="cuda").manual_seed(7)
     q = torch.randn(2, 1024, 8, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
