@@ -18,6 +18,7 @@ LINES_PER_TASK = 256               # kept for compatibility; tasks are now block
 BLOCK_BYTES = 1 << 19              # most input bytes per task (whole lines, ~20 ms of tokenizing)
 MIN_BLOCK_BYTES = 1 << 16          # least, for small inputs: every worker gets several tasks
 IN_FLIGHT_PER_WORKER = 4           # tasks submitted ahead of the one being written, per worker
+SPILL_FILE_BYTES = 1 << 28         # a pool worker starts a new spill file after this many bytes
 PROGRESS_DELAY_S = 3.0             # the progress bar appears once a run has taken this long
 DTYPES = {"uint16": np.uint16, "int32": np.int32}
 _worker = {}
@@ -158,18 +159,42 @@ def _line_number(offset):
 
 
 def _spill(key, tokens):
-    """Append `tokens` to this worker's own file for `key`; returns (path, offset, bytes)."""
+    """Append `tokens` to this worker's current file for `key`; returns (path, offset, bytes).
+
+    A worker starts a new file every SPILL_FILE_BYTES, so the parent can delete the files it has
+    copied (`_SpillFiles`) and the extra disk stays ~ workers x SPILL_FILE_BYTES, not a second copy
+    of the output.
+    """
     out = _worker["out"]
-    if key not in out:
-        path = os.path.join(_worker["spill"], f"{len(out)}.{os.getpid()}")
-        out[key] = [path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), 0]
-    path, fd, offset = out[key]
+    if key not in out or out[key][2] >= SPILL_FILE_BYTES:
+        number = out[key][3] + 1 if key in out else 0
+        if key in out:
+            os.close(out[key][1])
+        writer = list(_worker["keys"]).index(key)
+        path = os.path.join(_worker["spill"], f"{writer}.{os.getpid()}.{number}")
+        out[key] = [path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), 0, number]
+    path, fd, offset, _ = out[key]
     data = memoryview(np.ascontiguousarray(tokens)).cast("B")
     written = 0
     while written < len(data):
         written += os.write(fd, data[written:])
     out[key][2] = offset + len(data)
     return path, offset, len(data)
+
+
+class _SpillFiles:
+    """The parent's side: a worker's spill files are used in task order, so once a result comes
+    from a worker's next file, its previous file has been copied in full and is deleted."""
+
+    def __init__(self):
+        self.current = {}               # "{key index}.{pid}" -> the file last read from
+
+    def copied(self, path):
+        writer = path.rsplit(".", 1)[0]
+        previous = self.current.get(writer)
+        if previous is not None and previous != path:
+            os.remove(previous)
+        self.current[writer] = path
 
 
 def encode_range(task):
@@ -317,6 +342,7 @@ def _consume(results, builders, log_interval, log, total_bytes=None):
     """Write encoded chunks in order, reporting documents/s and MB/s (a progress bar on a
     terminal, lines every log_interval documents otherwise); returns (documents, tokens, bytes)."""
     start, docs, tokens, nbytes, next_log = time.time(), 0, 0, 0, log_interval
+    spilled = _SpillFiles()
     bar = _progress(total_bytes, log, bool(log_interval))
     try:
         for size, packed in results:
@@ -324,6 +350,7 @@ def _consume(results, builders, log_interval, log, total_bytes=None):
             for key, (ids, lengths) in packed.items():
                 if isinstance(ids, tuple):          # (file, offset, bytes) a worker spilled
                     tokens += builders[key].add_documents_from(lengths, *ids)
+                    spilled.copied(ids[0])
                 else:
                     builders[key].add_documents(ids, lengths)
                     tokens += ids.size

@@ -175,10 +175,19 @@ def test_small_corpus_splits(tmp_path):
 def test_preprocess_ranges_split_lines_anywhere(tmp_path, monkeypatch, seed):
     """Pool workers take byte ranges of 64 bytes that cut lines anywhere (lines up to ~700 bytes
     span many ranges, blank lines, no newline at the end): the output equals one worker's
-    byte for byte, an error names the file's line, and the workers' spill folder is gone."""
+    byte for byte, spill files are deleted once copied, an error names the file's line, and the
+    workers' spill folder is gone."""
     module = sys.modules["megatron_sp.data.preprocess"]
     monkeypatch.setattr(module, "BLOCK_BYTES", 64)
     monkeypatch.setattr(module, "MIN_BLOCK_BYTES", 64)
+    monkeypatch.setattr(module, "SPILL_FILE_BYTES", 256)       # a new spill file every 256 bytes
+    spill_files = []                                           # files present at each copy
+    copied = module._SpillFiles.copied
+
+    def spy(self, path):
+        copied(self, path)
+        spill_files.append(len(os.listdir(os.path.dirname(path))))
+    monkeypatch.setattr(module._SpillFiles, "copied", spy)
     rng = np.random.default_rng(seed)
     lines = []
     for _ in range(300):
@@ -196,6 +205,9 @@ def test_preprocess_ranges_split_lines_anywhere(tmp_path, monkeypatch, seed):
                             log_interval=0)["text"]
         out[workers] = [open(prefix + ext, "rb").read() for ext in (".bin", ".idx")]
     assert out[1] == out[2] and len(out[1][0]) > 1000
+    # Copied spill files are deleted: at most the 2 workers' current files and those of the
+    # tasks in flight (4 per worker) exist at any copy, out of the dozens written.
+    assert len(spill_files) > 40 and max(spill_files) <= 2 * (1 + 4) + 2, spill_files
     bad = int(rng.integers(150, 290))
     while not lines[bad - 1]:
         bad += 1
