@@ -14,7 +14,6 @@ import numpy as np
 from .indexed_dataset import DataError, IndexedDatasetBuilder, optimal_dtype
 from .tokenizers import build_tokenizer
 
-LINES_PER_TASK = 256               # kept for compatibility; tasks are now blocks of whole lines
 BLOCK_BYTES = 1 << 19              # most input bytes per task (whole lines, ~20 ms of tokenizing)
 MIN_BLOCK_BYTES = 1 << 16          # least, for small inputs: every worker gets several tasks
 IN_FLIGHT_PER_WORKER = 4           # tasks submitted ahead of the one being written, per worker
@@ -25,11 +24,9 @@ _worker = {}
 
 
 def _init_worker(tokenizer, json_keys, append_eod, path, dtype=None, spill=None):
-    """The per-process state of encode_lines. Called in the parent before the pool forks, so the
+    """The per-process state of encode_range. Called in the parent before the pool forks, so the
     workers inherit the tokenizer instead of each loading it again. `spill`: the folder where
     pool workers write their tokens (the parent then copies bytes instead of unpickling arrays)."""
-    if isinstance(tokenizer, tuple):
-        tokenizer = build_tokenizer(*tokenizer)
     _worker.update(tok=tokenizer, keys=json_keys, eod=append_eod, path=path, fd=None,
                    dtype=None if dtype is None else np.dtype(dtype), spill=spill, out={})
 
@@ -62,28 +59,22 @@ def _check_ids(tokens, lengths, lines, vocab_size, path):
 
 
 def _read_block(offset, length):
-    """Bytes [offset, offset + length) of the input, read by the worker itself: the parent sends
-    only the range, no text goes through the pool's pipes."""
+    """Bytes [offset, offset + length) of the input, read by the process that encodes them: a
+    pool's parent sends only the range, no text goes through the pool's pipes."""
     if _worker.get("fd") is None:
         _worker["fd"] = os.open(_worker["path"], os.O_RDONLY)
     return os.pread(_worker["fd"], length, offset)
 
 
 def encode_lines(task):
-    """(first line number, raw lines as a list, one bytes block of whole lines, or the
-    (offset, length) of such a block in the input) -> (n_bytes, {key: (tokens, per-document
-    lengths)}).
+    """(first line number, one bytes block of whole lines) -> (n_bytes, {key: (tokens,
+    per-document lengths)}).
 
     The texts of a task are tokenized in one call, in line order; an unreadable line is reported
     after the texts before it (so the first error in file order is the one raised).
     """
-    first, lines = task
-    if isinstance(lines, tuple):
-        lines = _read_block(*lines)
-    if isinstance(lines, (bytes, bytearray)):
-        n_bytes, lines = len(lines), lines.split(b"\n")
-    else:
-        n_bytes = sum(len(r) for r in lines)
+    first, block = task
+    n_bytes, lines = len(block), block.split(b"\n")
     tok, keys, path = _worker["tok"], _worker["keys"], _worker["path"]
     texts, numbers, problem = [], [], None
     for n, raw in enumerate(lines, first):
@@ -122,8 +113,8 @@ def encode_lines(task):
 
 
 def _ranges(size, block_bytes):
-    """Byte ranges [start, stop) covering the input, one per pool task: the parent reads nothing,
-    each worker takes the whole lines that begin in its range (`_aligned_block`)."""
+    """Byte ranges [start, stop) covering the input, one per task: each task takes the whole lines
+    that begin in its range (`_aligned_block`), so a pool's parent reads no text."""
     return [(start, min(start + block_bytes, size)) for start in range(0, size, block_bytes)]
 
 
@@ -131,7 +122,7 @@ def _line_start(pos):
     """The first offset >= pos at which a line begins (0, or just after a newline), or the size."""
     if pos == 0:
         return 0
-    at, chunk = pos - 1, 1 << 16
+    at, chunk = pos - 1, 1 << 13
     while True:
         data = _read_block(at, chunk)
         if not data:
@@ -198,11 +189,12 @@ class _SpillFiles:
 
 
 def encode_range(task):
-    """A pool task: encode the lines that begin in the byte range `task`, write the tokens to this
-    worker's spill file and return (n_bytes, {key: ((path, offset, bytes), lengths)}).
+    """One task: encode the lines that begin in the byte range `task`; returns (n_bytes, {key:
+    (tokens, lengths)}), in a pool worker with the tokens written to its spill file instead:
+    {key: ((path, offset, bytes), lengths)}.
 
-    Line numbers count from the block (the parent does not know them); an error is encoded again
-    with the block's line number in the file, so the message names the file's line.
+    Line numbers count from the block (nobody counted the lines before it); an error is encoded
+    again with the block's line number in the file, so the message names the file's line.
     """
     begin, block = _aligned_block(*task)
     try:
@@ -210,6 +202,8 @@ def encode_range(task):
     except DataError:
         encode_lines((_line_number(begin), block))      # raises it with the file's numbers
         raise
+    if _worker["spill"] is None:
+        return n_bytes, packed
     return n_bytes, {key: (_spill(key, tokens), lengths) for key, (tokens, lengths) in packed.items()}
 
 
@@ -228,22 +222,6 @@ def _block_bytes(size, workers):
     """Bytes per task: large blocks keep the parent's per-task work (pipes, threads) small; small
     inputs get smaller ones so that the workers finish together (8 tasks per worker at least)."""
     return int(min(BLOCK_BYTES, max(MIN_BLOCK_BYTES, size // (8 * max(1, workers)))))
-
-
-def _tasks(path, block_bytes=None):
-    """Blocks of whole lines as (number of their first line from 1, (offset, length))."""
-    block_bytes = block_bytes or BLOCK_BYTES
-    with open(path, "rb") as f:
-        first, offset = 1, 0
-        while True:
-            block = f.read(block_bytes)
-            if not block:
-                return
-            if not block.endswith(b"\n"):
-                block += f.readline()
-            yield first, (offset, len(block))
-            first += block.count(b"\n")
-            offset += len(block)
 
 
 def _output_dtype(dtype, vocab_size):
@@ -284,13 +262,10 @@ def preprocess(input, output_prefix, tokenizer_type, tokenizer_model=None, json_
     interrupted = False
     try:
         size = os.path.getsize(input)
-        if pool is None:
-            results = map(encode_lines, _tasks(input, _block_bytes(size, workers)))
-        else:
-            results = _in_order(pool, _ranges(size, _block_bytes(size, workers)),
-                                IN_FLIGHT_PER_WORKER * workers)
-        docs, tokens, nbytes = _consume(results, builders, log_interval, log,
-                                        os.path.getsize(input))
+        tasks = _ranges(size, _block_bytes(size, workers))
+        results = (map(encode_range, tasks) if pool is None else
+                   _in_order(pool, tasks, IN_FLIGHT_PER_WORKER * workers))
+        docs, tokens, nbytes = _consume(results, builders, log_interval, log, size)
         for k, b in builders.items():
             b.finalize(prefixes[k] + ".idx")
     except BaseException as err:
