@@ -289,7 +289,7 @@ def _add_megatron_math_args(p, model_group) -> None:
     _bool_flag(model_group, "--apply-layernorm-1p", "norm weights stored zero-centred (gamma - 1, "
                "initialised to 0) and applied as 1 + w")
     model_group.add_argument("--rotary-percent", type=float, default=1.0,
-                   help="RoPE on the first int(head_dim * percent) dimensions only (1.0)")
+                             help="RoPE on the first int(head_dim * percent) dimensions only (1.0)")
     g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
                    help="no learned position embedding (with --position-embedding-type rope, "
                         "already the case)")
