@@ -5,8 +5,9 @@ autocast over fp32 master weights, SDPA flash kernel) with each memory technique
     python bench/gpu_long_context.py                 # whole run time-boxed to --budget-s (default 450)
     python bench/gpu_long_context.py --techniques plain all --max-seq 262144
 
-For each technique the sequence doubles from --start-seq while a forward+backward+AdamW step fits
-(torch.cuda.OutOfMemoryError caught, cache emptied) and the technique's time box is not spent. MFU uses
+Each technique runs in a process of its own (an out-of-memory error can leave tensors behind that
+would shrink the next technique's room): the sequence doubles from --start-seq while a
+forward+backward+AdamW step fits and the technique's time box is not spent. MFU uses
 megatron_sp.flops (Megatron's formula) against the device's bf16 dense peak (megatron_sp.flops
 .PEAK_TFLOPS; --peak-tflops overrides). Beside each measured peak (torch.cuda.max_memory_allocated)
 the planner's modelled bytes for the same run (megatron_sp.memory.planner: 16 bytes/param of fp32
@@ -20,6 +21,7 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -115,6 +117,56 @@ def planner_max_seq(cfg, mem, device_gb, step=1024, fragmentation=0.10, reserve_
     return lo * step
 
 
+def run_technique(cfg, name, args, device, peak, t_end):
+    """Double the sequence from --start-seq while a step fits and the time box allows; one row."""
+    mem = TECHNIQUES[name]
+    seq, best, mfu, stopped = args.start_seq, None, {}, "max"
+    while seq <= args.max_seq:
+        timed = args.timed_steps if seq in (8192, 32768) else 0
+        if time.time() + 10 + (1 + timed) * step_seconds(cfg, mem, seq, peak) > t_end:  # 10 s: build
+            stopped = "time"            # the next try would run past this technique's time box
+            break
+        ok, dt, peak_gb, saved_gb = try_seq(cfg, mem, seq, device, timed)
+        if not ok:
+            stopped = "oom"
+            break
+        pred_gb = predicted_gb(cfg, mem, seq)
+        best = (seq, peak_gb, saved_gb, pred_gb)
+        if timed and peak:
+            mfu[seq] = flops_for_config(cfg, 1, seq) / dt / 1e12 / peak
+        print(f"  {name:>15} seq {seq:>8}: peak {peak_gb:6.1f} GB (planner {pred_gb:6.1f} GB), "
+              f"saved {saved_gb:6.2f} GB" + (f", {dt * 1e3:.0f} ms/step" if timed else ""), flush=True)
+        seq *= 2
+    device_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
+    return dict(technique=name, max_seq=best[0] if best else None, peak_gb=best[1] if best else None,
+                planner_peak_gb=best[3] if best else None,
+                planner_max_seq=planner_max_seq(cfg, mem, device_gb), mfu_8k=mfu.get(8192),
+                mfu_32k=mfu.get(32768), stopped=stopped)
+
+
+def child_row(name, t_end, argv):
+    """Run one technique in a fresh process (this script with --child); its row, or an error row."""
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child", name, "--deadline", f"{t_end:.3f}"]
+    row = None
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=max(30.0, t_end - time.time() + 60))    # + a step's overrun
+        lines = proc.stdout.splitlines()
+    except subprocess.TimeoutExpired as err:
+        lines = (err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes)
+                 else (err.stdout or "")).splitlines() + ["error: killed at the time box"]
+    for ln in lines:
+        if ln.startswith("ROW "):
+            row = json.loads(ln[4:])
+        else:
+            print(ln, flush=True)
+    if row is None:
+        why = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), "no row")
+        row = dict(technique=name, max_seq=None, peak_gb=None, planner_peak_gb=None,
+                   planner_max_seq=0, mfu_8k=None, mfu_32k=None, stopped=f"error: {why.strip()[:80]}")
+    return row
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-1b")
@@ -125,6 +177,8 @@ def main():
     p.add_argument("--timed-steps", type=int, default=2)
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)      # one technique, then exit
+    p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("bench/gpu_long_context.py needs a CUDA GPU; use bench/long_context.py on CPU.")
@@ -133,40 +187,18 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = True
     peak = device_peak_tflops(args.peak_tflops)
     cfg = preset(args.model, max_position_embeddings=args.max_seq)
+    if args.child:
+        print("ROW " + json.dumps(run_technique(cfg, args.child, args, device, peak, args.deadline)))
+        return 0
     print(f"{torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} "
           f"GB), {args.model}: {cfg.num_parameters() / 1e9:.2f}B params, bf16 autocast, SDPA; "
           f"peak {peak} TFLOP/s", flush=True)
-    device_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
     start = time.time()
     rows = []
     for i, name in enumerate(args.techniques):
         # an equal share of what is left: time a technique did not use goes to the next ones
         per_tech = (start + args.budget_s - time.time()) / (len(args.techniques) - i)
-        mem, t_end = TECHNIQUES[name], min(start + args.budget_s, time.time() + per_tech)
-        seq, best = args.start_seq, None
-        mfu = {}
-        stopped = "max"
-        while seq <= args.max_seq:
-            steps = 1 + (args.timed_steps if seq in (8192, 32768) else 0)
-            if time.time() + 10 + steps * step_seconds(cfg, mem, seq, peak) > t_end:   # 10 s: build
-                stopped = "time"        # the next try would run past this technique's time box
-                break
-            ok, dt, peak_gb, saved_gb = try_seq(cfg, mem, seq, device, steps - 1)
-            if not ok:
-                stopped = "oom"
-                break
-            pred_gb = predicted_gb(cfg, mem, seq)
-            best = (seq, peak_gb, saved_gb, pred_gb)
-            if seq in (8192, 32768) and dt and peak:
-                mfu[seq] = flops_for_config(cfg, 1, seq) / dt / 1e12 / peak
-            print(f"  {name:>15} seq {seq:>8}: peak {peak_gb:6.1f} GB (planner {pred_gb:6.1f} GB), "
-                  f"saved {saved_gb:6.2f} GB" + (f", {dt * 1e3:.0f} ms/step" if dt else ""), flush=True)
-            seq *= 2
-        rows.append(dict(technique=name, max_seq=best[0] if best else None,
-                         peak_gb=best[1] if best else None,
-                         planner_peak_gb=best[3] if best else None,
-                         planner_max_seq=planner_max_seq(cfg, mem, device_gb), mfu_8k=mfu.get(8192),
-                         mfu_32k=mfu.get(32768), stopped=stopped))
+        rows.append(child_row(name, min(start + args.budget_s, time.time() + per_tech), sys.argv[1:]))
         if args.json:                   # after every technique: a run cut short keeps its rows
             with open(args.json, "w") as fh:
                 json.dump(rows, fh, indent=1)
