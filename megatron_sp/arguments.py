@@ -83,11 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="full+uniform: layers per checkpointed group; full+block: layers of each "
                         "stage recomputed (default 1)")
     t.add_argument("--mlp-tiles", default="1",
-                   help="run the MLP over N sequence tiles recomputed in backward (or 'auto'), so the "
-                        "[s, ffn] intermediate never exists whole")
+                   help="run the MLP over N sequence tiles recomputed in backward (or 'auto': "
+                        "ceil(ffn width / hidden), none under 2048 tokens), so the [s, ffn] "
+                        "intermediate never exists whole")
     t.add_argument("--loss-chunks", default="1",
                    help="output layer + cross entropy over N sequence chunks recomputed in backward "
-                        "(or 'auto'), so the [s, vocab] logits never exist whole")
+                        "(or 'auto': ceil(vocab / hidden), none under 2048 tokens), so the "
+                        "[s, vocab] logits never exist whole")
     _bool_flag(t, "--offload-activations", "keep saved activations of the transformer layers (with "
                "full recompute: the checkpointed layer inputs) in pinned host memory until backward")
     _bool_flag(t, "--report-memory", "print activation bytes saved for backward per rank and layer, "

@@ -149,9 +149,10 @@ def activation_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: in
         rms = cfg.normalization == "RMSNorm"
         output = ((Ts * H + Ts + Ts * H) * 4) if rms else (Ts * H + 2 * Ts) * r
         chunks = 1 if memory.loss_chunks == 1 else resolve_count(memory.loss_chunks, int(T), V, H)
-        # output-layer input: unchunked, the matmul's (autocast) copy of the shard; chunked, each
-        # chunk's checkpoint keeps its slice of the (gathered) final-norm output itself
-        output += T * H * r if chunks > 1 else Ts * H * e
+        # output-layer input: unchunked, the matmul's (autocast) copy of the shard (of the gathered
+        # output when "auto" resolved to one chunk); chunked, each chunk's checkpoint keeps its
+        # slice of the (gathered) final-norm output itself
+        output += T * H * r if chunks > 1 else (Ts if memory.loss_chunks == 1 else T) * H * e
         if chunks > 1:
             output += micro_batch * seq * 8                  # label chunks: views of the [b, s] labels
         else:
@@ -381,10 +382,11 @@ def _output_backward_peak(cfg, T, tp, seqpar, e, r, memory: MemoryOptions, saved
     gradient of the whole logits (fp32 + its 16-bit cast) + the gradient of its input."""
     H = cfg.hidden_size
     V = cfg.padded_vocab_size(tp) // tp
-    if memory.loss_chunks != 1:
-        chunks = resolve_count(memory.loss_chunks, int(T), V, H)
+    chunks = 1 if memory.loss_chunks == 1 else resolve_count(memory.loss_chunks, int(T), V, H)
+    if chunks > 1:
         return saved + T / chunks * V * (e + 8) + T * H * r
-    return saved + T * V * (4 + e) + (T / tp if seqpar else T) * H * r
+    gathered = memory.loss_chunks != 1 or not seqpar      # ("auto" as one chunk: the gathered input)
+    return saved + T * V * (4 + e) + (T if gathered else T / tp) * H * r
 
 
 def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int = 1, pp: int = 1,

@@ -27,7 +27,7 @@ def _split(t: torch.Tensor, n: int):
 
 def tiled_mlp(mlp_forward, x: torch.Tensor, tiles, ffn_width: int) -> torch.Tensor:
     """mlp_forward over sequence tiles of x [b, s_l, H]; `ffn_width` sizes tiles="auto"."""
-    n = resolve_count(tiles, x.shape[1], ffn_width, x.shape[-1])
+    n = resolve_count(tiles, x.shape[1], ffn_width, x.shape[-1], tokens=x.shape[0] * x.shape[1])
     if n == 1:
         return mlp_forward(x)
     if not torch.is_grad_enabled():
@@ -49,7 +49,10 @@ def chunked_output_loss(x, labels, weight, *, mesh, sequence_parallel: bool, voc
         x = mappings.gather_from_sequence_parallel_region(x, group)   # [b, s/sp, H]
     else:
         x = mappings.copy_to_tensor_parallel_region(x, group)
-    n = resolve_count(chunks, x.shape[1], weight.shape[0], x.shape[-1])
+    n = resolve_count(chunks, x.shape[1], weight.shape[0], x.shape[-1],
+                      tokens=x.shape[0] * x.shape[1])
+    if n == 1:                          # ("auto" on a short sequence) nothing to recompute
+        return _chunk_loss(x, labels, weight, group, vocab_size)
     pieces = zip(_split(x, n), _split(labels, n))
     if not torch.is_grad_enabled():
         return torch.cat([_chunk_loss(xc, lc, weight, group, vocab_size) for xc, lc in pieces], 1)

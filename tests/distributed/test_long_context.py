@@ -39,7 +39,7 @@ EQUIVALENCE = [
     ("offload tp2 x sp2", LLAMA, 2, 2, False, 2, dict(offload_activations=True)),
     ("all combined tp2 x sp2 sequence-parallel", LLAMA, 2, 2, True, 4, ALL),
     ("tiled mlp + chunked loss tp4 sequence-parallel (gpt2, tied)", GPT2, 4, 1, True, 4,
-     dict(mlp_tiles="auto", loss_chunks=2)),
+     dict(mlp_tiles=2, loss_chunks=2)),
     ("all combined sp4 (gpt2)", GPT2, 1, 4, False, 4, dict(ALL, recompute_granularity="selective")),
 ]
 

@@ -4,7 +4,7 @@ to the plain model (with dropout too)."""
 import pytest
 import torch
 
-from megatron_sp.memory import MemoryOptions, measure_saved_bytes, recompute_plan
+from megatron_sp.memory import MemoryOptions, measure_saved_bytes, recompute_plan, resolve_count
 from megatron_sp.memory.planner import activation_bytes, korthikanti_layer_bytes, plan
 from megatron_sp.models import GPTModel, preset
 from megatron_sp.models.init import init_parameters
@@ -36,7 +36,7 @@ def _run(cfg, mem, b=2, s=96, tracker=None):
 MEMS = [MemoryOptions(), MemoryOptions(recompute_granularity="full"),
         MemoryOptions(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
         MemoryOptions(recompute_granularity="selective"), MemoryOptions(mlp_tiles=4),
-        MemoryOptions(mlp_tiles="auto"), MemoryOptions(loss_chunks=3),
+        MemoryOptions(mlp_tiles="auto"), MemoryOptions(loss_chunks=3), MemoryOptions(loss_chunks="auto"),
         MemoryOptions(offload_activations=True),
         MemoryOptions(recompute_granularity="full", mlp_tiles=2, loss_chunks=2, offload_activations=True)]
 
@@ -69,6 +69,30 @@ def test_tiling_and_chunking_remove_their_terms():
     # the fp32 softmax [s, V] and int64 labels + bool mask go; label views of the [b, s] labels stay
     out = base["by_label"]["output"] - chunked["by_label"]["output"]
     assert out == b * s * V * 4 + b * s * 9 - b * s * 8
+
+
+def test_auto_tiles_keep_a_minimum_of_tokens(monkeypatch):
+    """`auto`: ceil(width / hidden) tiles, but none under MIN_TILE_TOKENS tokens (so 1, the plain
+    path, on short sequences); explicit counts are taken as given, never above the length."""
+    from megatron_sp.memory import options
+    assert options.MIN_TILE_TOKENS == 2048
+    assert resolve_count("auto", 96, 32000, 512) == 1                       # short: plain
+    assert resolve_count("auto", 8192, 128256, 2048) == 4                    # llama-1b at 8K
+    assert resolve_count("auto", 1 << 20, 128256, 2048) == 63                # at 1M: width rule
+    assert resolve_count("auto", 4096, 128256, 2048, tokens=2 * 4096) == 4   # batch counts
+    assert resolve_count("auto", 8192, 8192 * 2, 2048) == 4                  # tiles of a SwiGLU MLP
+    assert resolve_count(3, 96, 32000, 512) == 3 and resolve_count(500, 96, 32000, 512) == 96
+    # with a small minimum, "auto" tiles a short sequence: exact, and the planner still holds
+    monkeypatch.setattr(options, "MIN_TILE_TOKENS", 16)
+    cfg = _cfg("llama")
+    l0, g0, _ = _run(cfg, MemoryOptions())
+    mem = MemoryOptions(mlp_tiles="auto", loss_chunks="auto")
+    assert resolve_count("auto", 96, cfg.padded_vocab_size(), cfg.hidden_size, tokens=192) > 1
+    loss, grads, rep = _run(cfg, mem)
+    assert abs(loss - l0) <= 1e-5 * abs(l0)
+    assert all((g - g0[n]).abs().max() <= 1e-4 for n, g in grads.items())
+    pred = activation_bytes(cfg, 96, 2, memory=mem)
+    assert abs(pred["total"] / rep["device_bytes"] - 1) <= 0.10, (pred["total"], rep)
 
 
 def test_dropout_replayed_under_recompute():
