@@ -56,6 +56,9 @@ def build_optimizer(modules, lr: float, weight_decay: float = 0.01, betas=(0.9, 
         raise ValueError(f"--optimizer {optimizer!r} is not one of ('adam', 'sgd').")
     on_cuda = any(p.is_cuda for g in groups for p in g["params"])
     sharded = any(hasattr(p, "to_local") for g in groups for p in g["params"])   # FSDP2 DTensors
+    if not all(p.is_contiguous() for g in groups for p in g["params"]):
+        # torch's fused kernel treats tensors as contiguous: it would update the wrong elements
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
     if on_cuda and not sharded:
         try:
             from apex.optimizers import FusedAdam  # NVIDIA apex, optional
