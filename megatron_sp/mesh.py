@@ -268,7 +268,15 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) 
 def barrier(mesh: "ParallelMesh | None" = None) -> None:
     """Wait for every rank (no-op without a process group)."""
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        dist.barrier(**barrier_device())
+
+
+def barrier_device() -> dict:
+    """dist.barrier's device_ids under NCCL: this process's GPU (set by init_distributed), which
+    torch would otherwise guess, with a warning on every run."""
+    if dist.get_backend() == "nccl":
+        return {"device_ids": [torch.cuda.current_device()]}
+    return {}
 
 
 def shutdown() -> None:
@@ -277,5 +285,5 @@ def shutdown() -> None:
     should then leave through megatron_sp.errors.exit_process (pretrain_gpt does): the
     interpreter's finalization can still race with gloo's threads and abort a finished run."""
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        dist.barrier(**barrier_device())
         dist.destroy_process_group()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_sp.mesh import barrier_device
+
 
 def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -24,7 +26,7 @@ def _world() -> int:
 
 def _barrier():
     if _dist():
-        dist.barrier()
+        dist.barrier(**barrier_device())
 
 
 def _broadcast_object(obj, src: int = 0):

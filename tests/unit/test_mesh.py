@@ -62,3 +62,19 @@ def test_slurm_and_torchrun_environments():
                            "MASTER_PORT": "1234", "SLURM_PROCID": "9", "SLURM_NTASKS": "16"})
     assert env["rank"] == 1 and env["master_port"] == 1234   # torchrun wins over SLURM
     assert distributed_env({}) is None
+
+
+def test_barrier_names_the_gpu_under_nccl(monkeypatch):
+    """Under NCCL every barrier passes this process's GPU (torch would guess it and warn, as it did
+    on the H200 run); gloo barriers take no device."""
+    import torch
+    import torch.distributed as dist
+    from megatron_sp import mesh
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "barrier", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    for backend, expected in (("nccl", {"device_ids": [3]}), ("gloo", {})):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        mesh.barrier()
+        assert calls.pop() == expected
