@@ -42,8 +42,9 @@ moves the sharded optimizer state to host. Under bf16 autocast (not FSDP2) the c
 aten::linear keep a bf16 copy of every weight: + 2 bytes/param (DESIGN 9's 18).
 
 Peak of one step (`step_peak_bytes`): what the forward keeps for backward + the larger of the output
-layer's backward and one layer's backward (recomputed under full recompute), each with its working
-buffers (gradients, the attention kernel's dq accumulator, one MLP tile, one loss chunk's logits).
+layer's peak (its logits in flight, forward or backward) and one layer's backward (recomputed under
+full recompute), each with its working buffers (gradients, the attention kernel's dq accumulator,
+one MLP tile, one loss chunk's logits).
 The planner (`plan`) adds a reserve (fixed + a fragmentation fraction) and checks host memory per
 node (offloaded state and activations, pinned buffers rounded up to powers of two).
 """
@@ -377,16 +378,23 @@ def _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory: MemoryOptions) ->
 
 
 def _output_backward_peak(cfg, T, tp, seqpar, e, r, memory: MemoryOptions, saved: float) -> float:
-    """Bytes alive during the output layer's backward: its saved tensors + the logits of one chunk
-    (bf16 logits, their fp32 copy in the cross entropy, the fp32 gradient) or, unchunked, the
-    gradient of the whole logits (fp32 + its 16-bit cast) + the gradient of its input."""
+    """Bytes alive at the output layer's peak: its saved tensors + the logits [T, V/tp] in flight
+    (+ the gradient of its input). The cross entropy copies the logits (e bytes) to fp32 and keeps
+    that copy as its saved softmax, which its backward turns into the gradient in place, cast back
+    to e bytes (a new tensor under 16-bit only). Unchunked, `saved` already holds the fp32 softmax:
+    the peak adds the logits (forward) or the gradient's cast (backward), T*V*e either way.
+    Chunked, `saved` holds only the chunks' inputs: one chunk's logits and fp32 copy (forward and
+    recompute), or its fp32 gradient and cast, (e + 4) bytes per element, + one fp32 gradient of
+    the output weight [V/tp, H] before it is accumulated (no longer small next to one chunk).
+    Measured on CPU with the profiler's memory timeline (tests/unit/test_planner.py); the H200 run
+    of bench/gpu_long_context.py agrees (full recompute at 128K)."""
     H = cfg.hidden_size
     V = cfg.padded_vocab_size(tp) // tp
     chunks = 1 if memory.loss_chunks == 1 else resolve_count(memory.loss_chunks, int(T), V, H)
     if chunks > 1:
-        return saved + T / chunks * V * (e + 8) + T * H * r
+        return saved + T / chunks * V * (e + 4) + V * H * 4 + T * H * r
     gathered = memory.loss_chunks != 1 or not seqpar      # ("auto" as one chunk: the gathered input)
-    return saved + T * V * (4 + e) + (T if gathered else T / tp) * H * r
+    return saved + T * V * e + (T if gathered else T / tp) * H * r
 
 
 def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int = 1, pp: int = 1,
