@@ -377,7 +377,7 @@ def _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory: MemoryOptions) ->
     return max(mlp, attention)
 
 
-def _output_backward_peak(cfg, T, tp, seqpar, e, r, memory: MemoryOptions, saved: float) -> float:
+def _output_peak(cfg, T, tp, seqpar, e, r, memory: MemoryOptions, saved: float) -> float:
     """Bytes alive at the output layer's peak: its saved tensors + the logits [T, V/tp] in flight
     (+ the gradient of its input). The cross entropy copies the logits (e bytes) to fp32 and keeps
     that copy as its saved softmax, which its backward turns into the gradient in place, cast back
@@ -427,7 +427,7 @@ def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int
                                                              else ckpt_input)
     else:
         working = layer_peak - (0 if memory.offload_activations else act["layer"])
-    output = _output_backward_peak(cfg, T, tp, seqpar, e, r, memory, act["output"])
+    output = _output_peak(cfg, T, tp, seqpar, e, r, memory, act["output"])
     device = kept + max(output, working)
     host = 0.0
     if memory.offload_activations:

@@ -11,14 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp import comm_stats
-
-
-def group_size(group) -> int:
-    return dist.get_world_size(group) if group is not None else 1
-
-
-def group_rank(group) -> int:
-    return dist.get_rank(group) if group is not None else 0
+from megatron_sp.tensor_parallel.mappings import group_size
 
 
 def reduce_scatter_sum(output: torch.Tensor, buffer: torch.Tensor, group):

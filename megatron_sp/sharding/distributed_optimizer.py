@@ -45,6 +45,7 @@ from megatron_sp.grad_sync import clip_grad_norm
 from megatron_sp.optimizer import param_groups
 from megatron_sp.sharding import comm
 from megatron_sp.sharding.state_bytes import model_state_bytes, optimizer_tensors
+from megatron_sp.tensor_parallel.mappings import group_rank, group_size
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 IN_FLIGHT = 2        # gradient buckets whose reduce-scatter may be pending during backward
@@ -166,6 +167,11 @@ class _Bucket:
         self.handle = self.buffer = None
 
 
+def _fusable(master: torch.Tensor) -> bool:
+    """Whether a master steps in the fused AdamW group (contiguous: see DistributedOptimizer)."""
+    return master.is_contiguous()
+
+
 class DistributedOptimizer:
     """AdamW sharded over dp x sp; also owns the gradient reduction and the gradient norm.
 
@@ -178,8 +184,8 @@ class DistributedOptimizer:
                  eps: float = 1e-8, bucket_mb: float = 25.0, overlap_param_gather: bool = False,
                  cpu_offload: bool = False):
         self.mesh, self.cpu_offload, self.overlap_param_gather = mesh, cpu_offload, overlap_param_gather
-        self.group = mesh.dp_sp_group if comm.group_size(mesh.dp_sp_group) > 1 else None
-        self.n, self.rank = comm.group_size(self.group), comm.group_rank(self.group)
+        self.group = mesh.dp_sp_group if group_size(mesh.dp_sp_group) > 1 else None
+        self.n, self.rank = group_size(self.group), group_rank(self.group)
         self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
         self.device = self.params[0].device
         self.pieces = {p: _Piece(p, self.n) for p in self.params}
@@ -197,7 +203,7 @@ class DistributedOptimizer:
         for g in param_groups(chunks, weight_decay):
             masters = [self.master[p] for p in g["params"] if p in self.master]
             for fused in (True, False):
-                part = [m for m in masters if m.is_contiguous() == fused]
+                part = [m for m in masters if _fusable(m) == fused]
                 if part:
                     groups.append({"params": part, "weight_decay": g["weight_decay"],
                                    "fused": fused, "foreach": not fused})
@@ -356,10 +362,8 @@ class DistributedOptimizer:
         step (the step on the master's device in a fused group, else on the CPU)."""
         st = self.optimizer.state[master]
         if "exp_avg" not in st:
-            fused = next(g["fused"] for g in self.optimizer.param_groups
-                         if any(m is master for m in g["params"]))
             st["step"] = torch.zeros((), dtype=torch.float32,
-                                     device=master.device if fused else "cpu")
+                                     device=master.device if _fusable(master) else "cpu")
             for key in ADAM_STATES:
                 st[key] = torch.zeros_like(master, memory_format=torch.contiguous_format)
         return st
