@@ -129,7 +129,7 @@ def model_state(chunks, tp_rank: int, tp_size: int) -> dict[str, Shard]:
     return state
 
 
-def _init_adam_state(optimizer, param):
+def init_adam_state(optimizer, param):
     """Empty AdamW state of `param` (zeros, step 0) as torch's AdamW creates it on first step
     (the step on the parameter's device for fused/capturable AdamW, else on the CPU)."""
     st = optimizer.state[param]
@@ -162,7 +162,7 @@ def optimizer_state(chunks, optimizer, tp_rank: int, tp_size: int, *, create: bo
     if sgd and not any(g.get("momentum") for g in optimizer.param_groups):
         return state                        # plain SGD keeps no state
     init, keys = ((_init_sgd_state, ("momentum_buffer",)) if sgd
-                  else (_init_adam_state, ("exp_avg", "exp_avg_sq")))
+                  else (init_adam_state, ("exp_avg", "exp_avg_sq")))
     for name, p in named_parameters(chunks):
         st = init(optimizer, p) if create else optimizer.state.get(p, {})
         for key in keys:

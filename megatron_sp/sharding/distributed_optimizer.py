@@ -167,11 +167,6 @@ class _Bucket:
         self.handle = self.buffer = None
 
 
-def _fusable(master: torch.Tensor) -> bool:
-    """Whether a master steps in the fused AdamW group (contiguous: see DistributedOptimizer)."""
-    return master.is_contiguous()
-
-
 class DistributedOptimizer:
     """AdamW sharded over dp x sp; also owns the gradient reduction and the gradient norm.
 
@@ -203,7 +198,7 @@ class DistributedOptimizer:
         for g in param_groups(chunks, weight_decay):
             masters = [self.master[p] for p in g["params"] if p in self.master]
             for fused in (True, False):
-                part = [m for m in masters if _fusable(m) == fused]
+                part = [m for m in masters if m.is_contiguous() == fused]
                 if part:
                     groups.append({"params": part, "weight_decay": g["weight_decay"],
                                    "fused": fused, "foreach": not fused})
@@ -357,17 +352,6 @@ class DistributedOptimizer:
 
     # Checkpoints and memory -------------------------------------------------------------------------
 
-    def _adam_state(self, master) -> dict:
-        """AdamW's state of a master, created empty (step 0) as torch's AdamW does on the first
-        step (the step on the master's device in a fused group, else on the CPU)."""
-        st = self.optimizer.state[master]
-        if "exp_avg" not in st:
-            st["step"] = torch.zeros((), dtype=torch.float32,
-                                     device=master.device if _fusable(master) else "cpu")
-            for key in ADAM_STATES:
-                st[key] = torch.zeros_like(master, memory_format=torch.contiguous_format)
-        return st
-
     def checkpoint_state(self, chunks, tp_rank: int, tp_size: int, *, create: bool = False) -> dict:
         """The Adam moments of the owned rows under the unsharded DCP keys and full shapes.
 
@@ -376,13 +360,15 @@ class DistributedOptimizer:
         `create`: make empty states to load into (and load into the live ones).
         """
         from megatron_sp.checkpointing import Shard, named_parameters, param_shard
+        from megatron_sp.checkpointing.format import init_adam_state
         state = {}
         for name, p in named_parameters(chunks):
             base = param_shard(p, p.detach(), tp_rank, tp_size)
             if p not in self.master or base is None:
                 continue
             pc, master = self.pieces[p], self.master[p]
-            st = self._adam_state(master) if create else self.optimizer.state.get(master, {})
+            st = (init_adam_state(self.optimizer, master) if create
+                  else self.optimizer.state.get(master, {}))
             lo, hi = pc.span(self.rank)
             rows = min(hi, base.local.shape[pc.dim]) - lo     # vocabulary padding rows are not stored
             if rows <= 0 or "exp_avg" not in st:
