@@ -104,11 +104,12 @@ def bench_preprocess(d, mb, runs):
     print(f"{'preprocess MB/s, 2 workers / 1 worker':<40} {rates[2] / rates[1]:>12.2f}"
           f"{'':>14}(torch loaded there: {res['torch_loaded']})")
     # CPU seconds, which machine load does not inflate as it does wall time: with two free cores
-    # the 2-worker run cannot beat max(all its CPU / 2, one worker's share).
+    # the 2-worker run (the main process and one pool worker, both tokenizing) cannot beat
+    # max(all its CPU / 2, the main process's CPU, the pool worker's CPU).
     one, main, workers = med["main"][1], med["main"][2], med["workers"][2]
-    print(f"{'preprocess CPU s: 1 worker | 2: main, workers':<40} {one:>12.3f} {main:>12.3f}"
+    print(f"{'preprocess CPU s: 1 worker | 2: main, pool':<40} {one:>12.3f} {main:>12.3f}"
           f"  {workers:.3f}")
-    bound = one / max((main + workers) / 2, workers / 2)
+    bound = one / max((main + workers) / 2, main, workers)
     print(f"{'preprocess 2/1 bound from CPU, 2 cores':<40} {bound:>12.2f}")
 
 

@@ -16,7 +16,8 @@ from .tokenizers import build_tokenizer
 
 BLOCK_BYTES = 1 << 19              # most input bytes per task (whole lines, ~20 ms of tokenizing)
 MIN_BLOCK_BYTES = 1 << 16          # least, for small inputs: every worker gets several tasks
-IN_FLIGHT_PER_WORKER = 4           # tasks submitted ahead of the one being written, per worker
+POOL_AHEAD_PER_WORKER = 2          # tasks given to the pool ahead of its results, per worker
+IN_FLIGHT_PER_WORKER = 4           # results held before they are written, per worker
 SPILL_FILE_BYTES = 1 << 28         # a pool worker starts a new spill file after this many bytes
 PROGRESS_DELAY_S = 3.0             # the progress bar appears once a run has taken this long
 DTYPES = {"uint16": np.uint16, "int32": np.int32}
@@ -188,10 +189,10 @@ class _SpillFiles:
         self.current[writer] = path
 
 
-def encode_range(task):
+def encode_range(task, spill=True):
     """One task: encode the lines that begin in the byte range `task`; returns (n_bytes, {key:
-    (tokens, lengths)}), in a pool worker with the tokens written to its spill file instead:
-    {key: ((path, offset, bytes), lengths)}.
+    (tokens, lengths)}), in a pool worker (`spill`) with the tokens written to its spill file
+    instead: {key: ((path, offset, bytes), lengths)}.
 
     Line numbers count from the block (nobody counted the lines before it); an error is encoded
     again with the block's line number in the file, so the message names the file's line.
@@ -202,7 +203,7 @@ def encode_range(task):
     except DataError:
         encode_lines((_line_number(begin), block))      # raises it with the file's numbers
         raise
-    if _worker["spill"] is None:
+    if _worker["spill"] is None or not spill:
         return n_bytes, packed
     return n_bytes, {key: (_spill(key, tokens), lengths) for key, (tokens, lengths) in packed.items()}
 
@@ -220,8 +221,8 @@ def _narrow(tokens, dtype):
 
 def _block_bytes(size, workers):
     """Bytes per task: large blocks keep the parent's per-task work (pipes, threads) small; small
-    inputs get smaller ones so that the workers finish together (8 tasks per worker at least)."""
-    return int(min(BLOCK_BYTES, max(MIN_BLOCK_BYTES, size // (8 * max(1, workers)))))
+    inputs get smaller ones so that the workers finish together (16 tasks per worker at least)."""
+    return int(min(BLOCK_BYTES, max(MIN_BLOCK_BYTES, size // (16 * max(1, workers)))))
 
 
 def _output_dtype(dtype, vocab_size):
@@ -242,6 +243,10 @@ def preprocess(input, output_prefix, tokenizer_type, tokenizer_model=None, json_
                dtype=None, vocab_file=None, merge_file=None):
     """Tokenise a jsonl file into {output_prefix}_{key}_document.bin/.idx; returns the prefixes.
 
+    `workers` processes tokenize: this one and a pool of workers - 1 (forked, so they inherit the
+    tokenizer). This process writes the output in input order and encodes a task itself whenever
+    the oldest pool result is not ready yet, so with 2 workers no core waits on the other.
+
     Nothing appears under the final names unless the whole file was processed; ids outside the
     vocabulary are refused. Ends with one line: documents, tokens and MB/s (when log_interval).
     """
@@ -258,13 +263,14 @@ def preprocess(input, output_prefix, tokenizer_type, tokenizer_model=None, json_
     builders = {k: IndexedDatasetBuilder(p + ".bin", dtype) for k, p in prefixes.items()}
     spill = tempfile.mkdtemp(prefix=".preprocess-", dir=folder) if workers > 1 else None
     _init_worker(tokenizer, tuple(json_keys), append_eod, input, dtype, spill)   # inherited
-    pool = mp.get_context("fork").Pool(workers) if workers > 1 else None
+    pool = mp.get_context("fork").Pool(workers - 1) if workers > 1 else None
     interrupted = False
     try:
         size = os.path.getsize(input)
         tasks = _ranges(size, _block_bytes(size, workers))
         results = (map(encode_range, tasks) if pool is None else
-                   _in_order(pool, tasks, IN_FLIGHT_PER_WORKER * workers))
+                   _in_order(pool, tasks, POOL_AHEAD_PER_WORKER * (workers - 1),
+                             IN_FLIGHT_PER_WORKER * workers))
         docs, tokens, nbytes = _consume(results, builders, log_interval, log, size)
         for k, b in builders.items():
             b.finalize(prefixes[k] + ".idx")
@@ -292,16 +298,52 @@ def preprocess(input, output_prefix, tokenizer_type, tokenizer_model=None, json_
     return prefixes
 
 
-def _in_order(pool, tasks, in_flight):
-    """encode_range of each task in the pool, results in task order, at most in_flight tasks
-    submitted ahead (a stop after an error waits for those few, never for the whole file)."""
-    pending = collections.deque()
-    for task in tasks:
-        pending.append(pool.apply_async(encode_range, (task,)))
-        if len(pending) >= in_flight:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
+def _in_order(pool, tasks, pool_ahead, in_flight):
+    """encode_range of each task, results in task order; at most pool_ahead tasks given to the
+    pool and in_flight results held (a stop after an error waits for those few, never for the
+    whole file).
+
+    The pool gets tasks in order, a few per worker (one running, one queued: the last pool task
+    ends soon after this process's last one). While the oldest pool result is not ready, this
+    process takes the next task and encodes it here, so the writer never idles while the pool is
+    behind, and with many workers it mostly writes. A task encoded here keeps its error until its
+    turn, so the first error in file order is still the one raised.
+    """
+    pending, tasks, pooled = collections.deque(), iter(tasks), 0
+    while True:
+        while pooled < pool_ahead and len(pending) < in_flight and (
+                task := next(tasks, None)) is not None:
+            pending.append(pool.apply_async(encode_range, (task,)))
+            pooled += 1
+        if not pending:
+            return
+        if (not pending[0].ready() and len(pending) < in_flight
+                and (task := next(tasks, None)) is not None):
+            pending.append(_EncodedHere(task))      # after every task already given to the pool
+            continue
+        result = pending.popleft()
+        pooled -= not isinstance(result, _EncodedHere)
+        yield result.get()
+
+
+class _EncodedHere:
+    """A task encoded in this process (its tokens stay in memory, no spill file), with the
+    AsyncResult methods _in_order uses; an error is kept and raised by get(), at the task's turn."""
+
+    def __init__(self, task):
+        self._value, self._error = None, None
+        try:
+            self._value = encode_range(task, spill=False)
+        except Exception as err:        # noqa: BLE001 - re-raised by get(), in file order
+            self._error = err
+
+    def ready(self):
+        return True
+
+    def get(self):
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _progress(total, log, enabled):

@@ -31,7 +31,8 @@ def get_args(argv=None):
     p.add_argument("--dtype", choices=["uint16", "int32"], default=None,
                    help="token dtype of the .bin (default: uint16 when the vocabulary has fewer "
                         "than 65500 ids, else int32)")
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes that tokenize: this one and a pool of workers - 1")
     p.add_argument("--log-interval", type=int, default=10000)
     return p.parse_args(argv)
 

@@ -199,15 +199,18 @@ def test_preprocess_ranges_split_lines_anywhere(tmp_path, monkeypatch, seed):
     src = tmp_path / "ids.jsonl"
     src.write_text("\n".join(lines))                    # no newline after the last line
     out = {}
-    for workers in (1, 2):
+    for workers in (1, 2, 3):
+        spill_files.clear()
         prefix = preprocess(str(src), str(tmp_path / f"w{workers}"), "NullTokenizer",
                             vocab_size=1000, append_eod=True, workers=workers,
                             log_interval=0)["text"]
         out[workers] = [open(prefix + ext, "rb").read() for ext in (".bin", ".idx")]
-    assert out[1] == out[2] and len(out[1][0]) > 1000
-    # Copied spill files are deleted: at most the 2 workers' current files and those of the
-    # tasks in flight (4 per worker) exist at any copy, out of the dozens written.
-    assert len(spill_files) > 40 and max(spill_files) <= 2 * (1 + 4) + 2, spill_files
+        # Copied spill files are deleted: at most the pool workers' current files and those of
+        # the tasks in flight (4 per worker) exist at any copy, out of the dozens written.
+        pool = workers - 1
+        assert workers == 1 or (len(spill_files) > 20 and
+                                max(spill_files) <= pool * (1 + 4 * workers) + 2), spill_files
+    assert out[1] == out[2] == out[3] and len(out[1][0]) > 1000
     bad = int(rng.integers(150, 290))
     while not lines[bad - 1]:
         bad += 1
@@ -217,4 +220,67 @@ def test_preprocess_ranges_split_lines_anywhere(tmp_path, monkeypatch, seed):
         preprocess(str(src), str(tmp_path / "bad"), "NullTokenizer", vocab_size=1000, workers=2,
                    log_interval=0)
     assert sorted(os.listdir(tmp_path)) == sorted(["ids.jsonl"] + [
-        f"w{w}_text_document{ext}" for w in (1, 2) for ext in (".bin", ".idx")])
+        f"w{w}_text_document{ext}" for w in (1, 2, 3) for ext in (".bin", ".idx")])
+
+
+class _FakePool:
+    """apply_async whose results turn ready only after `slow` ready() calls: deterministic
+    stand-in for the pool, to see which tasks the writer encodes itself. `given` counts the tasks
+    given to it."""
+
+    def __init__(self, slow):
+        self.slow, self.given = slow, 0
+
+    def apply_async(self, fn, args):
+        pool = self
+        self.given += 1
+
+        class Result:
+            calls = 0
+
+            def ready(self):
+                self.calls += 1
+                return self.calls > pool.slow
+
+            def get(self):
+                return fn(*args)
+        return Result()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_preprocess_writer_encodes_while_the_pool_is_behind(monkeypatch, seed):
+    """With a pool that is behind, the writing process encodes the next tasks itself (no spill)
+    and the results still come in task order; only while the oldest pool result is not ready,
+    with at most pool_ahead tasks given to the pool and in_flight results held. An error in a
+    task encoded here waits for its turn: an earlier error from the pool is the one raised."""
+    module = sys.modules["megatron_sp.data.preprocess"]
+    rng = np.random.default_rng(seed)
+    n, pool_ahead = int(rng.integers(20, 40)), int(rng.integers(1, 4))
+    in_flight = pool_ahead + int(rng.integers(1, 5))
+    where, bad = {}, set()
+
+    def fake_encode(task, spill=True):
+        where[task] = "pool" if spill else "here"
+        if task in bad:
+            raise DataError(f"task {task}")
+        return task
+    monkeypatch.setattr(module, "encode_range", fake_encode)
+    for slow in (0, 1, 3):
+        where.clear()
+        pool, written = _FakePool(slow), []
+        for result in module._in_order(pool, range(n), pool_ahead, in_flight):
+            here = sum(w == "here" for w in where.values())
+            assert pool.given + here - len(written) <= in_flight     # results held, at most
+            written.append(result)
+        assert written == list(range(n)) and pool.given + here == n == len(where)
+        here = sorted(t for t, w in where.items() if w == "here")
+        assert here == [] if slow == 0 else len(here) > 0, (slow, here)
+        # Nothing is encoded here before pool_ahead tasks have gone to the pool.
+        assert all(t >= pool_ahead for t in here)
+    # Task pool_ahead is the first encoded here, while task 0 is not ready: its error is kept
+    # until the pool's earlier one (task pool_ahead - 1) has been raised.
+    bad = {pool_ahead - 1, pool_ahead}
+    where.clear()
+    with pytest.raises(DataError, match=f"task {pool_ahead - 1}$"):
+        list(module._in_order(_FakePool(3), range(n), pool_ahead, in_flight))
+    assert where[pool_ahead] == "here"
