@@ -47,7 +47,7 @@ def _measure(rank, world, cfg_kwargs, seqs, sps):
                 g = torch.Generator().manual_seed(0)
                 ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=g)
                 rep = measure_saved_bytes(model, ids, ids.roll(1, 1))[1]
-                pred = activation_bytes(cfg, seq, 1, sp=sp, memory=mem)
+                pred = activation_bytes(cfg, seq, 1, sp=sp, memory=mem, device="cpu")
                 rows.append((sp, seq, name, rep["device_bytes"], rep["host_bytes"],
                              pred["total"] / max(rep["device_bytes"], 1)))
     return rows

@@ -140,7 +140,7 @@ def describe(cfg, args, seq) -> list[str]:
             f"{args.gpu_memory_gb:g} GB ({args.gpus_per_node} per node, host {args.host_memory_gb:g} GB "
             f"per node), sharding {args.sharding}",
             f"reserve: {args.reserve_gb:g} GB + {args.fragmentation:.0%} fragmentation; activations bf16 "
-            f"(residual fp32 under autocast, bf16 under fsdp2)"]
+            f"(residual fp32 under autocast, bf16 under fsdp2; fused RMSNorm)"]
 
 
 def print_table(plans, top: int) -> None:

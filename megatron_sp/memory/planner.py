@@ -6,7 +6,8 @@ bytes within 10%). Per micro-batch, with T = b*s/sp tokens per rank, t = tp, hl 
 head dim, F the ffn size, V the padded vocabulary, e the activation element size (4 fp32, 2 bf16),
 and "/t*" meaning "divided by t under --sequence-parallel":
 
-  attention block   norm: x T*H/t* + stats (RMSNorm: rstd T/t* + x_hat T*H/t*; LayerNorm: mean, rstd 2T/t*)
+  attention block   norm: x T*H/t* + stats (LayerNorm: mean, rstd 2T/t*; RMSNorm: rstd T/t* (fp32),
+                    + on CPU x_hat T*H/t*, all fp32; see _norm_bytes)
                     qkv input T*H/t* (under --sequence-parallel the column-parallel layers keep
                     the shard and all-gather it again in backward); SDPA inputs q T*hl*d, k and v T*d*max(gl, sp) each (with sp = 1
                     and no RoPE and one q per group the q saved is the whole fused qkv: T*(hl+2gl)*d),
@@ -32,8 +33,10 @@ Korthikanti et al. (16-bit, attention matrix stored): `korthikanti_layer_bytes`.
 Element sizes: e for what the matmuls keep (their autocast copies: 2 under --bf16), r for the
 residual stream, the checkpointed layer inputs and what the tiles/chunks keep (4 under bf16 autocast
 over fp32 weights, 2 when the weights themselves are bf16, as FSDP2's MixedPrecisionPolicy makes
-them); torch's RMSNorm keeps fp32 copies for a 16-bit input. The per-term model equals the measured
-saved bytes on CPU in fp32, under bf16 autocast and with bf16 weights (tests/unit/test_planner.py).
+them). `device` picks torch's RMSNorm: "cuda" (the default: the planner plans GPUs) runs the fused
+kernel, which keeps the input and rstd; "cpu" runs the composite, which keeps fp32 copies (x, rstd,
+x_hat). The per-term model equals the measured saved bytes on CPU in fp32, under bf16 autocast and
+with bf16 weights (tests/unit/test_planner.py, device="cpu").
 
 Model state per rank (`model_state_bytes`, DESIGN 11): fp32 weights (4) + fp32 gradients (4) + Adam
 m, v (8) = 16 bytes/param replicated; --use-distributed-optimizer shards Adam over n = dp x sp;
@@ -58,27 +61,54 @@ from megatron_sp.memory.options import MemoryOptions, resolve_count
 BYTES_PER_PARAM = 16     # fp32 weights 4 + fp32 grads 4 + Adam exp_avg 4 + exp_avg_sq 4
 
 
-def _layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies=True, r=None):
+DEVICES = ("cuda", "cpu")
+
+
+def _fused_rms_norm(device: str) -> bool:
+    """Whether torch's RMSNorm runs its fused kernel on `device`: aten::_fused_rms_norm (torch >= 2.8)
+    has CUDA and MPS kernels whose backward needs only the input and rstd; elsewhere, and in older
+    torch, F.rms_norm is the composite of fp32 ops (pow, mean, rsqrt, two products), which keeps x,
+    rstd and x_hat in fp32. On an H200 (torch 2.11, bench/gpu_long_context.py, stop 21) the measured
+    peaks were one fp32 [T, H] per RMSNorm under the composite's count."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}.")
+    import torch
+    return device == "cuda" and hasattr(torch.ops.aten, "_fused_rms_norm")
+
+
+def _norm_bytes(cfg, Ts, r, device) -> float:
+    """Bytes one norm keeps for backward over Ts tokens, its input in r bytes per element: LayerNorm
+    (torch's fused kernel on every device) x + mean and rstd; RMSNorm x + fp32 rstd when fused,
+    else the composite's fp32 x, rstd and x_hat (also for a 16-bit input, which it upcasts first)."""
+    H = cfg.hidden_size
+    if cfg.normalization != "RMSNorm":
+        return (Ts * H + 2 * Ts) * r
+    if _fused_rms_norm(device):
+        return Ts * H * r + Ts * 4
+    return (Ts * H + Ts + Ts * H) * 4
+
+
+def _layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies=True, r=None,
+                 device="cuda"):
     """Saved bytes of one transformer layer, split into named terms (device, not offloaded).
 
     e: bytes of what the matmuls keep (their autocast copies); r: bytes of the residual stream and
-    the norms (4 under bf16 autocast over fp32 weights, 2 when the weights themselves are bf16)."""
+    the norms' input (4 under bf16 autocast over fp32 weights, 2 when the weights themselves are
+    bf16); device: whose RMSNorm kernel (_norm_bytes)."""
     r = e if r is None else r
     H, d, F = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
     hl, gl = cfg.num_attention_heads // tp, cfg.num_query_groups // tp
     Ts = T / tp if seqpar else T
-    rms = cfg.normalization == "RMSNorm"
     swiglu = cfg.activation == "swiglu"
     rope = cfg.position_embedding_type in ("rope", "yarn")
-    norm = (Ts * H + Ts + Ts * H) if rms else (Ts * H + 2 * Ts)
-    nb = 4 if rms else r      # torch's RMSNorm keeps fp32 copies for a 16-bit input (measured on CPU)
+    norm = _norm_bytes(cfg, Ts, r, device)
     kv = T * d * max(gl, sp)
     if sp == 1 and not rope and hl == gl:
         q = T * (hl + 2 * gl) * d          # q is a view of the fused qkv output
     else:
         q = T * hl * d
     terms = {
-        "attn_norm": norm * nb,
+        "attn_norm": norm,
         "qkv_input": Ts * H * e,          # under --sequence-parallel only the shard is kept
         "sdpa_qkv": (q + 2 * kv) * e,
         "sdpa_lse": T * hl * 4,           # logsumexp is fp32
@@ -86,7 +116,7 @@ def _layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies
         # head->seq all-to-all makes the out-proj input a new tensor.
         "sdpa_out": T * hl * d * e if sp > 1 else 0,
         "proj_input": T * hl * d * e,
-        "mlp_norm": norm * nb,
+        "mlp_norm": norm,
         "fc1_input": Ts * H * e,
         "mlp_act": (4 * T * F / tp if swiglu else 2 * T * F / tp) * e,
     }
@@ -111,14 +141,17 @@ def activation_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: in
                      sequence_parallel: bool = False, num_layers: int | None = None,
                      memory: MemoryOptions | None = None, dtype_bytes: int = 4,
                      residual_bytes: int | None = None, weight_copies: bool = False,
-                     post_process: bool = True, pre_process: bool = True) -> dict:
+                     post_process: bool = True, pre_process: bool = True,
+                     device: str = "cuda") -> dict:
     """Predicted bytes saved for backward per rank for one micro-batch (see the module docstring).
 
     residual_bytes: element size of the residual stream and the norms' saved tensors (default
     dtype_bytes; 4 under bf16 autocast over fp32 weights, where only the matmul inputs are bf16).
     weight_copies: also count the weight copies aten::linear keeps (the accountant reports them
-    apart, as weight_copy_bytes). Returns {"layer": bytes of one layer (not recomputed), "layers": all this stage's layers,
-    "output", "embedding", "shared" (RoPE), "host" (offloaded), "total" (device), "terms": {...}}.
+    apart, as weight_copy_bytes). device: "cuda" or "cpu", whose RMSNorm kernel (module
+    docstring). Returns {"layer": bytes of one layer (not recomputed), "layers": all this stage's
+    layers, "output", "embedding", "shared" (RoPE), "host" (offloaded), "total" (device),
+    "terms": {...}}.
     """
     memory = memory or MemoryOptions()
     e = dtype_bytes
@@ -128,7 +161,7 @@ def activation_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: in
     T = micro_batch * seq / sp
     Ts = T / tp if seqpar else T
     H, d = cfg.hidden_size, cfg.kv_channels
-    terms = _layer_terms(cfg, T, tp, sp, seqpar, e, memory, weight_copies, r)
+    terms = _layer_terms(cfg, T, tp, sp, seqpar, e, memory, weight_copies, r, device)
     layer = sum(terms.values())
     ckpt_input = Ts * H * r
     if memory.full_recompute:
@@ -147,8 +180,7 @@ def activation_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: in
     output = 0
     if post_process:
         V = cfg.padded_vocab_size(tp) // tp
-        rms = cfg.normalization == "RMSNorm"
-        output = ((Ts * H + Ts + Ts * H) * 4) if rms else (Ts * H + 2 * Ts) * r
+        output = _norm_bytes(cfg, Ts, r, device)             # the final norm
         chunks = 1 if memory.loss_chunks == 1 else resolve_count(memory.loss_chunks, int(T), V, H)
         # output-layer input: unchunked, the matmul's (autocast) copy of the shard (of the gathered
         # output when "auto" resolved to one chunk); chunked, each chunk's checkpoint keeps its
@@ -344,7 +376,8 @@ def comm_bytes_per_step(cfg, seq: int, global_batch: int, micro_batch: int, tp: 
 
 # Peak device memory of one step -----------------------------------------------------------------
 
-def _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory: MemoryOptions) -> float:
+def _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory: MemoryOptions,
+                         device="cuda") -> float:
     """Bytes alive during one layer's backward, its own saved tensors included: the larger of
     - the MLP phase: every saved tensor + the residual-stream gradient (Ts*H*r) + the MLP's
       recomputed activations and their gradients (one tile's when tiled) + the tile input's gradient;
@@ -360,7 +393,7 @@ def _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory: MemoryOptions) ->
     Ts = T / tp if seqpar else T
     swiglu = cfg.activation == "swiglu"
     plain = MemoryOptions(mlp_tiles=memory.mlp_tiles)          # attention regenerated if selective
-    terms = _layer_terms(cfg, T, tp, sp, seqpar, e, plain, weight_copies=False, r=r)
+    terms = _layer_terms(cfg, T, tp, sp, seqpar, e, plain, weight_copies=False, r=r, device=device)
     saved = sum(terms.values())
     grads = Ts * H * r
     width = F * (2 if swiglu else 1) // tp
@@ -400,26 +433,28 @@ def _output_peak(cfg, T, tp, seqpar, e, r, memory: MemoryOptions, saved: float) 
 def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int = 1, pp: int = 1,
                     sequence_parallel: bool = False, memory: MemoryOptions | None = None,
                     dtype_bytes: int = 2, residual_bytes: int = 4, in_flight_micro_batches: int = 1,
-                    pinned: bool = True) -> dict:
+                    pinned: bool = True, device: str = "cuda") -> dict:
     """Peak activation bytes of one step on one rank (the heaviest pipeline stage), and host bytes.
 
     kept: what the forward leaves for backward (all layers', or only the checkpointed inputs under
     full recompute; on host with offload), times the micro-batches 1F1B keeps in flight; then the
     larger of the output layer's backward and one layer's backward (recomputed first under full
     recompute; its saved tensors come back from host with offload). Host: the offloaded tensors,
-    each rounded up to a power of two when pinned (torch's caching host allocator).
+    each rounded up to a power of two when pinned (torch's caching host allocator). device: "cuda"
+    or "cpu", whose RMSNorm kernel (module docstring).
     """
     memory = memory or MemoryOptions()
     e, r = dtype_bytes, residual_bytes
     seqpar = sequence_parallel and tp > 1
     L = cfg.num_layers // pp
     act = activation_bytes(cfg, seq, micro_batch, tp=tp, sp=sp, sequence_parallel=seqpar,
-                           num_layers=L, memory=memory, dtype_bytes=e, residual_bytes=r)
+                           num_layers=L, memory=memory, dtype_bytes=e, residual_bytes=r,
+                           device=device)
     T = micro_batch * seq / sp
     Ts = T / tp if seqpar else T
     ckpt_input = Ts * cfg.hidden_size * r
     kept = (act["layers"] + act["embedding"] + act["shared"]) * in_flight_micro_batches
-    layer_peak = _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory)
+    layer_peak = _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory, device)
     if memory.full_recompute:
         group = memory.recompute_num_layers if memory.recompute_method == "uniform" else 1
         # the group's input is the first norm's saved input: counted in kept unless offloaded
@@ -428,7 +463,7 @@ def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int
     else:
         working = layer_peak - (0 if memory.offload_activations else act["layer"])
     output = _output_peak(cfg, T, tp, seqpar, e, r, memory, act["output"])
-    device = kept + max(output, working)
+    on_device = kept + max(output, working)
     host = 0.0
     if memory.offload_activations:
         if memory.full_recompute:
@@ -439,7 +474,7 @@ def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int
         else:
             host = act["host"]
         host *= in_flight_micro_batches
-    return {"device": device, "host": host, "kept": kept, "layer_backward": working,
+    return {"device": on_device, "host": host, "kept": kept, "layer_backward": working,
             "output_backward": output, "activations": act}
 
 

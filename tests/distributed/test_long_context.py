@@ -107,7 +107,8 @@ def _bytes(rank):
                                                             mlp_tiles=2, loss_chunks=2))]:
         mesh = ParallelMesh.from_sizes(tp=tp, sp=sp)
         got = _measure(mesh, cfg, mem, seq, b, seqpar)
-        pred = activation_bytes(cfg, seq, b, tp=tp, sp=sp, sequence_parallel=seqpar, memory=mem)
+        pred = activation_bytes(cfg, seq, b, tp=tp, sp=sp, sequence_parallel=seqpar, memory=mem,
+                                device="cpu")
         ratio = pred["total"] / got["device_bytes"]
         out["planner"].append((tp, sp, seqpar, str(mem), ratio))
         assert abs(ratio - 1) <= 0.10, f"tp={tp} sp={sp} {mem}: predicted {pred['total']} vs " \
