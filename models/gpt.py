@@ -138,7 +138,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class HeadRMSNorm(nn.RMSNorm):
     """--qk-layernorm's RMSNorm over head_dim, its weight cast to the input's dtype: under bf16
     autocast q and k come out of the QKV linear in bf16, and one dtype lets PyTorch run its fused
-    kernel (fp32 accumulation inside) instead of the decomposed ops that save three copies."""
+    kernel on CUDA (fp32 accumulation inside) instead of the decomposed ops that save three copies
+    (on CPU F.rms_norm is always the decomposition)."""
 
     zero_centered = False   # --apply-layernorm-1p: the weight stores gamma - 1
 
