@@ -13,7 +13,11 @@ megatron_sp.flops (Megatron's formula) against the device's bf16 dense peak (meg
 the planner's modelled bytes for the same run (megatron_sp.memory.planner: 16 bytes/param of fp32
 weights, grads and AdamW state, 2 of bf16 weight copies + the step's activation peak under bf16 autocast; no reserve), and per
 technique the longest sequence the planner predicts for this device (modelled bytes + 10%
-fragmentation + 4 GB reserve within its memory). Prints one table; --json writes the rows.
+fragmentation + 4 GB reserve within its memory). The activation peak is also checked on its own:
+the first step's peak up to the end of backward, less the weights present before it and autocast's
+bf16 copies (2 bytes per parameter; gradients accumulated by the peak are left in, a few GB at most
+early in backward), against the planner's step_peak_bytes (device="cuda": torch's fused RMSNorm).
+Prints one table; --json writes the rows.
 """
 from __future__ import annotations
 
@@ -49,37 +53,44 @@ def build(cfg, mem, device):
 
 
 def step(model, opt, seq, vocab, device, account=False):
+    """One forward+backward+AdamW step; with account, (the saved-tensor report, the peak bytes
+    allocated up to the end of backward, before the optimizer allocates its state)."""
     ids = torch.randint(0, vocab, (1, seq), device=device)
     acct = SavedTensorAccountant().attach(model) if account else None
     ctx = acct.recording() if acct else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     with ctx, torch.autocast("cuda", dtype=torch.bfloat16):
         loss = model(input_ids=ids, labels=ids.roll(-1, 1)).float().mean()
         loss.backward()
+        backward_peak = torch.cuda.max_memory_allocated()   # autocast's bf16 copies still cached
     opt.step()
     opt.zero_grad(set_to_none=True)
     if acct:
         acct.detach()
-        return acct.report()
+        return acct.report(), backward_peak
     return None
 
 
 def try_seq(cfg, mem, seq, device, timed_steps):
-    """(fits, seconds per step, peak GB, saved GB) for one sequence length."""
+    """(fits, seconds per step, peak GB, saved GB, activation peak GB) for one sequence length."""
     model = opt = None
     try:
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
         model, opt = build(cfg, mem, device)
-        rep = step(model, opt, seq, cfg.vocab_size, device, account=True)   # warm-up + accounting
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()                  # the fp32 weights (and buffers)
+        rep, backward_peak = step(model, opt, seq, cfg.vocab_size, device, account=True)
+        act_gb = (backward_peak - before - 2 * cfg.num_parameters()) / 2**30
         torch.cuda.synchronize()
         t0 = time.time()
         for _ in range(timed_steps):
             step(model, opt, seq, cfg.vocab_size, device)
         torch.cuda.synchronize()
         dt = (time.time() - t0) / max(timed_steps, 1)
-        return True, dt, torch.cuda.max_memory_allocated() / 2**30, rep["device_bytes"] / 2**30
+        return (True, dt, torch.cuda.max_memory_allocated() / 2**30, rep["device_bytes"] / 2**30,
+                act_gb)
     except torch.cuda.OutOfMemoryError:
-        return False, None, None, None
+        return False, None, None, None, None
     finally:
         del model, opt
         gc.collect()
@@ -92,8 +103,13 @@ def predicted_gb(cfg, mem, seq):
     under bf16 autocast (bf16 matmul inputs, fp32 residual stream); no reserve
     (max_memory_allocated holds none)."""
     state = model_state_bytes(cfg, sharding="none")["device"] + 2 * cfg.num_parameters()  # + bf16 copies
-    act = step_peak_bytes(cfg, seq, 1, memory=MemoryOptions(**mem), dtype_bytes=2, residual_bytes=4)
-    return (state + act["device"]) / 2**30
+    return (state + predicted_activations_bytes(cfg, mem, seq)) / 2**30
+
+
+def predicted_activations_bytes(cfg, mem, seq):
+    """The planner's activation peak of one step (bf16 matmul inputs, fp32 residual stream)."""
+    return step_peak_bytes(cfg, seq, 1, memory=MemoryOptions(**mem), dtype_bytes=2,
+                           residual_bytes=4)["device"]
 
 
 def step_seconds(cfg, mem, seq, peak_tflops, mfu=0.25):
@@ -126,20 +142,24 @@ def run_technique(cfg, name, args, device, peak, t_end):
         if time.time() + 10 + (1 + timed) * step_seconds(cfg, mem, seq, peak) > t_end:  # 10 s: build
             stopped = "time"            # the next try would run past this technique's time box
             break
-        ok, dt, peak_gb, saved_gb = try_seq(cfg, mem, seq, device, timed)
+        ok, dt, peak_gb, saved_gb, act_gb = try_seq(cfg, mem, seq, device, timed)
         if not ok:
             stopped = "oom"
             break
         pred_gb = predicted_gb(cfg, mem, seq)
-        best = (seq, peak_gb, saved_gb, pred_gb)
+        pred_act_gb = predicted_activations_bytes(cfg, mem, seq) / 2**30
+        best = (seq, peak_gb, saved_gb, pred_gb, act_gb, pred_act_gb)
         if timed and peak:
             mfu[seq] = flops_for_config(cfg, 1, seq) / dt / 1e12 / peak
         print(f"  {name:>15} seq {seq:>8}: peak {peak_gb:6.1f} GB (planner {pred_gb:6.1f} GB), "
+              f"activations {act_gb:6.1f} GB (planner {pred_act_gb:6.1f} GB), "
               f"saved {saved_gb:6.2f} GB" + (f", {dt * 1e3:.0f} ms/step" if timed else ""), flush=True)
         seq *= 2
     device_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
     return dict(technique=name, max_seq=best[0] if best else None, peak_gb=best[1] if best else None,
                 planner_peak_gb=best[3] if best else None,
+                activations_gb=best[4] if best else None,
+                planner_activations_gb=best[5] if best else None,
                 planner_max_seq=planner_max_seq(cfg, mem, device_gb), mfu_8k=mfu.get(8192),
                 mfu_32k=mfu.get(32768), stopped=stopped)
 
@@ -163,6 +183,7 @@ def child_row(name, t_end, argv):
     if row is None:
         why = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), "no row")
         row = dict(technique=name, max_seq=None, peak_gb=None, planner_peak_gb=None,
+                   activations_gb=None, planner_activations_gb=None,
                    planner_max_seq=0, mfu_8k=None, mfu_32k=None, stopped=f"error: {why.strip()[:80]}")
     return row
 
@@ -203,13 +224,17 @@ def main():
             with open(args.json, "w") as fh:
                 json.dump(rows, fh, indent=1)
     print(f"\n{'technique':>15} {'longest seq':>12} {'peak GB':>8} {'planner GB':>10} "
-          f"{'planner longest':>15} {'MFU 8K':>7} {'MFU 32K':>8}")
+          f"{'act GB':>7} {'planner':>7} {'ratio':>6} {'planner longest':>15} {'MFU 8K':>7} "
+          f"{'MFU 32K':>8}")
     for r in rows:
         pct = lambda v: f"{100 * v:.1f}%" if v else "-"  # noqa: E731
         gb = lambda v: f"{v:.1f}" if v else "-"  # noqa: E731
+        act, pred = r.get("activations_gb"), r.get("planner_activations_gb")
+        ratio = f"{pred / act:.2f}" if act and pred else "-"
         print(f"{r['technique']:>15} {str(r['max_seq'] or '-'):>12} {gb(r['peak_gb']):>8} "
-              f"{gb(r['planner_peak_gb']):>10} {r['planner_max_seq']:>15} "
-              f"{pct(r['mfu_8k']):>7} {pct(r['mfu_32k']):>8}   (stopped: {r['stopped']})")
+              f"{gb(r['planner_peak_gb']):>10} {gb(act):>7} {gb(pred):>7} {ratio:>6} "
+              f"{r['planner_max_seq']:>15} {pct(r['mfu_8k']):>7} {pct(r['mfu_32k']):>8}"
+              f"   (stopped: {r['stopped']})")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
