@@ -290,6 +290,10 @@ def long_context(c: Checks, info: dict) -> None:
     if mfu:
         detail += f"; MFU 8K {100 * mfu['mfu_8k']:.1f}%" + (
             f", 32K {100 * mfu['mfu_32k']:.1f}%" if mfu.get("mfu_32k") else "")
+    ratios = [r["planner_activations_gb"] / r["activations_gb"] for r in rows
+              if r.get("activations_gb") and r.get("planner_activations_gb")]
+    if ratios:
+        detail += f"; planner/measured activations {min(ratios):.2f}-{max(ratios):.2f}"
     c.add("long context (MFU, longest seq)", {"ok": "ok", "failed": "FAILED"}.get(status, status),
           detail, dt)
     print(_bench_table(text))

@@ -74,20 +74,31 @@ def test_huggingface_tokenizer(tmp_path):
     assert ours.tokenize("quick fox") == tok.encode("quick fox").ids
 
 
-def test_preprocess_workers_and_megatron_layout(sp_model, tmp_path, seed):
+def test_preprocess_workers_and_megatron_layout(sp_model, tmp_path, seed, monkeypatch):
+    """1, 2 and 3 workers write the same files, byte for byte, with two json keys; blocks of 2 KB,
+    so the main process encodes some blocks itself between the pool's."""
+    module = sys.modules["megatron_sp.data.preprocess"]
+    monkeypatch.setattr(module, "BLOCK_BYTES", 2048)
+    monkeypatch.setattr(module, "MIN_BLOCK_BYTES", 2048)
+    here = []
+    encoded_here = module._EncodedHere.__init__
+    monkeypatch.setattr(module._EncodedHere, "__init__",
+                        lambda self, task: (here.append(task), encoded_here(self, task))[1])
     rng = np.random.default_rng(seed)
     texts = write_jsonl(str(tmp_path / "in.jsonl"), rng, 1500)
     tok = build_tokenizer("SentencePieceTokenizer", sp_model)
     outs = {}
-    for workers in (1, 2):
+    for workers in (1, 2, 3):
         outs[workers] = preprocess(str(tmp_path / "in.jsonl"), str(tmp_path / f"w{workers}"),
                                    "SentencePieceTokenizer", sp_model, ("text", "title"),
                                    append_eod=True, workers=workers, log_interval=500,
                                    log=open(os.devnull, "w"))
     assert outs[1]["text"] == str(tmp_path / "w1_text_document")
+    assert here, "the main process encoded no block itself"
     for key in ("text", "title"):
         for ext in (".bin", ".idx"):
-            assert open(outs[1][key] + ext, "rb").read() == open(outs[2][key] + ext, "rb").read()
+            one = open(outs[1][key] + ext, "rb").read()
+            assert one == open(outs[2][key] + ext, "rb").read() == open(outs[3][key] + ext, "rb").read()
     ds = IndexedDataset(outs[2]["text"])
     assert ds.dtype == np.uint16 and len(ds.document_indices) == len(texts) + 1
     seq = 0
