@@ -42,7 +42,7 @@ import math
 import torch
 
 from megatron_sp.grad_sync import clip_grad_norm
-from megatron_sp.optimizer import param_groups
+from megatron_sp.optimizer import fused_adamw, param_groups
 from megatron_sp.sharding import comm
 from megatron_sp.sharding.state_bytes import model_state_bytes, optimizer_tensors
 from megatron_sp.tensor_parallel.mappings import group_rank, group_size
@@ -190,19 +190,11 @@ class DistributedOptimizer:
         self.host_grads = {p: torch.empty(m.shape, dtype=m.dtype, device=m.device,
                                           pin_memory=m.is_pinned())     # where the master lives
                            for p, m in self.master.items() if not self._is_view(p)}
-        # torch's fused kernel (one pass over the state, as the unsharded optimizer; foreach cost
-        # +17% of an H200 llama-1b step at 8K) on contiguous master rows; the strided ones (column
-        # pieces of fused tp projections) stay on foreach: the fused kernel treats its tensors as
-        # contiguous and would update the wrong elements of a strided view.
-        groups = []
-        for g in param_groups(chunks, weight_decay):
-            masters = [self.master[p] for p in g["params"] if p in self.master]
-            for fused in (True, False):
-                part = [m for m in masters if m.is_contiguous() == fused]
-                if part:
-                    groups.append({"params": part, "weight_decay": g["weight_decay"],
-                                   "fused": fused, "foreach": not fused})
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+        # torch's fused kernel, as the unsharded optimizer (foreach cost +17% of an H200 llama-1b
+        # step at 8K); the strided master rows (column pieces of fused tp projections) on foreach
+        groups = [{"params": [self.master[p] for p in g["params"] if p in self.master],
+                   "weight_decay": g["weight_decay"]} for g in param_groups(chunks, weight_decay)]
+        self.optimizer = fused_adamw(groups, lr, betas, eps)
         self.buckets = self._make_buckets(bucket_mb)
         self.reduce_dtype = None    # torch.bfloat16 with --grad-reduce-in-bf16 (Megatron's flag)
         self._armed, self._in_flight, self._reduced = False, [], False
