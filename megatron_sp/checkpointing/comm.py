@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_sp.mesh import barrier_device
+from megatron_sp.mesh import barrier as _barrier   # noqa: F401 - the checkpoint code's barrier
 
 
 def _dist() -> bool:
@@ -22,11 +22,6 @@ def _rank() -> int:
 
 def _world() -> int:
     return dist.get_world_size() if _dist() else 1
-
-
-def _barrier():
-    if _dist():
-        dist.barrier(**barrier_device())
 
 
 def _broadcast_object(obj, src: int = 0):
