@@ -1,15 +1,18 @@
 """The unified device mesh: one object, built once from (tp, sp, dp, pp) and passed explicitly.
 
 Rank order follows Megatron-LM (tp-cp-dp-pp, Ulysses in the cp slot), tp varying fastest so that
-the heaviest traffic stays inside a node (DESIGN 3):
+the heaviest traffic stays inside a node (docs/design.md §3):
 
     rank = tp_rank + sp_rank*TP + dp_rank*TP*SP + pp_rank*TP*SP*DP,   world = TP*SP*DP*PP
 
-`ParallelDims` is the pure rank arithmetic (no process group, unit-tested for every factorisation);
-`ParallelMesh` builds the torch.distributed DeviceMesh and hands out the groups: tp, sp, dp, pp,
-dp x sp (gradient reduction of replicated parameters) and the embedding group (first and last
-pipeline stage, for tied embeddings). With one rank it needs no torch.distributed at all: every
-group is None and every communication helper is then the identity.
+`ParallelDims` is the pure rank arithmetic (no process group, unit-tested for every factorisation)
+and the one home of the layout rules: heads over tp and Ulysses sp, the sequence over its shards
+(docs/design.md §4: `check_heads`, `check_sequence`; `head_layout_problem` and
+`sequence_layout_problem` are the same rules for callers that know only (tp, sp)). `ParallelMesh`
+builds the torch.distributed DeviceMesh and hands out the groups: tp, sp, dp, pp, dp x sp
+(gradient reduction of replicated parameters) and the embedding group (first and last pipeline
+stage, for tied embeddings). With one rank it needs no torch.distributed at all: every group is
+None and every communication helper is then the identity (`group_size`, `group_rank`).
 """
 from __future__ import annotations
 
@@ -35,6 +38,102 @@ class LayoutError(UserError, ValueError):
 class RendezvousError(UserError, RuntimeError):
     """This rank cannot reach the rendezvous (each rank says so with its rank)."""
     same_on_every_rank = False
+
+
+# Layout rules (docs/design.md §4) -------------------------------------------------------------
+# Pure functions of the sizes, so that callers without a world size (GPTConfig.check_parallel with
+# (tp, sp, pp), UlyssesAttention with per-tp-rank head counts) share them. Each returns the sentence
+# that names the broken rule, or None; callers raise it as their error type.
+
+def sequence_shards(sp: int, tp: int = 1, sequence_parallel: bool = False) -> int:
+    """Ranks one sequence is split over: sp (Ulysses), times tp under Megatron's tp sequence
+    sharding (--sequence-parallel: the non-tp regions hold [b, s/(sp*tp), H])."""
+    return sp * tp if sequence_parallel else sp
+
+
+def _broken_head_rule(h: int, g: int, tp: int, sp: int) -> str | None:
+    """The first head rule that h query and g key/value heads break under (tp, sp), or None:
+    "heads" h % (tp*sp); "groups" h % g (grouped-query attention); "kv_tp" g % tp; "kv_sp" g/tp
+    per tp rank neither split by sp ((g/tp) % sp) nor replicated sp/(g/tp) times (sp % (g/tp))."""
+    if h % (tp * sp):
+        return "heads"
+    if g < 1 or h % g:
+        return "groups"
+    if g % tp:
+        return "kv_tp"
+    g_local = g // tp
+    if g_local % sp and sp % g_local:
+        return "kv_sp"
+    return None
+
+
+def _heads_sentence(rule: str, h: int, g: int, tp: int, sp: int) -> str:
+    """The broken rule in head counts (UlyssesAttention, check_ulysses_layout)."""
+    g_local = g // tp
+    return {
+        "heads": f"{h} attention heads are not divisible by tp*sp = {tp}*{sp} = {tp * sp}: Ulysses "
+                 f"needs num_heads % (tp*sp) == 0.",
+        "groups": f"{h} attention heads are not a multiple of {g} key/value heads "
+                  f"(grouped-query attention needs num_heads % num_kv_heads == 0).",
+        "kv_tp": f"{g} key/value heads are not divisible by tp = {tp}: each tp rank must "
+                 f"hold whole key/value heads (num_kv_heads % tp == 0).",
+        "kv_sp": f"{g} key/value heads over tp = {tp} leave {g_local} per tp rank, which sp = {sp} "
+                 f"can neither split ({g_local} % {sp} != 0) nor replicate ({sp} % {g_local} "
+                 f"!= 0): Ulysses needs (num_kv_heads/tp) % sp == 0 or sp % (num_kv_heads/tp) == 0.",
+    }[rule]
+
+
+def _config_sentence(rule: str, h: int, g: int, tp: int, sp: int) -> str:
+    """The broken rule in GPTConfig's field names (GPTConfig.check_parallel, the model flags)."""
+    g_local = g // tp
+    return {
+        "heads": f"num_attention_heads={h} is not divisible by tp*sp={tp}*{sp}={tp * sp}: "
+                 f"every tensor- and sequence-parallel rank needs whole query heads.",
+        "groups": f"num_attention_heads={h} is not divisible by num_query_groups={g}: each "
+                  f"key/value head must serve a whole group of query heads.",
+        "kv_tp": f"num_query_groups={g} is not divisible by tp={tp}: key/value heads are "
+                 f"split over tensor-parallel ranks and must stay whole.",
+        "kv_sp": f"key/value heads per tp rank ({g}/{tp}={g_local}) and sp={sp} do not fit "
+                 f"Ulysses: one must divide the other (split when a multiple of sp, replicate when "
+                 f"fewer).",
+    }[rule]
+
+
+HEAD_WORDINGS = {"heads": _heads_sentence, "config": _config_sentence}
+
+
+def head_layout_problem(num_heads: int, num_kv_heads: int, tp: int = 1, sp: int = 1, *,
+                        what: str = "heads") -> str | None:
+    """Why tp x Ulysses sp cannot split h query and g key/value heads, or None when they can.
+
+    Rules (docs/design.md §4): h % (tp*sp) == 0; h % g == 0 and g % tp == 0; with g_l = g/tp per tp
+    rank, either g_l % sp == 0 (split like the query heads) or sp % g_l == 0 (each key/value head
+    replicated sp/g_l times before the seq->head all-to-all). what: "heads" names the head counts,
+    "config" GPTConfig's fields (num_attention_heads, num_query_groups).
+    """
+    rule = _broken_head_rule(num_heads, num_kv_heads, tp, sp)
+    return None if rule is None else HEAD_WORDINGS[what](rule, num_heads, num_kv_heads, tp, sp)
+
+
+def sequence_layout_problem(seq_length: int, sp: int, tp: int = 1, sequence_parallel: bool = False,
+                            *, what: str = "--seq-length") -> str | None:
+    """Why a sequence of seq_length tokens does not split into equal contiguous chunks over its
+    shards (sequence_shards: sp, or sp*tp with --sequence-parallel), or None when it does.
+
+    what: "--seq-length" says it as the flag (pretrain_gpt.py: "... not divisible by the sequence
+    shards (sp=2 x tp=2)."); any other name (e.g. "sequence length", for a tensor) says it with the
+    arithmetic ("sequence length 40 is not divisible by sp*tp = 8*3 = 24 ...").
+    """
+    shards = sequence_shards(sp, tp, sequence_parallel)
+    if seq_length % shards == 0:
+        return None
+    if what == "--seq-length":
+        named = f"sp={sp}" + (f" x tp={tp}" if sequence_parallel else "")
+        return f"--seq-length {seq_length} is not divisible by the sequence shards ({named})."
+    how = (f"sp*tp = {sp}*{tp} = {shards} (Ulysses with tp sequence sharding)" if sequence_parallel
+           else f"sp = {sp}")
+    return (f"{what} {seq_length} is not divisible by {how}: each rank must hold an equal "
+            f"contiguous chunk of the sequence.")
 
 
 @dataclass(frozen=True)
@@ -66,6 +165,28 @@ class ParallelDims:
                 f"tp*sp*dp*pp = {self.tp}*{self.sp}*{self.dp}*{self.pp} = {model_parallel * self.dp} "
                 f"does not equal the world size {self.world_size}: leave dp out to infer it.")
 
+    # Layout rules (docs/design.md §4) ------------------------------------------------------------
+    def sequence_shards(self, sequence_parallel: bool = False) -> int:
+        """Ranks one sequence is split over: sp, or sp*tp with Megatron's tp sequence sharding."""
+        return sequence_shards(self.sp, self.tp, sequence_parallel)
+
+    def check_heads(self, num_heads: int, num_kv_heads: int, what: str = "heads") -> None:
+        """Refuse (LayoutError) head counts this tp x Ulysses sp cannot split (see
+        head_layout_problem)."""
+        problem = head_layout_problem(num_heads, num_kv_heads, self.tp, self.sp, what=what)
+        if problem:
+            raise LayoutError(problem)
+
+    def check_sequence(self, seq_length: int, sequence_parallel: bool = False,
+                       what: str = "--seq-length") -> None:
+        """Refuse (LayoutError) a sequence length its shards do not divide, by default in the
+        flag's words: "--seq-length 100 is not divisible by the sequence shards (sp=8)."."""
+        problem = sequence_layout_problem(seq_length, self.sp, self.tp, sequence_parallel,
+                                          what=what)
+        if problem:
+            raise LayoutError(problem)
+
+    # Rank arithmetic (docs/design.md §3) ---------------------------------------------------------
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """Mesh shape in MESH_DIMS order (pp, dp, sp, tp)."""
@@ -191,6 +312,11 @@ class ParallelMesh:
             self._background_group = dist.new_group(backend="gloo")
         return self._background_group
 
+    def check_sequence(self, seq_length: int, sequence_parallel: bool = False,
+                       what: str = "--seq-length") -> None:
+        """ParallelDims.check_sequence of this mesh's layout."""
+        self.dims.check_sequence(seq_length, sequence_parallel, what)
+
     def stage_rank(self, pp_rank: int) -> int:
         """Global rank of the given pipeline stage at this rank's (tp, sp, dp) coordinates."""
         return self.dims.rank_of(self.tp_rank, self.sp_rank, self.dp_rank, pp_rank)
@@ -200,6 +326,18 @@ class ParallelMesh:
         return (f"ParallelMesh(world={d.world_size}, tp={d.tp}, sp={d.sp}, dp={d.dp}, pp={d.pp}, "
                 f"rank={self.rank} -> tp{self.tp_rank} sp{self.sp_rank} dp{self.dp_rank} "
                 f"pp{self.pp_rank})")
+
+
+# Group helpers ---------------------------------------------------------------------------------
+
+def group_size(group) -> int:
+    """Number of ranks in `group`; 1 for None (no torch.distributed call then)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    """This rank's index in `group`; 0 for None."""
+    return 0 if group is None else dist.get_rank(group)
 
 
 # Process-group initialisation ------------------------------------------------------------------

@@ -32,7 +32,7 @@ class GPTConfig:
     hidden_dropout: float = 0.0
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
-    # Families (issue 14); Megatron's names. See models/rope.py for the frequency rules.
+    # Model families (models/families.py); Megatron's names. See models/rope.py for the frequency rules.
     qk_layernorm: bool = False               # RMSNorm over head_dim on every q and k head (Qwen3)
     use_rope_scaling: bool = False           # Llama-3.1 rule (transformers' rope_type "llama3")
     rope_scaling_factor: float = 8.0
@@ -48,7 +48,7 @@ class GPTConfig:
     yarn_correction_range_round_to_int: bool = True
     sliding_window: int | None = None        # a converted model's window (Mistral v0.1): attention
                                              # is full, so sequences longer than it are refused
-    # Megatron-LM flags that change the math (issue 17).
+    # Megatron-LM flags that change the math (docs/design.md §10).
     apply_layernorm_1p: bool = False         # norm weights stored as gamma - 1, applied as 1 + w
     rotary_percent: float = 1.0              # RoPE on the first int(d * rotary_percent) dims only
 
@@ -151,19 +151,14 @@ class GPTConfig:
         return L * per_layer + emb + pos + final_norm
 
     def check_parallel(self, tp: int = 1, sp: int = 1, pp: int = 1) -> None:
-        """Refuse a layout this model cannot be split into, naming the numbers (DESIGN 3, 4)."""
-        h, g = self.num_attention_heads, self.num_query_groups
-        if h % (tp * sp):
-            raise ValueError(f"num_attention_heads={h} is not divisible by tp*sp={tp}*{sp}={tp * sp}: "
-                             f"every tensor- and sequence-parallel rank needs whole query heads.")
-        if g % tp:
-            raise ValueError(f"num_query_groups={g} is not divisible by tp={tp}: key/value heads are "
-                             f"split over tensor-parallel ranks and must stay whole.")
-        g_local = g // tp
-        if g_local % sp and sp % g_local:
-            raise ValueError(
-                f"key/value heads per tp rank ({g}/{tp}={g_local}) and sp={sp} do not fit Ulysses: "
-                f"one must divide the other (split when a multiple of sp, replicate when fewer).")
+        """Refuse (ValueError) a layout this model cannot be split into, naming the numbers
+        (docs/design.md §3, §4). The head rules are megatron_sp.mesh's, said in field names; a
+        plain ValueError, so that the CLI prefixes it with the model flags."""
+        from megatron_sp.mesh import head_layout_problem   # torch-free until a layout is checked
+        problem = head_layout_problem(self.num_attention_heads, self.num_query_groups, tp, sp,
+                                      what="config")
+        if problem:
+            raise ValueError(problem)
         F = self.ffn_hidden_size
         if F % tp:
             raise ValueError(f"ffn_hidden_size={F} is not divisible by tp={tp}.")
@@ -212,7 +207,7 @@ def _qwen(layers, hidden, heads, groups, ffn, *, tied, qk_norm=True, qkv_bias=Fa
                 qk_layernorm=qk_norm, add_qkv_bias=qkv_bias)
 
 
-# The families users arrive with (issue 14): published shapes of the Hugging Face checkpoints.
+# The families users arrive with (models/families.py): published shapes of the Hugging Face checkpoints.
 LLAMA31_ROPE = dict(use_rope_scaling=True, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
                     rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192)
 PRESETS.update({

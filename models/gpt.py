@@ -1,6 +1,6 @@
 """The GPT model (GPT-2 and Llama families): one class for every parallel layout.
 
-Shapes through one layer (DESIGN 4): b batch, s full sequence, H hidden, h query heads, g key/value
+Shapes through one layer (docs/design.md §4): b batch, s full sequence, H hidden, h query heads, g key/value
 heads, d head dim, tp/sp the tensor- and sequence-parallel sizes.
 
     x            [b, s/sp, H]       ([b, s/(sp*tp), H] with --sequence-parallel)
@@ -406,9 +406,7 @@ class GPTModel(nn.Module):
         if t is None or self.mesh.sp_size == 1:
             return t
         s = t.shape[1]
-        if s % self.mesh.sp_size:
-            raise ValueError(f"sequence length {s} is not divisible by sequence-parallel size "
-                             f"{self.mesh.sp_size}: choose --seq-length as a multiple of sp.")
+        self.mesh.check_sequence(s, what="sequence length")       # LayoutError, a ValueError
         chunk = s // self.mesh.sp_size
         return t[:, self.mesh.sp_rank * chunk:(self.mesh.sp_rank + 1) * chunk]
 

@@ -7,7 +7,7 @@ fit, best first, each with the pretrain_gpt.py flags that run it.
     python3 tools/plan_parallel.py --model llama-8b --seq-length 524288 --num-gpus 1 --json
 
 Per-rank device memory = model state on device + activations + reserve:
-  model state   DESIGN 11, per --sharding mode: none 16 bytes/param (fp32 weights, grads, Adam m, v);
+  model state   docs/design.md §11, per --sharding mode: none 16 bytes/param (fp32 weights, grads, Adam m, v);
                 distributed-optimizer 8 + 8/n; fsdp 16/n + the FSDP2 units in flight (bf16 params and
                 grads); --optimizer-cpu-offload moves the sharded optimizer state to host (n = dp x sp).
   activations   the peak of one step from our implementation's per-op model (megatron_sp.memory.
@@ -24,6 +24,7 @@ bandwidths, not overlapped (a pessimistic ranking figure, not a prediction).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -32,8 +33,8 @@ import textwrap
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_sp.memory.planner import (activation_bytes, korthikanti_layer_bytes,  # noqa: E402
-                                        max_feasible_seq, plan)
+from megatron_sp.memory.planner import (Hardware, Workload, activation_bytes,  # noqa: E402
+                                        korthikanti_layer_bytes, max_feasible_seq, plan)
 from megatron_sp.models import GPTConfig, preset  # noqa: E402
 
 WIDTH = 120
@@ -104,13 +105,23 @@ def parse_args(argv=None):
     return args
 
 
-def plan_kwargs(args) -> dict:
-    return dict(gpu_mem_gb=args.gpu_memory_gb, gpus_per_node=args.gpus_per_node,
-                intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
-                pcie_gbps=args.pcie_gbps, reserve_gb=args.reserve_gb,
-                fragmentation=args.fragmentation, micro_batch=args.micro_batch_size,
-                peak_tflops=args.peak_tflops, mfu=args.mfu, sharding=args.sharding,
-                cpu_offload=args.optimizer_cpu_offload, host_memory_gb=args.host_memory_gb)
+def hardware(args) -> Hardware:
+    """The machine the flags describe."""
+    return Hardware(num_gpus=args.num_gpus, gpu_mem_gb=args.gpu_memory_gb,
+                    gpus_per_node=args.gpus_per_node, host_memory_gb=args.host_memory_gb,
+                    reserve_gb=args.reserve_gb, fragmentation=args.fragmentation,
+                    intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
+                    pcie_gbps=args.pcie_gbps, peak_tflops=args.peak_tflops, mfu=args.mfu)
+
+
+def workload(args, seq: int) -> Workload:
+    """The job the flags describe, at sequence length seq."""
+    return Workload(seq=seq, global_batch=args.global_batch_size, micro_batch=args.micro_batch_size)
+
+
+def search(args) -> dict:
+    """The sharding modes the planner may choose from."""
+    return dict(sharding=args.sharding, cpu_offload=args.optimizer_cpu_offload)
 
 
 def format_row(i: int, pl) -> str:
@@ -157,7 +168,7 @@ def main(argv=None):
             return max_seq_main(args)
         seq = args.seq_length
         cfg = build_config(args, seq)
-        plans = plan(cfg, seq, args.global_batch_size, args.num_gpus, **plan_kwargs(args))
+        plans = plan(cfg, workload(args, seq), hardware(args), **search(args))
     except ValueError as err:
         raise SystemExit(f"error: {err}")
     if args.json:
@@ -185,15 +196,15 @@ def main(argv=None):
 def limit(args, seq: int) -> str:
     """What stops the next longer sequence: device memory, or host memory (ample device memory)."""
     nxt = seq + math.lcm(1024, args.num_gpus)
-    kwargs = {**plan_kwargs(args), "host_memory_gb": float("inf")}
-    if plan(build_config(args, nxt), nxt, args.global_batch_size, args.num_gpus, **kwargs):
+    ample_host = dataclasses.replace(hardware(args), host_memory_gb=float("inf"))
+    if plan(build_config(args, nxt), workload(args, nxt), ample_host, **search(args)):
         return "host memory (pinned buffers round up to powers of two)"
     return "device memory"
 
 
 def max_seq_main(args) -> int:
-    seq, best = max_feasible_seq(lambda s: build_config(args, s), args.num_gpus,
-                                 global_batch=args.global_batch_size, **plan_kwargs(args))
+    seq, best = max_feasible_seq(lambda s: build_config(args, s), hardware(args),
+                                 workload(args, seq=0), **search(args))
     if args.json:
         print(json.dumps({"model": args.model, "num_gpus": args.num_gpus, "max_seq": seq,
                           "plan": best.to_dict() if best else None}, indent=1))

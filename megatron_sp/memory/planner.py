@@ -1,4 +1,5 @@
-"""Memory and communication model of one training step, and the parallel-layout planner (DESIGN 9, 11).
+"""Memory and communication model of one training step, and the parallel-layout planner
+(docs/design.md §9, §11).
 
 Activation bytes per rank (`activation_bytes`) count what OUR implementation saves for backward,
 tensor by tensor (derived from the saved-tensor accounting of each op; tests hold it to the measured
@@ -38,30 +39,101 @@ kernel, which keeps the input and rstd; "cpu" runs the composite, which keeps fp
 x_hat). The per-term model equals the measured saved bytes on CPU in fp32, under bf16 autocast and
 with bf16 weights (tests/unit/test_planner.py, device="cpu").
 
-Model state per rank (`model_state_bytes`, DESIGN 11): fp32 weights (4) + fp32 gradients (4) + Adam
-m, v (8) = 16 bytes/param replicated; --use-distributed-optimizer shards Adam over n = dp x sp;
+Model state per rank (`model_state_bytes`, docs/design.md §11): fp32 weights (4) + fp32 gradients (4)
++ Adam m, v (8) = 16 bytes/param replicated; --use-distributed-optimizer shards Adam over n = dp x sp;
 --use-torch-fsdp2 shards all of it and holds the units in flight unsharded; --optimizer-cpu-offload
 moves the sharded optimizer state to host. Under bf16 autocast (not FSDP2) the cast cache and
-aten::linear keep a bf16 copy of every weight: + 2 bytes/param (DESIGN 9's 18).
+aten::linear keep a bf16 copy of every weight: + 2 bytes/param (docs/design.md §9's 18).
 
 Peak of one step (`step_peak_bytes`): what the forward keeps for backward + the larger of the output
 layer's peak (its logits in flight, forward or backward) and one layer's backward (recomputed under
 full recompute), each with its working buffers (gradients, the attention kernel's dq accumulator,
 one MLP tile, one loss chunk's logits).
-The planner (`plan`) adds a reserve (fixed + a fragmentation fraction) and checks host memory per
-node (offloaded state and activations, pinned buffers rounded up to powers of two).
+The planner (`plan(cfg, Workload, Hardware)`: the job, the machine; each layout a ParallelDims) adds
+a reserve (fixed + a fragmentation fraction) and checks host memory per node (offloaded state and
+activations, pinned buffers rounded up to powers of two).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megatron_sp.memory.options import MemoryOptions, resolve_count
+from megatron_sp.mesh import ParallelDims
 
 BYTES_PER_PARAM = 16     # fp32 weights 4 + fp32 grads 4 + Adam exp_avg 4 + exp_avg_sq 4
 
 
 DEVICES = ("cuda", "cpu")
+GiB = 2 ** 30
+
+
+# The job and the machine ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Workload:
+    """One optimizer step apart from the model: global_batch sequences of seq tokens, in micro-
+    batches of micro_batch; dtype_bytes, the element size of what the matmuls keep (2: bf16
+    autocast); memory, the techniques (recompute, MLP tiles, loss chunks, activation offload);
+    sequence_parallel, Megatron's tp sequence sharding (--sequence-parallel)."""
+    seq: int
+    global_batch: int = 1
+    micro_batch: int = 1
+    dtype_bytes: int = 2
+    memory: MemoryOptions = field(default_factory=MemoryOptions)
+    sequence_parallel: bool = False
+
+    def tokens_per_rank(self, sp: int) -> float:
+        """T = b*s/sp: the tokens of one micro-batch each sp rank holds outside attention."""
+        return self.micro_batch * self.seq / sp
+
+    def micro_batches(self, dp: int) -> int:
+        """Micro-batches per step on each data-parallel rank."""
+        return self.global_batch // (self.micro_batch * dp)
+
+    def in_flight(self, dims: ParallelDims) -> int:
+        """Micro-batches 1F1B keeps in flight on the first stage: min(pp, micro-batches), >= 1."""
+        return max(1, min(dims.pp, self.micro_batches(dims.dp)))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The machine: num_gpus of gpu_mem_gb (GiB) each, gpus_per_node to a node with host_memory_gb
+    (of which host_reserve_fraction is left to the OS, data loader and page cache); the device
+    reserve, reserve_gb (CUDA context, NCCL and cuBLAS workspaces) + fragmentation x the modelled
+    bytes; bandwidths in GB/s per GPU (NVLink inside a node, the network across, PCIe to the host);
+    bf16 dense peak_tflops at an assumed mfu; device, whose kernels the activation model counts
+    ("cuda" or "cpu": torch's RMSNorm, see _fused_rms_norm)."""
+    num_gpus: int
+    gpu_mem_gb: float = 80.0
+    gpus_per_node: int = 8
+    host_memory_gb: float = 2048.0
+    host_reserve_fraction: float = 0.10
+    reserve_gb: float = 4.0
+    fragmentation: float = 0.10
+    intra_node_gbps: float = 450.0
+    inter_node_gbps: float = 50.0
+    pcie_gbps: float = 25.0
+    peak_tflops: float = 989.0
+    mfu: float = 0.4
+    device: str = "cuda"
+
+    def __post_init__(self):
+        _check_device(self.device)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.num_gpus, self.gpus_per_node)
+
+    @property
+    def host_budget_gb(self) -> float:
+        """Host memory per node the planner may fill."""
+        return self.host_memory_gb * (1 - self.host_reserve_fraction)
+
+
+def _check_device(device: str) -> None:
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}.")
 
 
 def _fused_rms_norm(device: str) -> bool:
@@ -70,8 +142,7 @@ def _fused_rms_norm(device: str) -> bool:
     torch, F.rms_norm is the composite of fp32 ops (pow, mean, rsqrt, two products), which keeps x,
     rstd and x_hat in fp32. On an H200 (torch 2.11, bench/gpu_long_context.py, stop 21) the measured
     peaks were one fp32 [T, H] per RMSNorm under the composite's count."""
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}.")
+    _check_device(device)
     import torch
     return device == "cuda" and hasattr(torch.ops.aten, "_fused_rms_norm")
 
@@ -204,7 +275,7 @@ def activation_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: in
 
 def korthikanti_layer_bytes(cfg, seq: int, micro_batch: int = 1, tp: int = 1, sp: int = 1,
                             sequence_parallel: bool = False, recompute: str | None = None) -> float:
-    """Korthikanti et al. 2022 per-layer bytes with 16-bit activations (DESIGN 9), divided by sp."""
+    """Korthikanti et al. 2022 per-layer bytes with 16-bit activations (docs/design.md §9), divided by sp."""
     s, b, H, a, t = seq, micro_batch, cfg.hidden_size, cfg.num_attention_heads, tp
     if recompute == "full":
         v = 2 * s * b * H / (t if sequence_parallel else 1)
@@ -261,7 +332,7 @@ def fsdp_in_flight_params(cfg, tp: int, pp: int) -> float:
 
 def model_state_bytes(cfg, tp: int = 1, pp: int = 1, n: int = 1, sharding: str = "none",
                       cpu_offload: bool = False, bf16: bool = True) -> dict:
-    """Model-state bytes per rank (DESIGN 11), with P_r = params_per_rank(cfg, tp, pp) and n = dp*sp:
+    """Model-state bytes per rank (docs/design.md §11), with P_r = params_per_rank(cfg, tp, pp) and n = dp*sp:
 
       none                   device 16 P_r (fp32 weights 4, fp32 grads 4, Adam m, v 8)
       distributed-optimizer  device 4 P_r weights + 4 P_r grads + 8 P_r / n Adam (our weights are
@@ -326,10 +397,10 @@ def host_state_pinned_bytes(cfg, tp: int, pp: int, n: int) -> float:
 
 # Communication ----------------------------------------------------------------------------------
 
-def comm_bytes_per_step(cfg, seq: int, global_batch: int, micro_batch: int, tp: int, sp: int, pp: int,
-                        dp: int, sequence_parallel: bool, memory: MemoryOptions, e: int = 2,
-                        sharding: str = "none", cpu_offload: bool = False) -> dict:
-    """Bytes one rank sends per optimizer step (forward + backward, recompute included), by kind.
+def comm_bytes_per_step(cfg, work: Workload, dims: ParallelDims, sharding: str = "none",
+                        cpu_offload: bool = False) -> dict:
+    """Bytes one rank sends per optimizer step (forward + backward, recompute included), by kind,
+    for `work` (its memory techniques, its --sequence-parallel, e = its dtype_bytes) on `dims`.
 
     tp: ring all-reduce 2(t-1)/t of the message (or all-gather + reduce-scatter (t-1)/t each with
     sequence sharding), 2 per layer forward, 2 backward, (+2 with full recompute); sp: Ulysses
@@ -341,9 +412,11 @@ def comm_bytes_per_step(cfg, seq: int, global_batch: int, micro_batch: int, tp: 
     host: with --optimizer-cpu-offload, the gradient shard down and the fp32 weight shard back up
     (4 + 4 bytes/param over PCIe, not a network link).
     """
+    tp, sp, pp, dp = dims.tp, dims.sp, dims.pp, dims.dp
+    memory, sequence_parallel, e = work.memory, work.sequence_parallel, work.dtype_bytes
     L = cfg.num_layers
-    micro = global_batch // (micro_batch * dp)
-    T = micro_batch * seq / sp
+    micro = work.micro_batches(dp)
+    T = work.tokens_per_rank(sp)                                  # b*s/sp
     H, d = cfg.hidden_size, cfg.kv_channels
     recompute_factor = 1.5 if memory.full_recompute else 1.0    # forward run twice of fwd+bwd pairs
     out = {}
@@ -571,11 +644,12 @@ MLP_TILE_TOKENS = 8192
 LOSS_CHUNK_TOKENS = 2048
 
 
-def concrete_memory(cfg, mem: MemoryOptions, seq: int, micro_batch: int, tp: int, sp: int,
-                    seqpar: bool) -> MemoryOptions:
-    """mem with "auto" tiles and chunks replaced by the counts the planner assumes (see above)."""
-    T = micro_batch * seq // sp
-    Ts = T // tp if seqpar else T
+def concrete_memory(cfg, work: Workload, dims: ParallelDims) -> MemoryOptions:
+    """work.memory with "auto" tiles and chunks replaced by the counts the planner assumes (see
+    above) for b*s/sp tokens per rank (b*s/(sp*tp) under --sequence-parallel)."""
+    mem, tp = work.memory, dims.tp
+    T = work.micro_batch * work.seq // dims.sp
+    Ts = T // tp if work.sequence_parallel else T
     H, V = cfg.hidden_size, cfg.padded_vocab_size(tp) // tp
     width = cfg.ffn_hidden_size * (2 if cfg.activation == "swiglu" else 1) // tp
     tiles, chunks = mem.mlp_tiles, mem.loss_chunks
@@ -603,114 +677,136 @@ def _divisors(n):
     return [i for i in range(1, n + 1) if n % i == 0]
 
 
-def plan(cfg, seq: int, global_batch: int, num_gpus: int, gpu_mem_gb: float = 80.0, *,
-         gpus_per_node: int = 8, intra_node_gbps: float = 450.0, inter_node_gbps: float = 50.0,
-         pcie_gbps: float = 25.0, reserve_gb: float = 4.0, fragmentation: float = 0.10,
-         dtype_bytes: int = 2, micro_batch: int = 1, peak_tflops: float = 989.0, mfu: float = 0.4,
-         sharding: str = "auto", cpu_offload: bool | None = None, host_memory_gb: float = 2048.0,
-         host_reserve_fraction: float = 0.10) -> list[Plan]:
-    """Feasible (tp, sp, pp, dp) layouts with the sharding mode and memory settings that fit, best
-    first (one plan per layout: its fastest fitting mode).
+def layouts(hw: Hardware) -> list[ParallelDims]:
+    """Every (tp, sp, pp, dp) of hw.num_gpus ranks with tp inside one node, tp then sp then pp
+    ascending (the planner's order, which breaks ties between equal scores)."""
+    n = hw.num_gpus
+    return [ParallelDims(n, tp=tp, sp=sp, pp=pp)
+            for tp in _divisors(min(n, hw.gpus_per_node)) if n % tp == 0
+            for sp in _divisors(n // tp)
+            for pp in _divisors(n // (tp * sp))]
+
+
+def _admissible(cfg, work: Workload, dims: ParallelDims) -> bool:
+    """Whether the batch splits into micro-batches over dp, the layers over pp, the sequence over
+    sp*tp and the heads over tp and sp (cfg.check_parallel, docs/design.md §4)."""
+    if work.global_batch % (work.micro_batch * dims.dp) or cfg.num_layers % dims.pp:
+        return False
+    if work.seq % dims.sequence_shards(sequence_parallel=True):
+        return False
+    try:
+        cfg.check_parallel(dims.tp, dims.sp, dims.pp)
+    except ValueError:
+        return False
+    return True
+
+
+def _step_seconds(p: Plan, work: Workload, hw: Hardware, compute_s: float) -> float:
+    """Estimated seconds per step: compute (x technique cost, x pipeline bubble) + communication
+    (not overlapped: a pessimistic bound)."""
+    bw = {"tp": hw.intra_node_gbps,
+          "sp": hw.intra_node_gbps if p.tp * p.sp <= hw.gpus_per_node else hw.inter_node_gbps,
+          "pp": hw.inter_node_gbps if p.tp * p.sp * p.dp < hw.num_gpus else hw.intra_node_gbps,
+          "dp": hw.inter_node_gbps if p.tp * p.sp < hw.num_gpus else hw.intra_node_gbps,
+          "host": hw.pcie_gbps}
+    comm_s = sum(gb * GiB / 1e9 / bw[k] for k, gb in p.comm_gb.items())
+    bubble = (p.pp - 1) / max(1, work.micro_batches(p.dp)) if p.pp > 1 else 0.0
+    return compute_s * p.cost * (1 + bubble) + comm_s
+
+
+def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
+         cpu_offload: bool | None = None) -> list[Plan]:
+    """Feasible (tp, sp, pp, dp) layouts of hw.num_gpus ranks for `work`, with the sharding mode and
+    memory settings that fit, best first (one plan per layout: its fastest fitting mode). The
+    planner chooses work's memory techniques (TECHNIQUE_LADDER) and --sequence-parallel (on
+    whenever tp > 1); sharding "auto" tries every mode, cpu_offload None with and without.
 
     Device memory per rank = model state on device + peak activations (step_peak_bytes) + a reserve:
-    reserve_gb (CUDA context, NCCL and cuBLAS workspaces) + `fragmentation` x the modelled bytes
+    hw.reserve_gb (CUDA context, NCCL and cuBLAS workspaces) + hw.fragmentation x the modelled bytes
     (the caching allocator's unusable split blocks). Host memory per node = ranks on the node x
     (model state on host + offloaded activations, pinned buffers rounded to powers of two), at most
-    (1 - host_reserve_fraction) x host_memory_gb (the rest: OS, data loader, page cache).
-    Activations: bf16 matmul inputs (dtype_bytes); the residual stream and norms in fp32 (bf16 autocast
-    over fp32 weights) except under FSDP2 with bf16 parameters (MixedPrecisionPolicy), where the
-    whole forward is bf16.
+    hw.host_budget_gb (the rest: OS, data loader, page cache).
+    Activations: bf16 matmul inputs (work.dtype_bytes); the residual stream and norms in fp32 (bf16
+    autocast over fp32 weights) except under FSDP2 with bf16 parameters (MixedPrecisionPolicy),
+    where the whole forward is bf16.
 
     Score: estimated step seconds = model FLOPs / (GPUs x peak x mfu) x technique cost (recompute
     ~ +1/3) x (1 + pipeline bubble) + communication bytes / bandwidth (tp inside a node; sp, pp and dp
     cross nodes when the layout spans them; GB/s per GPU; offloaded state over PCIe).
     """
-    from megatron_sp.flops import flops_for_config
+    from megatron_sp.training.flops import flops_for_config
     candidates = sharding_candidates(sharding, cpu_offload)
-    compute_s = flops_for_config(cfg, global_batch, seq) / (num_gpus * peak_tflops * 1e12 * mfu)
-    ranks_per_node = min(num_gpus, gpus_per_node)
-    GB = 2 ** 30
-
-    def score(p: Plan) -> float:
-        """Estimated seconds per step: compute (x technique cost, x pipeline bubble) + communication
-        (not overlapped: a pessimistic bound)."""
-        bw = {"tp": intra_node_gbps,
-              "sp": intra_node_gbps if p.tp * p.sp <= gpus_per_node else inter_node_gbps,
-              "pp": inter_node_gbps if p.tp * p.sp * p.dp < num_gpus else intra_node_gbps,
-              "dp": inter_node_gbps if p.tp * p.sp < num_gpus else intra_node_gbps,
-              "host": pcie_gbps}
-        comm_s = sum(gb * GB / 1e9 / bw[k] for k, gb in p.comm_gb.items())
-        bubble = (p.pp - 1) / max(1, global_batch // (p.micro_batch * p.dp)) if p.pp > 1 else 0.0
-        return compute_s * p.cost * (1 + bubble) + comm_s
-
+    compute_s = flops_for_config(cfg, work.global_batch, work.seq) / (
+        hw.num_gpus * hw.peak_tflops * 1e12 * hw.mfu)
     plans = []
-    for tp in _divisors(min(num_gpus, gpus_per_node)):
-        for sp in _divisors(num_gpus // tp):
-            for pp in _divisors(num_gpus // (tp * sp)):
-                dp = num_gpus // (tp * sp * pp)
-                if global_batch % (micro_batch * dp) or cfg.num_layers % pp or seq % (sp * tp):
-                    continue
-                try:
-                    cfg.check_parallel(tp, sp, pp)
-                except ValueError:
-                    continue
-                seqpar = tp > 1
-                inflight = max(1, min(pp, global_batch // (micro_batch * dp)))  # 1F1B, first stage
-                fits = []
-                for mode, offload in candidates:
-                    p = _fit(cfg, seq, micro_batch, tp, sp, pp, dp, seqpar, mode, offload, inflight,
-                             dtype_bytes, gpu_mem_gb, reserve_gb, fragmentation, ranks_per_node,
-                             host_memory_gb * (1 - host_reserve_fraction))
-                    if p is not None:
-                        p.comm_gb = {k: v / GB for k, v in comm_bytes_per_step(
-                            cfg, seq, global_batch, micro_batch, tp, sp, pp, dp, seqpar, p.memory,
-                            dtype_bytes, mode, offload).items()}
-                        p.score = score(p)
-                        fits.append(p)
-                if fits:
-                    plans.append(min(fits, key=lambda q: q.score))
+    for dims in layouts(hw):
+        if not _admissible(cfg, work, dims):
+            continue
+        job = replace(work, sequence_parallel=dims.tp > 1)
+        fits = []
+        for mode, offload in candidates:
+            p = _fit(cfg, job, dims, hw, mode, offload)
+            if p is not None:
+                p.comm_gb = {k: v / GiB for k, v in comm_bytes_per_step(
+                    cfg, replace(job, memory=p.memory), dims, mode, offload).items()}
+                p.score = _step_seconds(p, job, hw, compute_s)
+                fits.append(p)
+        if fits:
+            plans.append(min(fits, key=lambda q: q.score))
     plans.sort(key=lambda q: q.score)
     return plans
 
 
-def _fit(cfg, seq, micro_batch, tp, sp, pp, dp, seqpar, mode, offload, inflight, e, gpu_mem_gb,
-         reserve_gb, fragmentation, ranks_per_node, host_budget_gb) -> Plan | None:
-    """The first rung of the technique ladder that fits device and host memory, as a Plan."""
-    GB = 2 ** 30
-    n = dp * sp
-    state = model_state_bytes(cfg, tp, pp, n, mode, offload, bf16=e == 2)
+def _model_state(cfg, dims: ParallelDims, mode: str, offload: bool, e: int) -> tuple[float, float]:
+    """(device, host) bytes of the model state per rank, sharded over n = dp x sp (docs/design.md
+    §11); under bf16 autocast (not FSDP2) + the cast cache's bf16 copy of every weight, which
+    aten::linear saves for backward (docs/design.md §9's 18 bytes/param)."""
+    n = dims.dp * dims.sp
+    device = model_state_bytes(cfg, dims.tp, dims.pp, n, mode, offload, bf16=e == 2)["device"]
     if mode != "fsdp" and e == 2:
-        # bf16 autocast over fp32 weights: its cast cache holds a bf16 copy of every weight until the
-        # forward ends and aten::linear saves them for backward (DESIGN 9's 18 bytes/param)
-        state["device"] += 2 * params_per_rank(cfg, tp, pp)
-    state_host = host_state_pinned_bytes(cfg, tp, pp, n) if offload else 0.0
+        device += 2 * params_per_rank(cfg, dims.tp, dims.pp)
+    host = host_state_pinned_bytes(cfg, dims.tp, dims.pp, n) if offload else 0.0
+    return device, host
+
+
+def _fit(cfg, work: Workload, dims: ParallelDims, hw: Hardware, mode: str,
+         offload: bool) -> Plan | None:
+    """The first rung of the technique ladder that fits device and host memory, as a Plan."""
+    e = work.dtype_bytes
+    state_device, state_host = _model_state(cfg, dims, mode, offload, e)
     r = 2 if (mode == "fsdp" and e == 2) else 4
     for mem, cost in zip(TECHNIQUE_LADDER, TECHNIQUE_COST):
-        mem = concrete_memory(cfg, mem, seq, micro_batch, tp, sp, seqpar)
-        peak = step_peak_bytes(cfg, seq, micro_batch, tp=tp, sp=sp, pp=pp, sequence_parallel=seqpar,
-                               memory=mem, dtype_bytes=e, residual_bytes=r,
-                               in_flight_micro_batches=inflight)
-        modelled = state["device"] + peak["device"]
-        reserve = reserve_gb * GB + fragmentation * modelled
-        host_node = ranks_per_node * (state_host + peak["host"])
-        if (modelled + reserve) / GB <= gpu_mem_gb and host_node / GB <= host_budget_gb:
-            return Plan(tp, sp, pp, dp, micro_batch, mem, seqpar, mode, offload,
-                        state_device_gb=state["device"] / GB, state_host_gb=state_host / GB,
-                        activations_gb=peak["device"] / GB, activations_host_gb=peak["host"] / GB,
-                        reserve_gb=reserve / GB, total_gb=(modelled + reserve) / GB,
-                        host_node_gb=host_node / GB, cost=cost)
+        mem = concrete_memory(cfg, replace(work, memory=mem), dims)
+        peak = step_peak_bytes(cfg, work.seq, work.micro_batch, tp=dims.tp, sp=dims.sp,
+                               pp=dims.pp, sequence_parallel=work.sequence_parallel, memory=mem,
+                               dtype_bytes=e, residual_bytes=r,
+                               in_flight_micro_batches=work.in_flight(dims), device=hw.device)
+        modelled = state_device + peak["device"]
+        reserve = hw.reserve_gb * GiB + hw.fragmentation * modelled
+        host_node = hw.ranks_per_node * (state_host + peak["host"])
+        if (modelled + reserve) / GiB <= hw.gpu_mem_gb and host_node / GiB <= hw.host_budget_gb:
+            return Plan(dims.tp, dims.sp, dims.pp, dims.dp, work.micro_batch, mem,
+                        work.sequence_parallel, mode, offload,
+                        state_device_gb=state_device / GiB, state_host_gb=state_host / GiB,
+                        activations_gb=peak["device"] / GiB, activations_host_gb=peak["host"] / GiB,
+                        reserve_gb=reserve / GiB, total_gb=(modelled + reserve) / GiB,
+                        host_node_gb=host_node / GiB, cost=cost)
     return None
 
 
-def max_feasible_seq(make_cfg, num_gpus: int, *, global_batch: int = 1, step: int | None = None,
-                     limit: int = 2 ** 34, **plan_kwargs) -> tuple[int, Plan | None]:
-    """The longest sequence (a multiple of `step`, default lcm(1024, num_gpus)) for which plan()
-    finds a layout, by doubling then bisection; make_cfg(seq) builds the model config for a length.
+def max_feasible_seq(make_cfg, hw: Hardware, work: Workload | None = None, *,
+                     step: int | None = None, limit: int = 2 ** 34, sharding: str = "auto",
+                     cpu_offload: bool | None = None) -> tuple[int, Plan | None]:
+    """The longest sequence (a multiple of `step`, default lcm(1024, GPUs)) for which plan()
+    finds a layout, by doubling then bisection; make_cfg(seq) builds the model config for a length,
+    `work` the rest of the job (its seq is replaced; default one sequence per step).
     Returns (0, None) when not even one step fits."""
-    step = step or math.lcm(1024, num_gpus)
+    step = step or math.lcm(1024, hw.num_gpus)
+    work = work or Workload(seq=step)
 
     def best(k):
-        plans = plan(make_cfg(k * step), k * step, global_batch, num_gpus, **plan_kwargs)
+        plans = plan(make_cfg(k * step), replace(work, seq=k * step), hw, sharding=sharding,
+                     cpu_offload=cpu_offload)
         return plans[0] if plans else None
     if best(1) is None:
         return 0, None

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp import comm_stats
+from megatron_sp.mesh import group_rank, group_size  # noqa: F401 (importable from here)
 from megatron_sp.tensor_parallel.utils import check_divisible
 
 # Newer torch renamed the flat-tensor collectives (the old names still work, with a warning).
@@ -31,18 +32,6 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
-# Group helpers ------------------------------------------------------------------------------
-
-def group_size(group) -> int:
-    """Number of ranks in `group`; 1 for None."""
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group) -> int:
-    """This rank's index in `group`; 0 for None."""
-    return 0 if group is None else dist.get_rank(group)
 
 
 # Raw collectives (no autograd) ------------------------------------------------------------

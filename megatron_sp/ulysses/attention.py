@@ -1,4 +1,4 @@
-"""Ulysses sequence-parallel attention (DeepSpeed-Ulysses; DESIGN 4).
+"""Ulysses sequence-parallel attention (DeepSpeed-Ulysses; docs/design.md §4).
 
 Each sp rank holds a contiguous chunk s/sp of the sequence with all h_l query and g_l key/value
 heads of its tp rank. One seq->head all-to-all of q, k and v packed together gives it the whole
@@ -17,44 +17,29 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron_sp.mesh import LayoutError
-from megatron_sp.ulysses.comm import (group_size, head_to_seq_all_to_all, seq_to_head_all_to_all,
+from megatron_sp.mesh import (LayoutError, group_size, head_layout_problem,
+                              sequence_layout_problem)
+from megatron_sp.ulysses.comm import (head_to_seq_all_to_all, seq_to_head_all_to_all,
                                       seq_to_head_qkv_all_to_all)
 
 
 def check_ulysses_layout(num_heads: int, num_kv_heads: int, tp: int, sp: int) -> None:
     """Refuse (LayoutError, a ValueError) head counts that tp x Ulysses sp cannot split.
 
-    Rules: h % (tp*sp) == 0; g % tp == 0 and h % g == 0; with g_l = g/tp per tp rank, either
-    g_l % sp == 0 (split) or sp % g_l == 0 (each key/value head replicated sp/g_l times).
+    Rules (megatron_sp.mesh.head_layout_problem): h % (tp*sp) == 0; g % tp == 0 and h % g == 0;
+    with g_l = g/tp per tp rank, either g_l % sp == 0 (split) or sp % g_l == 0 (each key/value
+    head replicated sp/g_l times).
     """
-    h, g = num_heads, num_kv_heads
-    if h % (tp * sp) != 0:
-        raise LayoutError(
-            f"{h} attention heads are not divisible by tp*sp = {tp}*{sp} = {tp * sp}: Ulysses "
-            f"needs num_heads % (tp*sp) == 0.")
-    if g < 1 or h % g != 0:
-        raise LayoutError(f"{h} attention heads are not a multiple of {g} key/value heads "
-                          f"(grouped-query attention needs num_heads % num_kv_heads == 0).")
-    if g % tp != 0:
-        raise LayoutError(f"{g} key/value heads are not divisible by tp = {tp}: each tp rank must "
-                          f"hold whole key/value heads (num_kv_heads % tp == 0).")
-    g_local = g // tp
-    if g_local % sp != 0 and sp % g_local != 0:
-        raise LayoutError(
-            f"{g} key/value heads over tp = {tp} leave {g_local} per tp rank, which sp = {sp} can "
-            f"neither split ({g_local} % {sp} != 0) nor replicate ({sp} % {g_local} != 0): Ulysses "
-            f"needs (num_kv_heads/tp) % sp == 0 or sp % (num_kv_heads/tp) == 0.")
+    problem = head_layout_problem(num_heads, num_kv_heads, tp, sp)
+    if problem:
+        raise LayoutError(problem)
 
 
 def check_seq_divisible(seq_length: int, sp: int, tp: int = 1, sequence_parallel: bool = False):
     """Refuse a sequence length that sp (times tp with --sequence-parallel) does not divide."""
-    shards = sp * tp if sequence_parallel else sp
-    if seq_length % shards != 0:
-        how = f"sp*tp = {sp}*{tp} = {shards} (Ulysses with tp sequence sharding)" \
-            if sequence_parallel else f"sp = {sp}"
-        raise LayoutError(f"sequence length {seq_length} is not divisible by {how}: each rank "
-                          f"must hold an equal contiguous chunk of the sequence.")
+    problem = sequence_layout_problem(seq_length, sp, tp, sequence_parallel, what="sequence length")
+    if problem:
+        raise LayoutError(problem)
 
 
 def expand_kv_heads(kv: torch.Tensor, sp: int) -> torch.Tensor:

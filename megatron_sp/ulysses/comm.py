@@ -29,18 +29,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp import comm_stats
+from megatron_sp.mesh import group_rank, group_size  # noqa: F401 (importable from here)
 
 COMM_KIND = "sp/all_to_all"
-
-
-def group_size(group) -> int:
-    """Number of ranks in `group`; 1 for None (no torch.distributed call then)."""
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group) -> int:
-    """This rank's index in `group`; 0 for None."""
-    return 0 if group is None else dist.get_rank(group)
 
 
 def all_to_all_bytes(x: torch.Tensor, sp: int) -> int:

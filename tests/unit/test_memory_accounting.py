@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from megatron_sp.memory import MemoryOptions, measure_saved_bytes, recompute_plan, resolve_count
-from megatron_sp.memory.planner import activation_bytes, korthikanti_layer_bytes, plan
+from megatron_sp.memory.planner import (Hardware, Workload, activation_bytes,
+                                        korthikanti_layer_bytes, plan)
 from megatron_sp.models import GPTModel, preset
 from megatron_sp.models.init import init_parameters
 from megatron_sp.tensor_parallel import RNGTracker
@@ -122,7 +123,7 @@ def test_recompute_plan_megatron_meanings():
 
 def test_planner_lists_layouts_for_8b_at_4m_tokens():
     cfg = preset("llama-8b")
-    plans = plan(cfg, seq=4 * 2**20, global_batch=1, num_gpus=64, gpu_mem_gb=80)
+    plans = plan(cfg, Workload(seq=4 * 2**20, global_batch=1), Hardware(num_gpus=64, gpu_mem_gb=80))
     assert plans, "an 8B model at 4M tokens fits 64 x 80 GB with sp and recompute"
     best = plans[0]
     assert best.tp * best.sp * best.pp * best.dp == 64 and best.total_gb <= 80

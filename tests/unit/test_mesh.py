@@ -1,9 +1,12 @@
-"""Rank arithmetic of the unified mesh, with no process group (DESIGN 3)."""
+"""Rank arithmetic and layout rules of the unified mesh, with no process group (docs/design.md
+§3, §4)."""
 import itertools
 
 import pytest
 
-from megatron_sp.mesh import LayoutError, ParallelDims, distributed_env, first_slurm_host
+from megatron_sp.mesh import (LayoutError, ParallelDims, ParallelMesh, distributed_env,
+                              first_slurm_host, group_rank, group_size, head_layout_problem,
+                              sequence_layout_problem)
 
 
 def factorisations(world):
@@ -48,6 +51,98 @@ def test_bad_layouts_name_the_numbers():
         ParallelDims(8, tp=2, dp=2)
     with pytest.raises(LayoutError, match="tp must be a positive integer"):
         ParallelDims(8, tp=0)
+
+
+@pytest.mark.parametrize("world,tp,sp,seqpar,shards", [
+    (8, 1, 8, False, 8), (8, 1, 8, True, 8), (8, 2, 4, False, 4), (8, 2, 4, True, 8),
+    (16, 4, 2, True, 8), (6, 3, 1, True, 3), (6, 3, 1, False, 1),
+])
+def test_sequence_shards(world, tp, sp, seqpar, shards):
+    dims = ParallelDims(world, tp=tp, sp=sp)
+    assert dims.sequence_shards(seqpar) == shards
+    dims.check_sequence(shards * 1024, seqpar)
+    dims.check_sequence(4 * shards, sequence_parallel=seqpar)
+
+
+@pytest.mark.parametrize("world,tp,sp,seq,seqpar,message", [
+    (8, 1, 8, 100, False, "--seq-length 100 is not divisible by the sequence shards (sp=8)."),
+    (4, 2, 2, 102, True, "--seq-length 102 is not divisible by the sequence shards (sp=2 x tp=2)."),
+    (8, 2, 4, 8196, True, "--seq-length 8196 is not divisible by the sequence shards (sp=4 x tp=2)."),
+    (2, 1, 2, 7, True, "--seq-length 7 is not divisible by the sequence shards (sp=2 x tp=1)."),
+])
+def test_check_sequence_says_it_as_the_flag(world, tp, sp, seq, seqpar, message, monkeypatch):
+    """pretrain_gpt.py's sentence, exactly (the CLI prints it after "error: ")."""
+    dims = ParallelDims(world, tp=tp, sp=sp)
+    with pytest.raises(LayoutError) as err:
+        dims.check_sequence(seq, seqpar)
+    assert str(err.value) == message and isinstance(err.value, ValueError)
+    monkeypatch.setattr(ParallelMesh, "_build_groups", lambda self: None)   # no process group
+    with pytest.raises(LayoutError) as err:
+        ParallelMesh(dims).check_sequence(seq, seqpar)
+    assert str(err.value) == message
+
+
+def test_check_sequence_in_a_tensors_words():
+    dims = ParallelDims(8, tp=2, sp=4)
+    dims.check_sequence(4 * 3, what="sequence length")       # tp does not shard without seqpar
+    with pytest.raises(LayoutError, match=r"^sequence length 10 is not divisible by sp = 4: each "
+                                          r"rank must hold an equal contiguous chunk"):
+        dims.check_sequence(10, what="sequence length")
+    with pytest.raises(LayoutError, match=r"^sequence length 12 is not divisible by sp\*tp = 4\*2 = "
+                                          r"8 \(Ulysses with tp sequence sharding\)"):
+        dims.check_sequence(12, True, what="sequence length")
+    assert sequence_layout_problem(16, sp=4, tp=2, sequence_parallel=True) is None
+    assert sequence_layout_problem(12, sp=4, tp=2, sequence_parallel=False) is None
+
+
+@pytest.mark.parametrize("tp,sp,h,g", [
+    (1, 8, 8, 8), (1, 4, 8, 2), (1, 8, 8, 1), (2, 4, 32, 8), (4, 2, 32, 8), (8, 4, 32, 8),
+    (2, 2, 16, 4), (1, 3, 12, 6), (1, 6, 12, 6), (1, 1, 7, 7),
+])
+def test_check_heads_accepts(tp, sp, h, g):
+    ParallelDims(tp * sp * 2, tp=tp, sp=sp).check_heads(h, g)
+    assert head_layout_problem(h, g, tp, sp) is None
+    assert head_layout_problem(h, g, tp, sp, what="config") is None
+
+
+@pytest.mark.parametrize("tp,sp,h,g,message", [
+    (1, 8, 12, 12, "12 attention heads are not divisible by tp*sp = 1*8 = 8: Ulysses needs "
+                   "num_heads % (tp*sp) == 0."),
+    (4, 16, 32, 8, "32 attention heads are not divisible by tp*sp = 4*16 = 64: Ulysses needs "
+                   "num_heads % (tp*sp) == 0."),
+    (1, 2, 16, 6, "16 attention heads are not a multiple of 6 key/value heads (grouped-query "
+                  "attention needs num_heads % num_kv_heads == 0)."),
+    (4, 2, 16, 2, "2 key/value heads are not divisible by tp = 4: each tp rank must hold whole "
+                  "key/value heads (num_kv_heads % tp == 0)."),
+    (2, 4, 48, 12, "12 key/value heads over tp = 2 leave 6 per tp rank, which sp = 4 can neither "
+                   "split (6 % 4 != 0) nor replicate (4 % 6 != 0): Ulysses needs "
+                   "(num_kv_heads/tp) % sp == 0 or sp % (num_kv_heads/tp) == 0."),
+])
+def test_check_heads_refuses_naming_the_numbers(tp, sp, h, g, message):
+    with pytest.raises(LayoutError) as err:
+        ParallelDims(tp * sp, tp=tp, sp=sp).check_heads(h, g)
+    assert str(err.value) == message and isinstance(err.value, ValueError)
+
+
+@pytest.mark.parametrize("tp,sp,h,g,message", [
+    (4, 2, 4, 2, "num_attention_heads=4 is not divisible by tp*sp=4*2=8: every tensor- and "
+                 "sequence-parallel rank needs whole query heads."),
+    (4, 1, 4, 2, "num_query_groups=2 is not divisible by tp=4: key/value heads are split over "
+                 "tensor-parallel ranks and must stay whole."),
+    (1, 2, 12, 3, "key/value heads per tp rank (3/1=3) and sp=2 do not fit Ulysses: one must "
+                  "divide the other (split when a multiple of sp, replicate when fewer)."),
+])
+def test_head_rules_in_the_configs_words(tp, sp, h, g, message):
+    """GPTConfig.check_parallel's sentences (the CLI prefixes them with the model flags)."""
+    assert head_layout_problem(h, g, tp, sp, what="config") == message
+
+
+def test_group_helpers_without_a_group():
+    assert group_size(None) == 1 and group_rank(None) == 0
+    from megatron_sp.tensor_parallel import mappings
+    from megatron_sp.ulysses import comm
+    assert mappings.group_size is comm.group_size is group_size       # one definition
+    assert mappings.group_rank is group_rank
 
 
 def test_slurm_and_torchrun_environments():
