@@ -8,7 +8,7 @@ autocast over fp32 master weights, SDPA flash kernel) with each memory technique
 Each technique runs in a process of its own (an out-of-memory error can leave tensors behind that
 would shrink the next technique's room): the sequence doubles from --start-seq while a
 forward+backward+AdamW step fits and the technique's time box is not spent. MFU uses
-megatron_sp.flops (Megatron's formula) against the device's bf16 dense peak (megatron_sp.flops
+megatron_sp.training.flops (Megatron's formula) against the device's bf16 dense peak (megatron_sp.training.flops
 .PEAK_TFLOPS; --peak-tflops overrides). Beside each measured peak (torch.cuda.max_memory_allocated)
 the planner's modelled bytes for the same run (megatron_sp.memory.planner: 16 bytes/param of fp32
 weights, grads and AdamW state, 2 of bf16 weight copies + the step's activation peak under bf16 autocast; no reserve), and per
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron_sp.flops import device_peak_tflops, flops_for_config  # noqa: E402
+from megatron_sp.training.flops import device_peak_tflops, flops_for_config  # noqa: E402
 from megatron_sp.memory import TECHNIQUES as ALL_TECHNIQUES  # noqa: E402
 from megatron_sp.memory import MemoryOptions, SavedTensorAccountant  # noqa: E402
 from megatron_sp.memory.planner import model_state_bytes, step_peak_bytes  # noqa: E402

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Model-state bytes per rank and step time of each sharding mode over dp x sp (DESIGN 11), on CPU.
+"""Model-state bytes per rank and step time of each sharding mode over dp x sp (docs/design.md §11), on CPU.
 
 For dp x sp = 1, 2 (dp2) and 4 (sp2 x dp2), every mode trains the same model in the same gloo job:
 - none: replicated state (today's bucketed all-reduce);
 - distributed optimizer (--use-distributed-optimizer), and with --optimizer-cpu-offload;
 - FSDP2 (--use-torch-fsdp2), and with --optimizer-cpu-offload.
 Bytes are measured on rank 0 from the tensors themselves (the Trainer's sharding.model_state_bytes,
-as --report-memory prints them) after a step, next to DESIGN 11's formula (P_r parameters per
+as --report-memory prints them) after a step, next to the formula of docs/design.md §11 (P_r parameters per
 (tp, pp) slice, n = dp*sp): none 16 P_r | distributed optimizer 8 P_r + 8 P_r / n (offload: 8 P_r,
 host 16 P_r / n) | FSDP2 16 P_r / n (offload: host 16 P_r / n). Rows are cut in ceil(rows / n)
 pieces, so rank 0 may hold slightly more than 1/n. On a CPU "host" and "device" are the same
@@ -30,9 +30,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
                                 "distributed"))
 
+from megatron_sp.config import JobConfig                       # noqa: E402
 from megatron_sp.mesh import ParallelMesh                      # noqa: E402
 from megatron_sp.models import preset                          # noqa: E402
-from megatron_sp.optimizer import LRScheduler, build_optimizer  # noqa: E402
+from megatron_sp.training.optimizer import LRScheduler, build_optimizer  # noqa: E402
 from megatron_sp.sharding.distributed_optimizer import DistributedOptimizer   # noqa: E402
 from megatron_sp.sharding.fsdp import apply_fsdp2              # noqa: E402
 from megatron_sp.testing import run_distributed                # noqa: E402
@@ -54,13 +55,13 @@ def _trainer(mesh, cfg, mode, seq, global_batch):
     else:
         optimizer = build_optimizer(chunks, lr=1e-4, weight_decay=0.1)
     scheduler = LRScheduler(optimizer, 1e-4, 1e-5, warmup_iters=1, decay_iters=1000)
-    return Trainer(chunks, optimizer, scheduler, mesh, global_batch_size=global_batch,
-                   micro_batch_size=global_batch // mesh.dp_size, seq_length=seq,
-                   schedule=schedule, sharding=sharding)
+    job = JobConfig.from_flags({"global_batch_size": global_batch,
+                                "micro_batch_size": global_batch // mesh.dp_size, "seq_length": seq})
+    return Trainer(job, mesh, chunks, optimizer, scheduler, schedule=schedule, sharding=sharding)
 
 
 def _formula(mode, p_r, n) -> tuple[int, int]:
-    """(device, host) bytes per rank from DESIGN 11."""
+    """(device, host) bytes per rank from docs/design.md §11."""
     return {"none": (16 * p_r, 0),
             "distributed optimizer": (8 * p_r + 8 * p_r // n, 0),
             "distributed optimizer + offload": (8 * p_r, 16 * p_r // n),
@@ -102,8 +103,8 @@ def main(argv=None):
     print(f"model {args.model}, seq {args.seq}, global batch {args.global_batch}, fp32, CPU gloo, "
           f"one thread per rank; bytes on rank 0 after a step; step time median of {args.rounds} "
           f"interleaved steps")
-    print("\n| dp x sp | mode | device MB (measured) | device MB (DESIGN 11) | host MB (measured) "
-          "| host MB (DESIGN 11) | step time vs none |")
+    print("\n| dp x sp | mode | device MB (measured) | device MB (design §11) | host MB (measured) "
+          "| host MB (design §11) | step time vs none |")
     print("|---|---|---|---|---|---|---|")
     for name, world, sp in layouts:
         p_r, rows = run_distributed(_run, world, args.model, sp, args.seq, args.global_batch,

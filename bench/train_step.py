@@ -6,7 +6,7 @@ side by side (fp32 must agree to ~1e-5). One training step, for both, is
 
     zero_grad -> forward + loss (autocast bf16 for the bf16 rows) -> backward -> AdamW step
 
-with the same optimizer (megatron_sp.optimizer.build_optimizer: torch AdamW, fused, the same
+with the same optimizer (megatron_sp.training.optimizer.build_optimizer: torch AdamW, fused, the same
 weight-decay groups), the same tokens and the same loss: the mean next-token cross entropy over the
 b*(s-1) positions that have a next token. HF gets labels=input_ids (it shifts inside and ignores the
 last position); ours gets the left-shifted ids as labels and a loss mask that zeroes the last position
@@ -21,14 +21,14 @@ machine noise hits both alike; tokens/s = b*s / median step time after the warm-
 The machine's limit is measured in the same run: the rate of a 2048-square matrix product (fp32 and
 bf16, the threads of the run), once at the start and, per row, after every timed step (median), so
 that it sees the same machine load as the steps. Each row prints the model FLOP/s of both models
-(Megatron's formula, megatron_sp.flops, as the training log line) and that as a fraction of the
+(Megatron's formula, megatron_sp.training.flops, as the training log line) and that as a fraction of the
 GEMM rate of the row's dtype: a CPU "MFU".
 
     python bench/train_step.py                                # gpt2 + llama, fp32 + bf16, defaults
     python bench/train_step.py --models llama --dtype bf16 --layers 8 --seq 1024 --steps 10
     python bench/train_step.py --profile                      # + top ops of one step, ours and HF
 
-Goal (issue #3 item 8): ours/HF >= 1.3 on every row.
+Goal: ours/HF >= 1.3 on every row.
 """
 from __future__ import annotations
 
@@ -44,9 +44,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root: models/
 
-from megatron_sp.cpu_allocator import keep_freed_memory
-from megatron_sp.flops import flops_for_config
-from megatron_sp.optimizer import build_optimizer
+from megatron_sp.memory.cpu_allocator import keep_freed_memory
+from megatron_sp.training.flops import flops_for_config
+from megatron_sp.training.optimizer import build_optimizer
 from models.config import GPTConfig
 from models.gpt import GPTModel
 from models.init import init_parameters
@@ -332,7 +332,7 @@ def parse_args(argv=None):
                         "eager attention (matmul, softmax, matmul)")
     p.add_argument("--default-malloc", action="store_true",
                    help="leave glibc's malloc settings as they are (default: keep freed memory, "
-                        "megatron_sp.cpu_allocator, as pretrain_gpt.py on CPU; both models)")
+                        "megatron_sp.memory.cpu_allocator, as pretrain_gpt.py on CPU; both models)")
     return p.parse_args(argv)
 
 
@@ -348,7 +348,7 @@ def main(argv=None):
           f"seq {args.seq}, batch {args.batch}; {args.warmup} warm-up + {args.steps} timed steps, "
           f"interleaved; step = forward + loss + backward + AdamW; attention {args.attention} "
           f"(HF {HF_ATTENTION[args.attention]})")
-    print("malloc: " + ("freed memory kept for reuse (megatron_sp.cpu_allocator), both models" if kept
+    print("malloc: " + ("freed memory kept for reuse (megatron_sp.memory.cpu_allocator), both models" if kept
                         else "glibc defaults (large tensors page-fault in every step)"))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if load > args.threads:

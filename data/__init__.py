@@ -8,4 +8,4 @@ from .builder import build_gpt_datasets
 from .tokenizers import build_tokenizer, train_sentencepiece
 from .preprocess import preprocess
 from .loader import PretrainingDataLoader
-from .corpus import build_default_corpus, default_corpus_ready
+from .corpus import build_default_corpus, default_corpus_files, default_corpus_ready

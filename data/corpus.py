@@ -63,6 +63,12 @@ def default_corpus_ready(cache_dir, vocab_size=2048) -> bool:
     return all(os.path.isfile(p) for p in (model, data_prefix + ".bin", data_prefix + ".idx"))
 
 
+def default_corpus_files(cache_dir, vocab_size=2048):
+    """(data_prefix, tokenizer_model_path) the default corpus has under cache_dir, built or not."""
+    _, data_prefix, model = _default_corpus_paths(cache_dir, vocab_size)
+    return data_prefix, model
+
+
 def build_default_corpus(cache_dir, vocab_size=2048):
     """(data_prefix, tokenizer_model_path) of the default corpus under cache_dir, built once.
 

@@ -9,7 +9,8 @@ whose message is the whole story: what is wrong, where, and what to do. The trai
 and exit status 1, without a traceback; `--debug` (or MEGATRON_SP_DEBUG=1) prints the traceback
 too. Anything else is a bug and keeps its traceback. The error types of the other modules derive
 from `UserError`: ConfigError and DataError (here), LayoutError (mesh), PipelineLayoutError
-(pipeline.partition), NonFiniteLossError and CollectiveFailure (training), DataFileError (data).
+(pipeline.partition), DataFileError (data); NonFiniteLossError and CollectiveFailure are here. The
+module is a leaf: it imports nothing of megatron_sp.
 
 Said once under torchrun/srun: ranks usually agree (every rank checks the same flags and files, and
 the non-finite loss is reduced over every rank first), so only rank 0 prints. A rank that finds
@@ -62,6 +63,30 @@ class DataError(UserError, ValueError):
     """Data flags, files or tokenizers that cannot be used as given."""
 
 
+class NonFiniteLossError(UserError, RuntimeError):
+    """The loss or gradient norm was NaN/inf and --nonfinite-loss is stop (or too many skips)."""
+
+
+class CollectiveFailure(UserError, RuntimeError):
+    """A collective failed during a step: another rank died, hung past the timeout, or vanished."""
+    same_on_every_rank = False      # each rank says what it saw, with its rank
+    consequence = True              # quiet when the rank that caused it reported its own error
+
+
+_COMM_ERROR_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe",
+                       "timed out", "timeout", "socket", "peer")
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """True for the errors torch.distributed raises when a peer dies or a collective times out."""
+    import torch.distributed as dist
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    text = f"{type(err).__name__}: {err}".lower()
+    return isinstance(err, RuntimeError) and any(m in text for m in _COMM_ERROR_MARKERS)
+
+
+
 @contextlib.contextmanager
 def reraise_as(error_type, *types, prefix: str = ""):
     """Errors of `types` raised inside are the user's (their message is the sentence): re-raised
@@ -89,7 +114,6 @@ def as_user_error(err: BaseException) -> UserError | None:
     if isinstance(err, SystemExit) and isinstance(err.code, str):
         message = err.code[len("error: "):] if err.code.startswith("error: ") else err.code
         return UserError(message)
-    from megatron_sp.training import CollectiveFailure, is_collective_failure
     if _store() is not None and _rank_and_world()[1] > 1 and is_collective_failure(err):
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return CollectiveFailure(

@@ -9,7 +9,10 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import signal
+import sys
 import tempfile
+import time
 import traceback
 
 import torch
@@ -108,3 +111,68 @@ def load_script(relative_path: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# Fault injection (a Trainer step hook) ----------------------------------------------------------
+
+class FaultInjection:
+    """Test-only faults as a Trainer step hook, from MEGATRON_SP_INJECT_* (read once):
+
+      MEGATRON_SP_INJECT_NAN_AT_ITER=3[,5]   the loss (and so every gradient) becomes NaN at those
+                                             iterations on rank MEGATRON_SP_INJECT_RANK (default 0);
+                                             "3-12" is a range
+      MEGATRON_SP_INJECT_INF_GRAD_AT_ITER=3  one gradient becomes inf (the loss stays finite)
+      MEGATRON_SP_INJECT_KILL_AT_ITER=3      that rank sends itself MEGATRON_SP_INJECT_SIGNAL (KILL,
+                                             or STOP for a hang) after its forward+backward
+      MEGATRON_SP_INJECT_KILL_IN_EVAL_AT_ITER=4  the same during the evaluation after iteration 4
+      MEGATRON_SP_INJECT_SLEEP_MS=200        that rank sleeps so long every step (a straggler)
+
+    `from_env(rank)` gives None when none is set (pretrain_gpt.py installs it only then).
+    """
+
+    VARIABLES = ("MEGATRON_SP_INJECT_NAN_AT_ITER", "MEGATRON_SP_INJECT_INF_GRAD_AT_ITER",
+                 "MEGATRON_SP_INJECT_KILL_AT_ITER", "MEGATRON_SP_INJECT_KILL_IN_EVAL_AT_ITER",
+                 "MEGATRON_SP_INJECT_SLEEP_MS")
+
+    @classmethod
+    def from_env(cls, rank: int, environ=os.environ) -> "FaultInjection | None":
+        return cls(rank, environ) if any(environ.get(v) for v in cls.VARIABLES) else None
+
+    def __init__(self, rank: int, environ=os.environ):
+        def ints(name):
+            out = set()
+            for x in environ.get(name, "").replace(" ", "").split(","):
+                lo, _, hi = x.partition("-")
+                out.update(range(int(lo), int(hi or lo) + 1) if x else ())
+            return out
+        target = int(environ.get("MEGATRON_SP_INJECT_RANK", "0"))
+        mine = rank == target
+        self.nan_iters = ints("MEGATRON_SP_INJECT_NAN_AT_ITER") if mine else set()
+        self.inf_grad_iters = ints("MEGATRON_SP_INJECT_INF_GRAD_AT_ITER") if mine else set()
+        self.kill_iters = ints("MEGATRON_SP_INJECT_KILL_AT_ITER") if mine else set()
+        self.eval_kill_iters = ints("MEGATRON_SP_INJECT_KILL_IN_EVAL_AT_ITER") if mine else set()
+        self.signal = getattr(signal, "SIG" + environ.get("MEGATRON_SP_INJECT_SIGNAL", "KILL").upper())
+        self.sleep_s = float(environ.get("MEGATRON_SP_INJECT_SLEEP_MS", "0")) / 1000 if mine else 0.0
+        self.rank = rank
+
+    def before_forward(self, iteration: int, chunks) -> list:
+        """Forward hooks making the last chunk's output NaN (loss, then every gradient, follow);
+        or a gradient hook making one parameter's gradient inf (the loss stays finite)."""
+        hooks = []
+        if iteration in self.nan_iters:
+            def poison(module, inputs, output):
+                return output * float("nan") if torch.is_tensor(output) else output
+            hooks.append(chunks[-1].register_forward_hook(poison))
+        if iteration in self.inf_grad_iters:
+            param = next(p for p in chunks[-1].parameters() if p.requires_grad)
+            hooks.append(param.register_hook(lambda grad: torch.full_like(grad, float("inf"))))
+        return hooks
+
+    def after_compute(self, iteration: int, evaluating: bool = False):
+        if self.sleep_s and not evaluating:
+            time.sleep(self.sleep_s)
+        if iteration in (self.eval_kill_iters if evaluating else self.kill_iters):
+            print(f"[fault injection] rank {self.rank} sends itself {self.signal.name} "
+                  f"{'in the evaluation after' if evaluating else 'at'} iteration {iteration} "
+                  f"(t={time.time():.3f})", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), self.signal)

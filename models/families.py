@@ -24,6 +24,8 @@ import os
 
 import torch
 
+from megatron_sp.errors import ConfigError
+
 from .config import GPTConfig
 from .rope import yarn_mscale
 
@@ -481,37 +483,37 @@ def token_ids_of(tokenizer) -> dict:
 
 # pretrain_gpt.py's flags ---------------------------------------------------------------------------
 
-def family_fields(args) -> dict:
-    """GPTConfig fields of --qk-layernorm, --use-rope-scaling and the --yarn-* flags."""
+def family_fields(model) -> dict:
+    """GPTConfig fields of --qk-layernorm, --use-rope-scaling and the --yarn-* flags (`model`: the
+    run's megatron_sp.config.ModelFlags)."""
     fields = {}
-    if args.qk_layernorm:
+    if model.qk_layernorm:
         fields["qk_layernorm"] = True
-    if args.use_rope_scaling:
+    if model.use_rope_scaling:
         fields["use_rope_scaling"] = True
     names = ("rope_scaling_factor", "yarn_rotary_scaling_factor",
              "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
              "yarn_mscale", "yarn_mscale_all_dim")
-    fields.update({n: getattr(args, n) for n in names if getattr(args, n) is not None})
+    fields.update({n: getattr(model, n) for n in names if getattr(model, n) is not None})
     return fields
 
 
-def model_vocab_size(args, vocab_size: int) -> int:
+def model_vocab_size(data, vocab_size: int) -> int:
     """The tokenizer's vocabulary, or --vocab-size when larger (a converted checkpoint's embedding
-    rows, e.g. Qwen's 151936 for a tokenizer of 151669 ids)."""
-    if args.vocab_size is None or args.tokenizer_type in (None, "NullTokenizer") or args.mock_data:
+    rows, e.g. Qwen's 151936 for a tokenizer of 151669 ids). `data`: a DataConfig."""
+    if data.vocab_size is None or data.tokenizer_type in (None, "NullTokenizer") or data.mock_data:
         return vocab_size
-    if args.vocab_size < vocab_size:
-        raise SystemExit(f"error: --vocab-size {args.vocab_size} is smaller than the "
-                         f"{args.tokenizer_type}'s {vocab_size} ids; leave it out or pass "
-                         f"the checkpoint's vocabulary size.")
-    return args.vocab_size
+    if data.vocab_size < vocab_size:
+        raise ConfigError(f"--vocab-size {data.vocab_size} is smaller than the "
+                          f"{data.tokenizer_type}'s {vocab_size} ids; leave it out or pass "
+                          f"the checkpoint's vocabulary size.")
+    return data.vocab_size
 
 
-def check_sliding_window(args) -> None:
+def check_sliding_window(load: str | None, seq_length: int | None) -> None:
     """Refuse a --seq-length beyond the sliding window recorded in the --load checkpoint (a
     converted Mistral v0.1): attention here is full, so only shorter sequences are the same model."""
-    load = getattr(args, "load", None)
-    if not load or not os.path.exists(load) or not args.seq_length:
+    if not load or not os.path.exists(load) or not seq_length:
         return
     from megatron_sp.checkpointing import CheckpointError, read_meta, resolve_checkpoint
     try:
@@ -519,7 +521,7 @@ def check_sliding_window(args) -> None:
         window = ((read_meta(folder) if folder else {}).get("config") or {}).get("sliding_window")
     except (CheckpointError, OSError, ValueError):   # said in one sentence by the load itself
         return
-    if window and args.seq_length > window:
-        raise SystemExit(f"error: --seq-length {args.seq_length} exceeds the sliding window {window} "
-                         f"of the checkpoint in --load {load}; sliding-window attention is not "
-                         f"implemented, so use --seq-length <= {window}.")
+    if window and seq_length > window:
+        raise ConfigError(f"--seq-length {seq_length} exceeds the sliding window {window} "
+                          f"of the checkpoint in --load {load}; sliding-window attention is not "
+                          f"implemented, so use --seq-length <= {window}.")

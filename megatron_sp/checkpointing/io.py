@@ -322,7 +322,7 @@ def save_checkpoint(root: str, iteration: int | str, chunks, mesh, *, optimizer=
         "train_state": dataclasses.asdict(train_state) if train_state is not None else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "config": config.to_dict() if config is not None else None,
-        "args": _jsonable(vars(args)) if args is not None else None,
+        "args": _jsonable(dict(args)) if args is not None else None,
         "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     if async_save and _dist():

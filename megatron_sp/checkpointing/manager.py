@@ -7,7 +7,6 @@ import sys
 import time
 
 from megatron_sp.checkpointing.comm import _rank, any_rank_flag
-from megatron_sp.checkpointing.format import OVERRIDE_FLAG, USE_CHECKPOINT_FLAG, CheckpointError
 from megatron_sp.checkpointing.io import finalize_async_save, load_checkpoint, save_checkpoint
 
 
@@ -39,83 +38,86 @@ class SignalHandler:
 class CheckpointManager:
     """Megatron's checkpoint and exit flags around a `Trainer` (one per run, every rank).
 
-        manager = CheckpointManager(args, trainer, config)
+        manager = CheckpointManager(job, trainer, model_config)
         manager.load()                       # --load (--no-load-optim, --no-load-rng, --finetune,
                                              #   --ckpt-step, --no-verify-checkpoint, schedule flags)
         while ...: trainer.train_step(...); if manager.after_step(): break
         manager.finish()                     # final save, async saves published, handlers released
 
-    After each iteration the ranks agree (one all-reduce of two flags, `any_rank_flag`) on whether a
-    signal arrived (--exit-signal-handler) or --exit-duration-in-mins is spent; together with
-    --exit-interval and --save-interval that decides to save (when --save is given) and to stop.
+    `job`: the run's megatron_sp.config.JobConfig; its checkpoint section holds the flags, and its
+    flat record (`job.flags()`, with the iteration training stops at) is stored with every save as
+    the checkpoint's "args". After each iteration the ranks agree (one all-reduce of two flags,
+    `any_rank_flag`) on whether a signal arrived (--exit-signal-handler) or --exit-duration-in-mins
+    is spent; together with --exit-interval and --save-interval that decides to save (when --save is
+    given) and to stop.
     """
 
-    def __init__(self, args, trainer, config=None):
-        self.args, self.trainer, self.config = args, trainer, config
+    def __init__(self, job, trainer, config=None):
+        self.job, self.options, self.trainer, self.config = job, job.checkpoint, trainer, config
         self.mesh = trainer.mesh
         self.start_time = time.time()
         self.last_saved = None
         self.exit_reason = None
-        self.signals = SignalHandler() if getattr(args, "exit_signal_handler", False) else None
+        self.end_iteration = job.training.end_iteration()
+        self.signals = SignalHandler() if self.options.exit_signal_handler else None
 
     def _rng_tracker(self):
         return getattr(self.trainer.chunks[0], "rng_tracker", None)
 
     def load(self) -> dict | None:
-        a, t = self.args, self.trainer
-        if not getattr(a, "load", None):
+        """--load into the trainer; afterwards `end_iteration` is the iteration training stops at
+        (with --train-samples it follows the loaded consumed samples)."""
+        o, t = self.options, self.trainer
+        if not o.load:
             return None
-        meta = load_checkpoint(a.load, t.chunks, self.mesh, optimizer=t.optimizer,
+        meta = load_checkpoint(o.load, t.chunks, self.mesh, optimizer=t.optimizer,
                                scheduler=t.scheduler, train_state=t.state, config=self.config,
-                               rng_tracker=self._rng_tracker(), load_optim=not a.no_load_optim,
-                               load_rng=not a.no_load_rng, finetune=a.finetune,
-                               step=getattr(a, "ckpt_step", None),
-                               verify=not getattr(a, "no_verify_checkpoint", False),
-                               schedule=self._schedule_policy())
+                               rng_tracker=self._rng_tracker(), load_optim=not o.no_load_optim,
+                               load_rng=not o.no_load_rng, finetune=o.finetune, step=o.ckpt_step,
+                               verify=not o.no_verify_checkpoint, schedule=self._schedule_policy())
         if meta is None and _rank() == 0:
-            print(f"> no checkpoint found under --load {a.load}: starting from scratch", flush=True)
-        self.last_saved = t.state.iteration if meta is not None and not a.finetune else None
+            print(f"> no checkpoint found under --load {o.load}: starting from scratch", flush=True)
+        self.last_saved = t.state.iteration if meta is not None and not o.finetune else None
+        self.end_iteration = self.job.training.end_iteration(t.state.iteration,
+                                                             t.state.consumed_train_samples)
         return meta
 
     def _schedule_policy(self) -> str | None:
         """Which learning-rate schedule wins when it differs from the checkpoint's (Megatron's
         flags): "override" (the command line), "checkpoint", or None (refuse the difference)."""
-        override = getattr(self.args, "override_opt_param_scheduler", False)
-        use_checkpoint = getattr(self.args, "use_checkpoint_opt_param_scheduler", False)
-        if override and use_checkpoint:
-            raise CheckpointError(f"{OVERRIDE_FLAG} and {USE_CHECKPOINT_FLAG} contradict each "
-                                  f"other: pass one of them.")
-        return "override" if override else "checkpoint" if use_checkpoint else None
+        if self.options.override_opt_param_scheduler:
+            return "override"
+        return "checkpoint" if self.options.use_checkpoint_opt_param_scheduler else None
 
     def save(self):
-        a, t = self.args, self.trainer
-        if not getattr(a, "save", None) or self.last_saved == t.state.iteration:
+        o, t = self.options, self.trainer
+        if not o.save or self.last_saved == t.state.iteration:
             return
-        save_checkpoint(a.save, t.state.iteration, t.chunks, self.mesh,
-                        optimizer=None if getattr(a, "no_save_optim", False) else t.optimizer,
-                        scheduler=t.scheduler, train_state=t.state, config=self.config, args=a,
-                        rng_tracker=self._rng_tracker(), async_save=getattr(a, "async_save", False),
-                        save_rng=not getattr(a, "no_save_rng", False))
+        record = dict(self.job.flags(), train_iters=self.end_iteration)
+        save_checkpoint(o.save, t.state.iteration, t.chunks, self.mesh,
+                        optimizer=None if o.no_save_optim else t.optimizer,
+                        scheduler=t.scheduler, train_state=t.state, config=self.config, args=record,
+                        rng_tracker=self._rng_tracker(), async_save=o.async_save,
+                        save_rng=not o.no_save_rng)
         self.last_saved = t.state.iteration
 
     def after_step(self) -> bool:
         """Save and/or decide to stop after an iteration; True means leave the training loop."""
-        a, it = self.args, self.trainer.state.iteration
-        duration = getattr(a, "exit_duration_in_mins", None)
+        o, it = self.options, self.trainer.state.iteration
+        duration = o.exit_duration_in_mins
         signal_flag, time_flag = False, False
         if self.signals is not None or duration:
             local_time = bool(duration) and (time.time() - self.start_time) / 60.0 > duration
             local_signal = self.signals is not None and self.signals.received is not None
             signal_flag, time_flag = any_rank_flag([local_signal, local_time])
-        interval = getattr(a, "exit_interval", None)
+        interval = o.exit_interval
         if signal_flag:
             self.exit_reason = "a signal (SIGTERM/SIGUSR1)"
         elif time_flag:
             self.exit_reason = f"--exit-duration-in-mins {duration}"
         elif interval and it % interval == 0:
             self.exit_reason = f"--exit-interval {interval}"
-        save_interval = getattr(a, "save_interval", None)
-        if self.exit_reason or (save_interval and it % save_interval == 0):
+        if self.exit_reason or (o.save_interval and it % o.save_interval == 0):
             self.save()
         if self.exit_reason and _rank() == 0:
             print(f"> exiting at iteration {it} after {self.exit_reason}", flush=True)

@@ -1,4 +1,4 @@
-"""Command-line arguments with Megatron-LM's flag names (DESIGN 10), validated at start-up.
+"""Command-line arguments with Megatron-LM's flag names (docs/design.md §10), at the command-line edge.
 
 Users bring their launch scripts: where Megatron has a flag we keep its name and meaning. A flag whose
 feature has not landed is refused with a clear message, never silently ignored (see UNSUPPORTED).
@@ -6,6 +6,8 @@ feature has not landed is refused with a clear message, never silently ignored (
 from __future__ import annotations
 
 import argparse
+
+from megatron_sp.errors import ConfigError
 
 
 def _bool_flag(parser, name, help):
@@ -42,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--attention-dropout", type=float)
     m.add_argument("--hidden-dropout", type=float)
     m.add_argument("--init-method-std", type=float)
-    # Families (issue 14), Megatron-LM's names.
+    # Model families (models/families.py), Megatron-LM's names.
     _bool_flag(m, "--qk-layernorm", "normalise every query and key head over head_dim (Qwen3)")
     _bool_flag(m, "--use-rope-scaling", "Llama-3.1 RoPE frequency scaling (low/high frequency "
                "factors 1/4, original context 8192)")
@@ -130,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
     par.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
 
-    sh = p.add_argument_group("sharded model state over dp x sp (DESIGN 11)")
+    sh = p.add_argument_group("sharded model state over dp x sp (docs/design.md §11)")
     _bool_flag(sh, "--use-distributed-optimizer", "ZeRO-1/2: shard the Adam state (and fp32 master "
                "weights of 16-bit parameters) over the dp x sp ranks; gradients reduce-scattered, "
                "updated parameters all-gathered")
@@ -188,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --nonfinite-loss skip: stop the run (it diverged) after this many "
                     "optimizer steps in a row were skipped; nothing is saved from the first one")
     _add_megatron_honoured(p)
-    from megatron_sp import megatron_compat
+    from megatron_sp.cli import megatron_compat
     megatron_compat.add_arguments(p)
     for action in p._actions:           # one sentence for every flag (Megatron's meaning)
         if action.option_strings and not action.help:
@@ -272,7 +274,7 @@ HELP = {
 
 
 def _add_megatron_math_args(p, model_group) -> None:
-    """Megatron-LM flags that change the math (issue 17), with Megatron's names and defaults.
+    """Megatron-LM flags that change the math (docs/design.md §10), with Megatron's names and defaults.
 
     The two that change the model's function go to the model group, so that --use-checkpoint-args
     takes them from a checkpoint's stored config like every other model flag.
@@ -319,32 +321,8 @@ def _add_megatron_math_args(p, model_group) -> None:
                "(fp8_model_init)")
 
 
-def _validate_megatron_math(args) -> None:
-    """One sentence for each impossible combination of the flags above."""
-    if args.fp16 and args.bf16:
-        raise SystemExit("error: --fp16 and --bf16 contradict each other: pass one of them.")
-    if args.fp16 and args.loss_scale is None:
-        if not 0 < args.min_loss_scale <= args.initial_loss_scale:
-            raise SystemExit(f"error: --min-loss-scale {args.min_loss_scale:g} must be positive "
-                             f"and at most --initial-loss-scale {args.initial_loss_scale:g}.")
-        if args.hysteresis < 1 or args.loss_scale_window < 1:
-            raise SystemExit("error: --hysteresis and --loss-scale-window must be at least 1.")
-    if args.fp16 and args.loss_scale is not None and args.loss_scale <= 0:
-        raise SystemExit(f"error: --loss-scale must be positive, got {args.loss_scale:g}.")
-    if not 0.0 < args.rotary_percent <= 1.0:
-        raise SystemExit(f"error: --rotary-percent must be in (0, 1], got {args.rotary_percent}.")
-    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
-        raise SystemExit("error: --decoupled-min-lr needs --decoupled-lr (the embedding and "
-                         "output layer's peak learning rate).")
-    if args.fp8_param_gather and args.fp8_format is None:
-        raise SystemExit("error: --fp8-param-gather needs --fp8-format e4m3|hybrid.")
-    if args.fp8_format is not None:    # --transformer-impl transformer_engine: megatron_compat
-        from megatron_sp.fp8 import require_transformer_engine
-        require_transformer_engine("--fp8-format")
-
-
 def _add_megatron_honoured(p) -> None:
-    """Issue 17: flags of Megatron-LM's example scripts honoured with Megatron's meaning."""
+    """Flags of Megatron-LM's example scripts honoured with Megatron's meaning."""
     g = p.add_argument_group("Megatron-LM schedule, data, checkpoint and logging flags")
     g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
                    metavar=("START", "INCR", "SAMPLES"), help="the global batch grows from START "
@@ -379,62 +357,24 @@ UNSUPPORTED = []
 
 
 def validate(args) -> None:
-    """Refuse bad or not-yet-supported combinations with one sentence each (SystemExit)."""
-    from megatron_sp import megatron_compat
+    """The command line's own rules: Megatron-LM's flags mapped to ours (their start-up notes in
+    args.megatron_notes), flags refused outright, and the rules about which flags were given. The
+    sections of megatron_sp.config check everything else when the JobConfig is built."""
+    from megatron_sp.cli import megatron_compat
     args.megatron_notes = megatron_compat.apply(args)   # said once at start-up by rank 0
     for attr, bad, message in UNSUPPORTED:
         if bad(getattr(args, attr)):
-            raise SystemExit(f"error: {message}")
-    _validate_megatron_math(args)
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size
+            raise ConfigError(message)
     if args.train_iters is not None and args.train_samples is not None:
-        raise SystemExit("error: give --train-iters or --train-samples, not both (as Megatron-LM).")
-    if args.train_iters is None:   # Megatron: --train-samples counts samples, a constant batch
-        args.train_iters = (args.train_samples // args.global_batch_size
-                            if args.train_samples is not None else 100)
-    if args.group_query_attention and args.num_query_groups is None:
-        args.num_query_groups = 1      # Megatron's default number of query groups
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters if args.train_iters else 1
-    if args.lr_warmup_fraction is not None:
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    from megatron_sp import rampup
-    rampup.validate(args)       # --rampup-batch-size, --lr-*-samples (issue 17)
-    args.eval_iters = max(args.eval_iters, 0)   # train_llama3.sh's --eval-iters -1: no evaluation
-    if args.recompute_granularity != "full" and (args.recompute_method is not None
-                                                  or args.recompute_num_layers is not None):
-        raise SystemExit("error: --recompute-method and --recompute-num-layers need "
-                         "--recompute-granularity full.")
-    for flag in ("mlp_tiles", "loss_chunks"):
-        value = getattr(args, flag)
-        if value != "auto" and not (str(value).isdigit() and int(value) >= 1):
-            raise SystemExit(f"error: --{flag.replace('_', '-')} must be a positive integer or "
-                             f"'auto', got {value!r}.")
-        setattr(args, flag, value if value == "auto" else int(value))
-    if args.pipeline_model_parallel_size < 1:
-        raise SystemExit(f"error: --pipeline-model-parallel-size must be >= 1, got "
-                         f"{args.pipeline_model_parallel_size}.")
-    if args.pipeline_model_parallel_size == 1:
-        for flag in ("num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
-                     "decoder_last_pipeline_num_layers"):
-            if getattr(args, flag) is not None:
-                raise SystemExit(f"error: --{flag.replace('_', '-')} needs "
-                                 f"--pipeline-model-parallel-size > 1.")
-    # Layer split and micro-batch count are checked once the model and mesh are known
-    # (megatron_sp.pipeline.partition), with the numbers.
-    if args.use_torch_fsdp2 and args.use_distributed_optimizer:
-        raise SystemExit("error: --use-torch-fsdp2 and --use-distributed-optimizer are two sharding "
-                         "modes: choose one.")
-    for flag in ("optimizer_cpu_offload", "overlap_param_gather"):
-        if getattr(args, flag) and not (args.use_torch_fsdp2 or args.use_distributed_optimizer):
-            raise SystemExit(f"error: --{flag.replace('_', '-')} acts on sharded model state: add "
-                             f"--use-distributed-optimizer or --use-torch-fsdp2.")
-    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
-        args.sequence_parallel = False  # Megatron also drops it silently at tp=1: nothing to shard
+        raise ConfigError("give --train-iters or --train-samples, not both (as Megatron-LM).")
+    if args.fp8_format is not None:    # --transformer-impl transformer_engine: megatron_compat
+        from megatron_sp.training.fp8 import require_transformer_engine
+        require_transformer_engine("--fp8-format")
 
 
 def parse_args(argv=None):
+    """The parsed command line (the namespace stays at the edge: megatron_sp.cli.build turns it
+    into the JobConfig the library takes)."""
     args = build_parser().parse_args(argv)
     validate(args)
     return args

@@ -1,4 +1,4 @@
-"""Megatron-LM launch scripts run unchanged (issue 17): every flag of its GPT and Llama examples.
+"""Megatron-LM launch scripts run unchanged (docs/design.md §10): every flag of its GPT and Llama examples.
 
 Each flag of examples/gpt3/train_gpt3_175b_distributed.sh, examples/llama/train_llama3_8b_h100_fp8.sh,
 examples/llama/train_llama3_8b_h200_bf16.sh and examples/llama/train_llama3.sh is one of
@@ -10,12 +10,14 @@ examples/llama/train_llama3_8b_h200_bf16.sh and examples/llama/train_llama3.sh i
 - refused:  one sentence why and what to use instead.
 
 The tables below are data; the functions after them (parser flags, start-up notes, the README table)
-only read them. `python -m megatron_sp.megatron_compat --markdown` prints the README table.
+only read them. `python -m megatron_sp.cli.megatron_compat --markdown` prints the README table.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+
+from megatron_sp.errors import ConfigError
 
 # --- data ----------------------------------------------------------------------------------------
 
@@ -168,7 +170,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _has_te() -> bool:
-    from megatron_sp.fp8 import transformer_engine_installed
+    from megatron_sp.training.fp8 import transformer_engine_installed
     return transformer_engine_installed()
 
 
@@ -180,21 +182,21 @@ def _given(args, flag: str) -> bool:
 def apply(args) -> list[str]:
     """Refuse, map and collect the Megatron-only flags of `args`; returns the start-up notes.
 
-    Raises SystemExit (one sentence) for a refused flag or a --ckpt-format we do not write.
+    Raises ConfigError (one sentence) for a refused flag or a --ckpt-format we do not write.
     """
     for flag, (_, sentence) in REFUSED.items():
         if _given(args, flag):
-            raise SystemExit(f"error: {flag}: {sentence}")
+            raise ConfigError(f"{flag}: {sentence}")
     if getattr(args, "ckpt_format", None) not in (None,) + CKPT_FORMATS:
-        raise SystemExit(f"error: --ckpt-format {args.ckpt_format} is not written here: checkpoints "
-                         f"are torch.distributed.checkpoint folders, the family of Megatron's "
-                         f"torch_dist; pass --ckpt-format torch_dist or leave the flag out.")
+        raise ConfigError(f"--ckpt-format {args.ckpt_format} is not written here: checkpoints "
+                          f"are torch.distributed.checkpoint folders, the family of Megatron's "
+                          f"torch_dist; pass --ckpt-format torch_dist or leave the flag out.")
     notes = []
     cp = getattr(args, "context_parallel_size", None)
     if cp is not None and int(cp) > 1:
         if args.sequence_parallel_size not in (1, int(cp)):
-            raise SystemExit(f"error: --context-parallel-size {cp} and --sequence-parallel-size "
-                             f"{args.sequence_parallel_size} disagree; pass one of them.")
+            raise ConfigError(f"--context-parallel-size {cp} and --sequence-parallel-size "
+                              f"{args.sequence_parallel_size} disagree; pass one of them.")
         args.sequence_parallel_size = int(cp)
         notes.append(f"> --context-parallel-size {cp} {MAPPED['--context-parallel-size'][1]}")
     if getattr(args, "use_flash_attn", False):

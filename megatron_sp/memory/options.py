@@ -61,15 +61,14 @@ class MemoryOptions:
         return asdict(self)
 
     @classmethod
-    def from_args(cls, args) -> "MemoryOptions":
-        """From parsed megatron_sp.arguments (Megatron flag names plus ours)."""
-        return cls(recompute_granularity=args.recompute_granularity,
-                   recompute_method=args.recompute_method or "uniform",
-                   recompute_num_layers=(args.recompute_num_layers
-                                         if args.recompute_num_layers is not None else 1),
-                   mlp_tiles=getattr(args, "mlp_tiles", 1) or 1,
-                   loss_chunks=getattr(args, "loss_chunks", 1) or 1,
-                   offload_activations=bool(getattr(args, "offload_activations", False)))
+    def from_config(cls, memory) -> "MemoryOptions":
+        """From a megatron_sp.config.MemoryConfig (Megatron's flag names plus ours)."""
+        return cls(recompute_granularity=memory.recompute_granularity,
+                   recompute_method=memory.recompute_method or "uniform",
+                   recompute_num_layers=(memory.recompute_num_layers
+                                         if memory.recompute_num_layers is not None else 1),
+                   mlp_tiles=memory.mlp_tiles or 1, loss_chunks=memory.loss_chunks or 1,
+                   offload_activations=bool(memory.offload_activations))
 
 
 MIN_TILE_TOKENS = 2048     # `auto` never makes a tile or chunk of fewer tokens than this

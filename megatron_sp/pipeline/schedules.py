@@ -1,6 +1,6 @@
 """Pipeline schedules: 1F1B and interleaved 1F1B (virtual stages), as in Megatron-LM.
 
-Both have the signature of `megatron_sp.schedules.forward_backward_no_pipelining`:
+Both have the signature of `megatron_sp.training.schedules.forward_backward_no_pipelining`:
 
     schedule(model_chunks, micro_batches, mesh, *, num_tokens, grad_sync=None, autocast=...,
              forward_only=False) -> this rank's summed normalised loss (float64; 0 off the last stage)
@@ -28,7 +28,7 @@ import contextlib
 
 import torch
 
-from megatron_sp.schedules import forward_backward_no_pipelining
+from megatron_sp.training.schedules import forward_backward_no_pipelining
 
 from .p2p import P2PCommunicator, PendingRecv
 from .partition import check_num_microbatches

@@ -2,7 +2,7 @@
 
 Every rank keeps the full parameters and full gradients of its (tp, pp) slice, but the optimizer
 state (Adam moments, and fp32 master weights when the parameters are 16-bit) of only 1/n of them,
-n = dp x sp (DESIGN 11; ZeRO, Rajbhandari et al. 2020, stages 1-2; Megatron's distributed optimizer):
+n = dp x sp (docs/design.md §11; ZeRO, Rajbhandari et al. 2020, stages 1-2; Megatron's distributed optimizer):
 
 1. backward: each gradient bucket is reduce-scattered (summed) over dp x sp from the gradients'
    post-accumulate hooks during the last backward pass, so each rank receives the reduced gradient
@@ -42,7 +42,7 @@ import math
 import torch
 
 from megatron_sp.grad_sync import clip_grad_norm
-from megatron_sp.optimizer import fused_adamw, param_groups
+from megatron_sp.training.optimizer import fused_adamw, param_groups
 from megatron_sp.sharding import comm
 from megatron_sp.sharding.state_bytes import model_state_bytes, optimizer_tensors
 from megatron_sp.tensor_parallel.mappings import group_rank, group_size
@@ -203,11 +203,13 @@ class DistributedOptimizer:
             p.register_post_accumulate_grad_hook(self._make_hook(owner[p]))
 
     @classmethod
-    def from_args(cls, chunks, mesh, args) -> "DistributedOptimizer":
-        return cls(chunks, mesh, lr=args.lr, weight_decay=args.weight_decay,
-                   betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                   bucket_mb=args.grad_bucket_size_mb, overlap_param_gather=args.overlap_param_gather,
-                   cpu_offload=args.optimizer_cpu_offload)
+    def from_config(cls, chunks, mesh, job) -> "DistributedOptimizer":
+        """--use-distributed-optimizer from a JobConfig: its Adam flags and bucket/offload options."""
+        t, p = job.training, job.parallel
+        return cls(chunks, mesh, lr=t.lr, weight_decay=t.weight_decay,
+                   betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                   bucket_mb=p.grad_bucket_size_mb, overlap_param_gather=p.overlap_param_gather,
+                   cpu_offload=p.optimizer_cpu_offload)
 
     # Layout ---------------------------------------------------------------------------------------
 

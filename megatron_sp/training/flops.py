@@ -1,4 +1,4 @@
-"""Model FLOPs and MFU, with Megatron-LM's formula so that figures compare with Megatron's (DESIGN 9)."""
+"""Model FLOPs and MFU, with Megatron-LM's formula so that figures compare with Megatron's (docs/design.md §9)."""
 from __future__ import annotations
 
 import torch

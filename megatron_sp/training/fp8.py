@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 
+from megatron_sp.errors import ConfigError
+
 
 def transformer_engine_installed() -> bool:
     """Whether Transformer Engine's torch module imports (--transformer-impl transformer_engine
@@ -36,13 +38,13 @@ def transformer_engine_installed() -> bool:
 
 
 def require_transformer_engine(flag: str):
-    """Transformer Engine's torch module, or SystemExit with one sentence naming `flag`."""
+    """Transformer Engine's torch module, or a ConfigError with one sentence naming `flag`."""
     try:
         import transformer_engine.pytorch as te   # noqa: F401
     except ImportError:
-        raise SystemExit(f"error: {flag} needs NVIDIA Transformer Engine, which is not installed "
-                         f"(pip install transformer_engine[pytorch] on a CUDA machine); leave "
-                         f"the flag out to train with these layers in bf16.") from None
+        raise ConfigError(f"{flag} needs NVIDIA Transformer Engine, which is not installed "
+                          f"(pip install transformer_engine[pytorch] on a CUDA machine); leave "
+                          f"the flag out to train with these layers in bf16.") from None
     return te
 
 
@@ -52,14 +54,15 @@ def _te_version() -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
 
 
-def delayed_scaling_recipe(args):
-    """Megatron's DelayedScaling recipe from the --fp8-* flags."""
+def delayed_scaling_recipe(precision):
+    """Megatron's DelayedScaling recipe from the --fp8-* flags (a PrecisionConfig)."""
     from transformer_engine.common import recipe
-    fmt = {"e4m3": recipe.Format.E4M3, "hybrid": recipe.Format.HYBRID}[args.fp8_format]
-    kwargs = dict(margin=args.fp8_margin, fp8_format=fmt, amax_history_len=args.fp8_amax_history_len,
-                  amax_compute_algo=args.fp8_amax_compute_algo)
+    p = precision
+    fmt = {"e4m3": recipe.Format.E4M3, "hybrid": recipe.Format.HYBRID}[p.fp8_format]
+    kwargs = dict(margin=p.fp8_margin, fp8_format=fmt, amax_history_len=p.fp8_amax_history_len,
+                  amax_compute_algo=p.fp8_amax_compute_algo)
     if _te_version() < (1, 8):
-        kwargs["interval"] = args.fp8_interval
+        kwargs["interval"] = p.fp8_interval
     return recipe.DelayedScaling(**kwargs)
 
 
@@ -74,29 +77,29 @@ def amax_group(mesh):
     return mesh.device_mesh["dp", "sp", "tp"]._flatten("fp8_amax").get_group()
 
 
-def fp8_autocast_factory(args, mesh):
+def fp8_autocast_factory(precision, mesh):
     """A callable giving each forward's FP8 context (None without --fp8-format)."""
-    if args.fp8_format is None:
+    if precision.fp8_format is None:
         return None
     te = require_transformer_engine("--fp8-format")
-    recipe, group = delayed_scaling_recipe(args), amax_group(mesh)
+    recipe, group = delayed_scaling_recipe(precision), amax_group(mesh)
     return lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=group)
 
 
-def model_init_context(args):
+def model_init_context(precision):
     """--fp8-param-gather: the model is built inside fp8_model_init (TE modules' weights in FP8)."""
-    if not getattr(args, "fp8_param_gather", False):
+    if not precision.fp8_param_gather:
         return contextlib.nullcontext()
     te = require_transformer_engine("--fp8-param-gather")
     return te.fp8_model_init(enabled=True)
 
 
-def attention_backend(args) -> str:
+def attention_backend(model) -> str:
     """--transformer-impl transformer_engine selects Transformer Engine's fused attention where
     --attention-backend is left at auto (an explicit backend is kept, as Megatron's TE layers
-    honour --attention-backend)."""
-    if getattr(args, "transformer_impl", "local") == "transformer_engine":
+    honour --attention-backend). `model`: the run's ModelFlags."""
+    if model.transformer_impl == "transformer_engine":
         require_transformer_engine("--transformer-impl transformer_engine")
-        if args.attention_backend == "auto":
+        if model.attention_backend == "auto":
             return "te"
-    return args.attention_backend
+    return model.attention_backend

@@ -36,14 +36,15 @@ class LossScaler:
         self.hysteresis_tracker = self.hysteresis
 
     @classmethod
-    def from_args(cls, args) -> "LossScaler | None":
-        """The scaler of --fp16 (None otherwise): static with --loss-scale, else dynamic."""
-        if not getattr(args, "fp16", False):
+    def from_config(cls, precision) -> "LossScaler | None":
+        """The scaler of a PrecisionConfig with --fp16 (None otherwise): static with --loss-scale,
+        else dynamic."""
+        if not precision.fp16:
             return None
-        if args.loss_scale is not None:
-            return cls(args.loss_scale, dynamic=False)
-        return cls(args.initial_loss_scale, min_scale=args.min_loss_scale,
-                   window=int(args.loss_scale_window), hysteresis=args.hysteresis)
+        if precision.loss_scale is not None:
+            return cls(precision.loss_scale, dynamic=False)
+        return cls(precision.initial_loss_scale, min_scale=precision.min_loss_scale,
+                   window=int(precision.loss_scale_window), hysteresis=precision.hysteresis)
 
     @torch.no_grad()
     def unscale_(self, params) -> None:

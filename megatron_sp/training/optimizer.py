@@ -2,7 +2,7 @@
 
 The optimizer is torch's AdamW (fused kernel on CUDA and CPU: one pass over each parameter, 3-6x
 faster than foreach on CPU) or apex's FusedAdam when apex is importable on CUDA. Parameters stay fp32 (the master weights); bf16 runs use autocast for the
-forward, so gradients and optimizer states are fp32 (DESIGN 9: 4+4+4+4 bytes per parameter).
+forward, so gradients and optimizer states are fp32 (docs/design.md §9: 4+4+4+4 bytes per parameter).
 """
 from __future__ import annotations
 

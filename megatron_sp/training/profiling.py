@@ -19,25 +19,25 @@ class StepProfiler:
         self.done = False
 
     @classmethod
-    def from_args(cls, args, mesh) -> "StepProfiler":
-        if not getattr(args, "profile", False) or mesh.rank != 0:
+    def from_config(cls, logging, mesh, *, train_iters: int, save: str | None = None) -> "StepProfiler":
+        """The profiler of a LoggingConfig's --profile flags on rank 0 (else one that does nothing);
+        the trace goes to --tensorboard-dir, else `save`/profile."""
+        if not logging.profile or mesh.rank != 0:
             return _NoProfiler()
-        if args.profile_step_end < args.profile_step_start:
-            raise SystemExit(f"error: --profile-step-end {args.profile_step_end} is before "
-                             f"--profile-step-start {args.profile_step_start}.")
-        if args.profile_step_start > args.train_iters:
-            print(f"> --profile: iterations {args.profile_step_start}-{args.profile_step_end} come "
-                  f"after --train-iters {args.train_iters}: nothing is profiled "
-                  f"(--profile-step-start, --profile-step-end)", file=sys.stderr, flush=True)
+        start, end = logging.profile_step_start, logging.profile_step_end
+        if start > train_iters:
+            print(f"> --profile: iterations {start}-{end} come after --train-iters {train_iters}: "
+                  f"nothing is profiled (--profile-step-start, --profile-step-end)",
+                  file=sys.stderr, flush=True)
             return _NoProfiler()
-        use_torch = args.use_pytorch_profiler
-        trace_dir = args.tensorboard_dir or os.path.join(args.save or ".", "profile")
+        use_torch = logging.use_pytorch_profiler
+        trace_dir = logging.tensorboard_dir or os.path.join(save or ".", "profile")
         if not use_torch and not torch.cuda.is_available():
             print("> --profile without --use-pytorch-profiler marks an nsys capture range, which "
                   "needs CUDA: nothing is profiled on CPU (add --use-pytorch-profiler)",
                   file=sys.stderr, flush=True)
             return _NoProfiler()
-        return cls(args.profile_step_start, args.profile_step_end, trace_dir, use_torch)
+        return cls(start, end, trace_dir, use_torch)
 
     def before_step(self, iteration: int) -> None:
         if iteration != self.start or self.active is not None or self.done:

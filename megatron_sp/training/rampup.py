@@ -15,25 +15,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_sp.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class BatchSizeRampup:
+    """--rampup-batch-size START INCR SAMPLES up to --global-batch-size (TrainingConfig.rampup()
+    builds it; the config has checked that START and INCR reach the global batch)."""
+
     start: int
     increment: int
     ramp_samples: int
     global_batch_size: int
-
-    @classmethod
-    def from_args(cls, args) -> "BatchSizeRampup | None":
-        if not getattr(args, "rampup_batch_size", None):
-            return None
-        start, incr, samples = args.rampup_batch_size
-        gbs = args.global_batch_size
-        if start <= 0 or incr <= 0 or samples < 0 or start > gbs or (gbs - start) % incr:
-            raise SystemExit(f"error: --rampup-batch-size {start} {incr} {samples} does not reach "
-                             f"--global-batch-size {gbs}: START and INCR must be positive and "
-                             f"GLOBAL - START a multiple of INCR.")
-        return cls(start, incr, samples, gbs)
 
     def batch_size(self, consumed_samples: int) -> int:
         """The global batch of the step that starts after `consumed_samples` samples."""
@@ -47,9 +40,9 @@ class BatchSizeRampup:
     def check_divisible(self, per_step: int) -> None:
         """Every ramp batch must be whole micro-batches on every data-parallel rank."""
         if self.start % per_step or self.increment % per_step:
-            raise SystemExit(f"error: --rampup-batch-size START {self.start} and INCR "
-                             f"{self.increment} must be multiples of micro-batch size x dp = "
-                             f"{per_step}.")
+            raise ConfigError(f"--rampup-batch-size START {self.start} and INCR "
+                              f"{self.increment} must be multiples of micro-batch size x dp = "
+                              f"{per_step}.")
 
     def train_iters(self, train_samples: int, consumed: int = 0) -> int:
         """Iterations to consume --train-samples from `consumed` (Megatron's update_train_iters)."""
@@ -60,39 +53,21 @@ class BatchSizeRampup:
         return iterations + (train_samples - consumed) // self.global_batch_size
 
 
-def counts_samples(args) -> bool:
-    """True when the learning-rate schedule must be counted in samples (see the module text)."""
-    return bool(getattr(args, "rampup_batch_size", None)) or args.lr_decay_samples is not None \
-        or bool(args.lr_warmup_samples) or args.lr_wsd_decay_samples is not None
-
-
-def schedule_steps(args) -> tuple[int, int, int | None]:
-    """(warm-up, decay, WSD decay) in the scheduler's unit: iterations, or samples (counts_samples)."""
-    if not counts_samples(args):
-        return args.lr_warmup_iters, args.lr_decay_iters, args.lr_wsd_decay_iters
-    gbs = args.global_batch_size
-    if args.train_samples is not None:
-        decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
-        warmup = (int(args.lr_warmup_fraction * decay) if args.lr_warmup_fraction is not None
-                  else args.lr_warmup_samples)
-        wsd = args.lr_wsd_decay_samples
+def schedule_steps(training) -> tuple[int, int, int | None]:
+    """(warm-up, decay, WSD decay) of a TrainingConfig in the scheduler's unit: iterations, or
+    samples (training.counts_samples)."""
+    t = training
+    if not t.counts_samples:
+        return t.lr_warmup_iters, t.lr_decay_iters, t.lr_wsd_decay_iters
+    gbs = t.global_batch_size
+    if t.train_samples is not None:
+        decay = t.lr_decay_samples if t.lr_decay_samples is not None else t.train_samples
+        warmup = (int(t.lr_warmup_fraction * decay) if t.lr_warmup_fraction is not None
+                  else t.lr_warmup_samples)
+        wsd = t.lr_wsd_decay_samples
     else:
-        decay = args.lr_decay_iters * gbs
-        warmup = (int(args.lr_warmup_fraction * decay) if args.lr_warmup_fraction is not None
-                  else args.lr_warmup_iters * gbs)
-        wsd = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
+        decay = t.lr_decay_iters * gbs
+        warmup = (int(t.lr_warmup_fraction * decay) if t.lr_warmup_fraction is not None
+                  else t.lr_warmup_iters * gbs)
+        wsd = t.lr_wsd_decay_iters * gbs if t.lr_wsd_decay_iters is not None else None
     return warmup, decay, wsd
-
-
-def validate(args) -> None:
-    """Megatron's rules for the sample flags; --train-iters from --train-samples under a ramp."""
-    sample_flags = [f for f, v in (("--lr-decay-samples", args.lr_decay_samples),
-                                   ("--lr-warmup-samples", args.lr_warmup_samples or None),
-                                   ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples))
-                    if v is not None]
-    if sample_flags and args.train_samples is None:
-        raise SystemExit(f"error: {sample_flags[0]} counts the schedule in samples: it needs "
-                         f"--train-samples instead of --train-iters (as Megatron-LM).")
-    rampup = BatchSizeRampup.from_args(args)
-    if rampup is not None and args.train_samples is not None:
-        args.train_iters = rampup.train_iters(args.train_samples)

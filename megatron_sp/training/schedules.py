@@ -1,6 +1,6 @@
 """Forward-backward over the micro-batches of one global batch, without pipelining.
 
-Loss normalisation (DESIGN 4): each micro-batch contributes sum(per-token loss * mask) divided by the
+Loss normalisation (docs/design.md §4): each micro-batch contributes sum(per-token loss * mask) divided by the
 number of unmasked tokens in the *global* batch (counted before the step, summed over dp). Gradients
 are then summed over dp x sp, so every layout computes exactly the single-device mean, and a rank
 whose chunk holds no unmasked token contributes zero (never NaN).

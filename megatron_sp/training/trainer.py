@@ -4,11 +4,11 @@ One step: count the global batch's unmasked tokens (summed over dp), run the sch
 (gradient accumulation, or a pipeline schedule), finish the gradient reduction over dp x sp,
 clip to the global norm, step AdamW and the LR schedule (under --fp16 the loss is scaled first and
 the gradients unscaled before the norm; an overflow skips the step and backs the scale off,
-megatron_sp.loss_scaler), then log every --log-interval:
+megatron_sp.training.loss_scaler), then log every --log-interval:
 iteration, consumed samples, lr, lm loss, grad norm, ms/iter, tokens/s, TFLOP/s, MFU, memory,
 skipped iterations and the straggler report (slowest rank's forward+backward time and its rank).
 
-Failures (issue 9):
+Failures (docs/design.md §12):
 - a NaN or inf loss (or gradient norm) is reported with its iteration, saying which of the two
   was non-finite; `nonfinite_loss="skip"` drops that optimizer step (Megatron-like: the LR
   schedule does not advance, the iteration and its samples are counted, the log counts skipped
@@ -19,38 +19,28 @@ Failures (issue 9):
 - a collective that fails because another rank died or hung (gloo/NCCL error, or the
   --distributed-timeout-minutes timeout) is re-raised as CollectiveFailure naming the rank, the
   iteration and the timeout, never left as a hang.
-- test-only fault injection through environment variables (read once, at construction):
-  MEGATRON_SP_INJECT_NAN_AT_ITER=3[,5]   the loss (and so every gradient) becomes NaN at those
-                                         iterations on rank MEGATRON_SP_INJECT_RANK (default 0);
-                                         "3-12" is a range
-  MEGATRON_SP_INJECT_INF_GRAD_AT_ITER=3  one gradient becomes inf (the loss stays finite)
-  MEGATRON_SP_INJECT_KILL_AT_ITER=3      that rank sends itself MEGATRON_SP_INJECT_SIGNAL (KILL,
-                                         or STOP for a hang) after its forward+backward
-  MEGATRON_SP_INJECT_KILL_IN_EVAL_AT_ITER=4  the same during the evaluation after iteration 4
-  MEGATRON_SP_INJECT_SLEEP_MS=200        that rank sleeps so long every step (a straggler)
+- step hooks (`step_hooks`): objects with `before_forward(iteration, chunks) -> [handles]` and
+  `after_compute(iteration, evaluating)`, called around every step's forward+backward; the
+  test-only fault injection (megatron_sp.testing.FaultInjection, MEGATRON_SP_INJECT_*) is one.
 """
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import math
-import resource
-import signal
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from megatron_sp import comm_stats
-from megatron_sp.errors import ConfigError, UserError
-from megatron_sp.flops import device_peak_tflops
+from megatron_sp.errors import CollectiveFailure, ConfigError, NonFiniteLossError, is_collective_failure
+from megatron_sp.training.flops import device_peak_tflops
 from megatron_sp.grad_sync import (all_reduce_sum, gather_step_times, model_parallel_sum,
                                    reduce_loss_and_count)
 from megatron_sp.sharding import Replicated
-from megatron_sp.schedules import forward_backward_no_pipelining
+from megatron_sp.training.loss_scaler import LossScaler
+from megatron_sp.training.metrics import memory_report, print_rank0
+from megatron_sp.training.schedules import forward_backward_no_pipelining
 
 
 @dataclass
@@ -71,73 +61,6 @@ class StepResult:
     loss_scale: float = 1.0             # --fp16: the loss scale after this step (Megatron's log)
 
 
-NONFINITE_POLICIES = ("skip", "stop")
-
-
-class NonFiniteLossError(UserError, RuntimeError):
-    """The loss or gradient norm was NaN/inf and --nonfinite-loss is stop (or too many skips)."""
-
-
-class CollectiveFailure(UserError, RuntimeError):
-    """A collective failed during a step: another rank died, hung past the timeout, or vanished."""
-    same_on_every_rank = False      # each rank says what it saw, with its rank
-    consequence = True              # quiet when the rank that caused it reported its own error
-
-
-_COMM_ERROR_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe",
-                       "timed out", "timeout", "socket", "peer")
-
-
-def is_collective_failure(err: BaseException) -> bool:
-    """True for the errors torch.distributed raises when a peer dies or a collective times out."""
-    if isinstance(err, getattr(dist, "DistError", ())):
-        return True
-    text = f"{type(err).__name__}: {err}".lower()
-    return isinstance(err, RuntimeError) and any(m in text for m in _COMM_ERROR_MARKERS)
-
-
-class FaultInjection:
-    """Test-only faults from MEGATRON_SP_INJECT_* (see the module docstring); inert when unset."""
-
-    def __init__(self, rank: int, environ=os.environ):
-        def ints(name):
-            out = set()
-            for x in environ.get(name, "").replace(" ", "").split(","):
-                lo, _, hi = x.partition("-")
-                out.update(range(int(lo), int(hi or lo) + 1) if x else ())
-            return out
-        target = int(environ.get("MEGATRON_SP_INJECT_RANK", "0"))
-        mine = rank == target
-        self.nan_iters = ints("MEGATRON_SP_INJECT_NAN_AT_ITER") if mine else set()
-        self.inf_grad_iters = ints("MEGATRON_SP_INJECT_INF_GRAD_AT_ITER") if mine else set()
-        self.kill_iters = ints("MEGATRON_SP_INJECT_KILL_AT_ITER") if mine else set()
-        self.eval_kill_iters = ints("MEGATRON_SP_INJECT_KILL_IN_EVAL_AT_ITER") if mine else set()
-        self.signal = getattr(signal, "SIG" + environ.get("MEGATRON_SP_INJECT_SIGNAL", "KILL").upper())
-        self.sleep_s = float(environ.get("MEGATRON_SP_INJECT_SLEEP_MS", "0")) / 1000 if mine else 0.0
-        self.rank = rank
-
-    def nan_hooks(self, iteration: int, chunks) -> list:
-        """Forward hooks making the last chunk's output NaN (loss, then every gradient, follow);
-        or a gradient hook making one parameter's gradient inf (the loss stays finite)."""
-        hooks = []
-        if iteration in self.nan_iters:
-            def poison(module, inputs, output):
-                return output * float("nan") if torch.is_tensor(output) else output
-            hooks.append(chunks[-1].register_forward_hook(poison))
-        if iteration in self.inf_grad_iters:
-            param = next(p for p in chunks[-1].parameters() if p.requires_grad)
-            hooks.append(param.register_hook(lambda grad: torch.full_like(grad, float("inf"))))
-        return hooks
-
-    def after_compute(self, iteration: int, evaluating: bool = False):
-        if self.sleep_s and not evaluating:
-            time.sleep(self.sleep_s)
-        if iteration in (self.eval_kill_iters if evaluating else self.kill_iters):
-            print(f"[fault injection] rank {self.rank} sends itself {self.signal.name} "
-                  f"{'in the evaluation after' if evaluating else 'at'} iteration {iteration} "
-                  f"(t={time.time():.3f})", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), self.signal)
-
 
 def describe_nonfinite(loss: float, grad_norm: float) -> str:
     """Which of the (reduced) loss and gradient norm is non-finite, e.g. "gradient norm inf (the
@@ -150,147 +73,60 @@ def describe_nonfinite(loss: float, grad_norm: float) -> str:
     return f"gradient norm {grad_norm} (the loss {loss:.4g} is finite)"
 
 
-def is_logging_rank(mesh) -> bool:
-    return mesh.rank == 0
-
-
-def print_rank0(mesh, *msg):
-    if is_logging_rank(mesh):
-        print(*msg, flush=True)
-
-
-def memory_report(device: torch.device) -> dict:
-    if device.type == "cuda":
-        return {"mem_allocated_gb": torch.cuda.memory_allocated() / 2**30,
-                "mem_peak_gb": torch.cuda.max_memory_allocated() / 2**30}
-    return {"host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-
-
-def _records_up_to(path: str, iteration: int) -> list[str]:
-    """The lines of a metrics jsonl whose iteration is <= `iteration` (all others dropped)."""
-    if not os.path.isfile(path):
-        return []
-    kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line).get("iteration", 0) <= iteration:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-            except (json.JSONDecodeError, AttributeError):
-                continue                  # a line cut short by a crash
-    return kept
-
-
-def _start_wandb(options: dict):
-    """A wandb run, or None with one sentence when wandb is not installed."""
-    try:
-        import wandb
-    except ImportError:
-        print(f"warning: --wandb-project {options['project']} is ignored: wandb is not installed "
-              f"(pip install wandb); metrics still go to stdout, --metrics-jsonl and TensorBoard.",
-              file=sys.stderr, flush=True)
-        return None
-    if options.get("dir"):
-        os.makedirs(options["dir"], exist_ok=True)
-    return wandb.init(**{k: v for k, v in options.items() if v is not None})
-
-
-class MetricsWriter:
-    """--metrics-jsonl (one JSON object per logged iteration) and TensorBoard, on rank 0 only."""
-
-    def __init__(self, mesh, jsonl_path=None, tensorboard_dir=None, resume_iteration: int = 0,
-                 wandb: dict | None = None):
-        """A fresh run (resume_iteration 0) starts the jsonl anew; a resumed run continues its own
-        file from the checkpoint's iteration (records written after that checkpoint are dropped).
-        `wandb`: wandb.init's keyword arguments (--wandb-project, ...), used when wandb is installed."""
-        self.file = self.tb = self.wandb = None
-        if not is_logging_rank(mesh):
-            return
-        if wandb:
-            self.wandb = _start_wandb(wandb)
-        if jsonl_path:
-            os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
-            kept = _records_up_to(jsonl_path, resume_iteration) if resume_iteration > 0 else []
-            self.file = open(jsonl_path, "w", buffering=1)
-            self.file.writelines(kept)
-        if tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(log_dir=tensorboard_dir)
-            except ImportError:
-                print("warning: tensorboard is not installed; --tensorboard-dir ignored "
-                      "(pip install tensorboard)", file=sys.stderr, flush=True)
-
-    def write(self, record: dict):
-        if self.file:   # JSON has no NaN/inf: a non-finite number is written as null
-            finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
-                      for k, v in record.items()}
-            self.file.write(json.dumps(finite, allow_nan=False) + "\n")
-        if self.tb:
-            step = record["iteration"]
-            for key, value in record.items():
-                if key != "iteration" and isinstance(value, (int, float)):
-                    self.tb.add_scalar(key, value, step)
-            self.tb.flush()
-        if self.wandb:
-            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
-                           step=record["iteration"])
-
-    def close(self):
-        if self.wandb:
-            self.wandb.finish()
-        if self.file:
-            self.file.close()
-        if self.tb:
-            self.tb.close()
-
-
 class Trainer:
-    """Runs steps for a list of model chunks (one unless interleaved pipelining) on one mesh."""
+    """Runs steps for a list of model chunks (one unless interleaved pipelining) on one mesh.
 
-    def __init__(self, model_chunks, optimizer, scheduler, mesh, *, global_batch_size: int,
-                 micro_batch_size: int, seq_length: int, clip_grad: float = 1.0, bf16: bool = False,
-                 schedule=None, flops_per_step: float = 0.0, peak_tflops: float | None = None,
-                 bucket_mb: float = 25.0, nonfinite_loss: str = "stop",
-                 collective_timeout_minutes: float | None = None, max_skipped_steps: int = 10,
-                 sharding=None):
+        trainer = Trainer(job, mesh, chunks, optimizer, scheduler, sharding=..., schedule=...)
+        result = trainer.train_step(micro_batches)
+
+    `job` is the run's megatron_sp.config.JobConfig: the batch, clipping and non-finite policy
+    (training), bf16 / fp16 with its loss scaler / FP8 (precision), the bucket size, bf16 gradient
+    reduction and collective timeout (parallel), MFU peak and the optional log fields (logging).
+    `sharding`: the seam of sharded model state (megatron_sp.sharding), replicated when None;
+    `schedule`: a pipeline schedule, gradient accumulation when None; `flops_per_step`: the model
+    FLOPs of one global batch (training.flops); `step_hooks`: see the module docstring.
+    """
+
+    def __init__(self, job, mesh, model_chunks, optimizer, scheduler, *, sharding=None,
+                 schedule=None, flops_per_step: float = 0.0, step_hooks=()):
+        t, par = job.training, job.parallel
+        self.job, self.mesh = job, mesh
         self.chunks = list(model_chunks)
-        self.optimizer, self.scheduler, self.mesh = optimizer, scheduler, mesh
-        per_step = micro_batch_size * mesh.dp_size
-        if global_batch_size % per_step:
+        self.optimizer, self.scheduler = optimizer, scheduler
+        per_step = t.micro_batch_size * mesh.dp_size
+        if t.global_batch_size % per_step:
             raise ConfigError(
-                f"--global-batch-size {global_batch_size} is not divisible by micro-batch size x dp "
-                f"= {micro_batch_size} x {mesh.dp_size}: choose a multiple of {per_step}.")
-        self.num_micro_batches = global_batch_size // per_step
-        self.global_batch_size, self.seq_length = global_batch_size, seq_length
-        self.clip_grad, self.bf16 = clip_grad, bf16
+                f"--global-batch-size {t.global_batch_size} is not divisible by micro-batch size x "
+                f"dp = {t.micro_batch_size} x {mesh.dp_size}: choose a multiple of {per_step}.")
+        self.num_micro_batches = t.global_batch_size // per_step
+        self.global_batch_size, self.seq_length = t.global_batch_size, t.seq_length
         self.schedule = schedule or forward_backward_no_pipelining
         self.flops_per_step = flops_per_step
         # The seam of sharded model state (megatron_sp.sharding): the object that owns gradient
         # reduction, norm and clipping: FSDP2's, the distributed optimizer, or replicated state.
-        self.sharding = sharding or Replicated(self.chunks, mesh, bucket_mb=bucket_mb)
+        self.sharding = sharding or Replicated(self.chunks, mesh, bucket_mb=par.grad_bucket_size_mb)
         self.device = self.sharding.device
-        self.peak_tflops = device_peak_tflops(peak_tflops) if self.device.type == "cuda" else peak_tflops
+        peak = job.logging.peak_tflops
+        self.peak_tflops = device_peak_tflops(peak) if self.device.type == "cuda" else peak
         self.grad_sync = self.sharding          # what the schedules call start_last_backward() on
         self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
         self.state = TrainState()
         self.consecutive_skipped = 0     # optimizer steps skipped in a row (non-finite)
-        self.set_failure_policy(nonfinite_loss, collective_timeout_minutes, max_skipped_steps)
-        self.faults = FaultInjection(mesh.rank)
+        self.step_hooks = list(step_hooks)
         self._compute_seconds = 0.0      # this rank's forward+backward time since the last log
         self._skipped_since_log = 0
         self._nan_since_log = 0          # of those, skipped for a NaN/inf (not an fp16 overflow)
-        self.lr_in_samples = False       # Megatron's sample-counted schedule (megatron_sp.rampup)
         self._lr_increment = 1
-        self.log_params_norm = self.log_num_zeros_in_grad = False   # --log-params-norm, ...
         self._num_zeros = None
-        self.set_precision()
+        self._set_precision(job.precision, par.grad_reduce_in_bf16)
 
-    def set_precision(self, fp16: bool = False, loss_scaler=None, fp8_autocast=None,
-                      grad_reduce_in_bf16: bool = False):
+    def _set_precision(self, precision, grad_reduce_in_bf16: bool):
         """--fp16 (fp16 autocast over the fp32 weights) with its LossScaler, the FP8 context of
-        --fp8-format (megatron_sp.fp8), entered around every forward, and --grad-reduce-in-bf16."""
-        self.fp16, self.loss_scaler, self.fp8_autocast = fp16, loss_scaler, fp8_autocast
+        --fp8-format (megatron_sp.training.fp8), entered around every forward, and
+        --grad-reduce-in-bf16."""
+        from megatron_sp.training import fp8
+        self.loss_scaler = LossScaler.from_config(precision)
+        self.fp8_autocast = fp8.fp8_autocast_factory(precision, self.mesh)
         if grad_reduce_in_bf16:      # the replicated all-reduce or the distributed optimizer's
             if not hasattr(self.sharding, "reduce_dtype") and not isinstance(self.sharding, Replicated):
                 raise ConfigError("--grad-reduce-in-bf16 with --use-torch-fsdp2: FSDP2 reduces "
@@ -308,21 +144,9 @@ class Trainer:
         self.global_batch_size = global_batch_size
         self.num_micro_batches = global_batch_size // per_step
 
-    def set_failure_policy(self, nonfinite_loss: str = "stop",
-                           collective_timeout_minutes: float | None = None,
-                           max_skipped_steps: int = 10):
-        """--nonfinite-loss skip|stop, --max-skipped-steps, and the collective timeout named in
-        CollectiveFailure."""
-        if nonfinite_loss not in NONFINITE_POLICIES:
-            raise ValueError(f"--nonfinite-loss {nonfinite_loss!r} is not one of {NONFINITE_POLICIES}.")
-        if max_skipped_steps < 1:
-            raise ConfigError(f"--max-skipped-steps must be at least 1, got {max_skipped_steps}.")
-        self.nonfinite_loss, self.max_skipped_steps = nonfinite_loss, max_skipped_steps
-        self.collective_timeout_minutes = collective_timeout_minutes
-
     def autocast(self):
         """The context of every forward: bf16 / fp16 autocast, inside --fp8-format's fp8_autocast."""
-        dtype = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else None
+        dtype = self.job.precision.autocast_dtype
         cast = (torch.autocast(device_type=self.device.type, dtype=dtype) if dtype is not None
                 else contextlib.nullcontext())
         if self.fp8_autocast is None:
@@ -364,8 +188,8 @@ class Trainer:
             raise self._collective_failure(err, f"iteration {iteration}") from err
 
     def _collective_failure(self, err: BaseException, where: str) -> CollectiveFailure:
-        timeout = (f"{self.collective_timeout_minutes:g} min" if self.collective_timeout_minutes
-                   is not None else "the process-group timeout")
+        minutes = self.job.parallel.distributed_timeout_minutes
+        timeout = f"{minutes:g} min" if minutes is not None else "the process-group timeout"
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return CollectiveFailure(
             f"rank {self.mesh.rank}: a collective failed at {where}: another rank "
@@ -382,7 +206,7 @@ class Trainer:
         self.sharding.begin_step(self.num_micro_batches)
         scale = self._loss_scale()      # --fp16: the loss (so every gradient) times the scale
         start = time.perf_counter()
-        hooks = self.faults.nan_hooks(iteration, self.chunks)
+        hooks = [h for hook in self.step_hooks for h in hook.before_forward(iteration, self.chunks)]
         try:
             loss = self.schedule(self.chunks, micro_batches, self.mesh,
                                  num_tokens=num_tokens.float() / scale,
@@ -390,28 +214,29 @@ class Trainer:
         finally:
             for hook in hooks:
                 hook.remove()
-        self.faults.after_compute(iteration)
+        for hook in self.step_hooks:
+            hook.after_compute(iteration, evaluating=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._compute_seconds += time.perf_counter() - start
         self.sharding.finish()
         if self.loss_scaler is not None:
             self.loss_scaler.unscale_(self.params)
-        if self.log_num_zeros_in_grad:
+        if self.job.logging.log_num_zeros_in_grad:
             self._num_zeros = model_parallel_sum(self.params, _zeros_in_grad, self.mesh)
-        grad_norm = self.sharding.clip_grad_norm(self.clip_grad)
+        grad_norm = self.sharding.clip_grad_norm(self.job.training.clip_grad)
         # Reduced over every rank before deciding, so every rank takes the same branch.
         loss = reduce_loss_and_count(loss.to(self.device), self.mesh).item() / scale
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         overflow = self._update_loss_scale(math.isfinite(grad_norm)) and math.isfinite(loss)
-        if not finite and not overflow and self.nonfinite_loss == "stop":
+        if not finite and not overflow and self.job.training.nonfinite_loss == "stop":
             raise NonFiniteLossError(
                 f"iteration {iteration}: non-finite {describe_nonfinite(loss, grad_norm)}: "
                 f"stopping (--nonfinite-loss stop); resume from the last checkpoint with a lower "
                 f"--lr, or --nonfinite-loss skip skips such optimizer steps instead.")
         if finite:
             self.optimizer.step()
-            self._lr_increment = self.global_batch_size if self.lr_in_samples else 1
+            self._lr_increment = self.global_batch_size if self.job.training.counts_samples else 1
             self.scheduler.step(self._lr_increment)
             self.consecutive_skipped = 0
         elif overflow:   # --fp16: the scale backs off; the step is only counted, as in Megatron
@@ -444,14 +269,14 @@ class Trainer:
         what, n = describe_nonfinite(loss, grad_norm), self.consecutive_skipped
         print_rank0(self.mesh, f"iteration {iteration}: non-finite {what}: optimizer step skipped "
                                f"(--nonfinite-loss skip; {n} in a row, the run stops at "
-                               f"--max-skipped-steps {self.max_skipped_steps}; "
+                               f"--max-skipped-steps {self.job.training.max_skipped_steps}; "
                                f"{self.state.skipped_iterations} skipped in total)")
-        if n >= self.max_skipped_steps:
+        if n >= self.job.training.max_skipped_steps:
             first = iteration - n + 1
             raise NonFiniteLossError(
                 f"iterations {first}-{iteration}: {n} optimizer steps in a row were skipped for a "
                 f"non-finite loss or gradient norm (last: {what}; --max-skipped-steps "
-                f"{self.max_skipped_steps}), so the run has diverged: stopping with nothing saved "
+                f"{self.job.training.max_skipped_steps}), so the run has diverged: stopping with nothing saved "
                 f"after iteration {first - 1}; resume from the last checkpoint with a lower --lr.")
 
     def evaluate(self, micro_batch_iter, num_steps: int) -> float:
@@ -475,7 +300,8 @@ class Trainer:
             num_tokens = self._count_tokens(mbs)
             loss = self.schedule(self.chunks, mbs, self.mesh, num_tokens=num_tokens.float(),
                                  autocast=self.autocast, forward_only=True)
-            self.faults.after_compute(self.state.iteration, evaluating=True)
+            for hook in self.step_hooks:
+                hook.after_compute(self.state.iteration, evaluating=True)
             loss = reduce_loss_and_count(loss.to(self.device), self.mesh)
             total += loss.item() * num_tokens.item()
             tokens += num_tokens.item()
@@ -498,9 +324,9 @@ class Trainer:
             if group.get("is_decoupled_lr") and self.scheduler.num_steps:
                 record["decoupled_lr"] = self.scheduler.lr_at(self.scheduler.num_steps - self._lr_increment,
                                                               group["max_lr"], group.get("min_lr"))
-        if self.log_num_zeros_in_grad and self._num_zeros is not None:
+        if self.job.logging.log_num_zeros_in_grad and self._num_zeros is not None:
             record["num_zeros"] = int(self._num_zeros)
-        if self.log_params_norm:
+        if self.job.logging.log_params_norm:
             record["params_norm"] = math.sqrt(model_parallel_sum(self.params, _square_sum, self.mesh))
         if self.peak_tflops:
             record["mfu"] = tflops / self.peak_tflops
@@ -531,58 +357,9 @@ class Trainer:
                 "fastest_rank": fast, "fastest_ms": times[fast]}
 
 
-def _fixed(value: float, significant: int = 3) -> str:
-    """Fixed-point (never 1e-05: scrapers read [0-9.]+) with `significant` digits, at least one
-    decimal: 312.4, 0.0123, 0.000457 (TFLOP/s on a CPU is small but not zero)."""
-    if value == 0 or not math.isfinite(value):
-        return f"{value:.1f}"
-    decimals = max(1, significant - 1 - math.floor(math.log10(abs(value))))
-    return f"{value:.{decimals}f}"
-
-
 def _zeros_in_grad(p) -> torch.Tensor:
     return (p.grad == 0).sum().double() if p.grad is not None else torch.zeros((), dtype=torch.float64)
 
 
 def _square_sum(p) -> torch.Tensor:
     return p.detach().double().pow(2).sum()
-
-
-def format_log_line(record: dict, train_iters: int) -> str:
-    """Megatron-LM's log line (its field names and order, so its scrapers work), ours after it:
-
-     iteration N/M | consumed samples: | elapsed time per iteration (ms): | throughput per GPU
-     (TFLOP/s/GPU): | learning rate: | global batch size: | lm loss: | loss scale: | grad norm: |
-     [num zeros: | params norm: |] number of skipped iterations: | number of nan iterations: | ...
-    """
-    parts = [f" iteration {record['iteration']:8d}/{train_iters:8d}",
-             f"consumed samples: {record['consumed_samples']:12d}",
-             f"elapsed time per iteration (ms): {record['ms_per_iter']:.1f}",
-             f"throughput per GPU (TFLOP/s/GPU): {_fixed(record['tflops_per_gpu'])}",
-             f"learning rate: {record['lr']:.6E}",
-             f"global batch size: {record.get('global_batch_size', 0):5d}",
-             f"lm loss: {record['lm_loss']:.6E}",
-             f"loss scale: {record.get('loss_scale', 1.0):.1f}",
-             f"grad norm: {record['grad_norm']:.3f}"]
-    if "num_zeros" in record:
-        parts.append(f"num zeros: {record['num_zeros']:.1f}")
-    if "params_norm" in record:
-        parts.append(f"params norm: {record['params_norm']:.3f}")
-    parts += [f"number of skipped iterations: {record.get('skipped_iterations', 0):3d}",
-              f"number of nan iterations: {record.get('nan_iterations', 0):3d}",
-              f"tokens/s: {record['tokens_per_sec']:.0f}"]
-    if "mfu" in record:
-        parts.append(f"MFU: {100 * record['mfu']:.1f}%")
-    if "mem_peak_gb" in record:
-        parts.append(f"mem peak (GB): {record['mem_peak_gb']:.2f}")
-    elif "host_peak_rss_gb" in record:
-        parts.append(f"host peak RSS (GB): {record['host_peak_rss_gb']:.2f}")
-    if record.get("skipped_iterations_total"):
-        parts.append(f"skipped iterations in total: {record['skipped_iterations_total']}")
-    if "straggler_rank" in record:
-        parts.append(f"slowest rank: {record['straggler_rank']} (fwd+bwd {record['straggler_ms']:.1f} "
-                     f"ms/iter; fastest rank {record['fastest_rank']}: {record['fastest_ms']:.1f})")
-    comm = [f"{k[6:]} {comm_stats.format_bytes(v)}" for k, v in record.items() if k.startswith("bytes/")]
-    if comm:
-        parts.append("comm/iter: " + ", ".join(comm))
-    return " | ".join(parts) + " |"

@@ -1,4 +1,4 @@
-"""Megatron-LM's GPT and Llama example scripts run with our pretrain_gpt.py (issue 17).
+"""Megatron-LM's GPT and Llama example scripts run with our pretrain_gpt.py (docs/design.md §10).
 
 The flags of examples/gpt3/train_gpt3_175b_distributed.sh, examples/llama/train_llama3_8b_h100_fp8.sh,
 examples/llama/train_llama3_8b_h200_bf16.sh and examples/llama/train_llama3.sh (as those scripts
@@ -27,8 +27,8 @@ import sys
 
 import pytest
 
-from megatron_sp import megatron_compat as mc
-from megatron_sp.arguments import build_parser
+from megatron_sp.cli import megatron_compat as mc
+from megatron_sp.cli.arguments import build_parser
 from megatron_sp.testing import free_port
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "unit"))

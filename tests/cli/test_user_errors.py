@@ -1,4 +1,4 @@
-"""pretrain_gpt.py ends a user's mistake with one sentence, exit status 1, no traceback (issue 13);
+"""pretrain_gpt.py ends a user's mistake with one sentence, exit status 1, no traceback (docs/design.md §12);
 `--debug` keeps the traceback; a finished run exits 0 whatever the interpreter's teardown does.
 
 One rank, tiny models, --mock-data; the runs of a test start together (they are independent).

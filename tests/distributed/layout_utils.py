@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from megatron_sp.config import JobConfig
 from megatron_sp.mesh import ParallelMesh
-from megatron_sp.optimizer import LRScheduler, build_optimizer
+from megatron_sp.training.optimizer import LRScheduler, build_optimizer
 from megatron_sp.pipeline import chunk_specs, get_forward_backward_func
 from megatron_sp.tensor_parallel import gather_full_like
 from megatron_sp.training import Trainer
@@ -84,9 +85,11 @@ def train_layout(mesh, config, batches, micro_batch_size, *, sequence_parallel=F
     scheduler = LRScheduler(optimizer, lr, lr / 10, warmup_iters=1, decay_iters=len(batches),
                             style="cosine")
     global_batch = batches[0]["tokens"].shape[0]
-    trainer = Trainer(chunks, optimizer, scheduler, mesh, global_batch_size=global_batch,
-                      micro_batch_size=micro_batch_size, seq_length=batches[0]["tokens"].shape[1],
-                      clip_grad=1.0, bucket_mb=0.05, schedule=schedule)
+    job = JobConfig.from_flags({"global_batch_size": global_batch,
+                                "micro_batch_size": micro_batch_size,
+                                "seq_length": batches[0]["tokens"].shape[1],
+                                "clip_grad": 1.0, "grad_bucket_size_mb": 0.05})
+    trainer = Trainer(job, mesh, chunks, optimizer, scheduler, schedule=schedule)
     history = []
     for batch in batches:
         result = trainer.train_step(micro_batches(batch, micro_batch_size, mesh.dp_rank, mesh.dp_size))

@@ -50,7 +50,7 @@ def _build(config, mesh, seed):
 
 
 def _opt(chunks, with_state, lr=1e-3):
-    from megatron_sp.optimizer import LRScheduler, build_optimizer
+    from megatron_sp.training.optimizer import LRScheduler, build_optimizer
     from megatron_sp.models.init import init_parameters
     opt = build_optimizer(chunks, lr)
     sched = LRScheduler(opt, lr, lr / 10, warmup_iters=2, decay_iters=20, style="cosine")

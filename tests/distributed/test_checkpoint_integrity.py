@@ -1,4 +1,4 @@
-"""Damaged checkpoints and schedule changes on resume (issue 13, items 2 and 7).
+"""Damaged checkpoints and schedule changes on resume (docs/design.md §12).
 
 Every damage case (truncated shard, deleted shard, truncated .metadata, broken megatron_sp.json,
 64 flipped bytes inside a shard) ends in one CheckpointError sentence naming the file, the iteration
@@ -266,9 +266,10 @@ def test_damaged_checkpoint_outside_training(tmp_path, seed):
 
 def test_schedule_change_refused_overridden_or_taken_from_checkpoint(tmp_path):
     from megatron_sp import checkpointing as ck
-    from megatron_sp.checkpointing.manager import CheckpointManager
+    from megatron_sp.config import CheckpointConfig
+    from megatron_sp.errors import ConfigError
     from megatron_sp.mesh import ParallelMesh
-    from megatron_sp.optimizer import LRScheduler
+    from megatron_sp.training.optimizer import LRScheduler
     mesh, root = ParallelMesh.single(), str(tmp_path / "ck")
 
     def build(decay_iters, max_lr=1e-3):
@@ -304,11 +305,9 @@ def test_schedule_change_refused_overridden_or_taken_from_checkpoint(tmp_path):
     assert (longer.num_steps, longer.decay_iters, longer.max_lr) == (6, 10, 1e-3)
     assert opt.param_groups[0]["lr"] == sched.lr
     # Both flags at once contradict each other (Megatron asserts the same).
-    args = type("Args", (), {"override_opt_param_scheduler": True,
-                             "use_checkpoint_opt_param_scheduler": True})()
-    manager = CheckpointManager(args, type("Trainer", (), {"mesh": mesh})())
-    with pytest.raises(ck.CheckpointError, match="contradict each other: pass one of them"):
-        manager._schedule_policy()
+    with pytest.raises(ConfigError, match="contradict each other: pass one of them"):
+        CheckpointConfig(load=root, override_opt_param_scheduler=True,
+                         use_checkpoint_opt_param_scheduler=True)
 
 
 def _main(argv):

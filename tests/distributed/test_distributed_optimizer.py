@@ -1,11 +1,11 @@
-"""--use-distributed-optimizer equals one rank and holds DESIGN 11's bytes.
+"""--use-distributed-optimizer equals one rank and holds the bytes of docs/design.md §11.
 
 Every rank trains the one-rank reference (torch's AdamW, no communication) and the layout with the
 distributed optimizer (Adam state sharded over dp x sp, gradients reduce-scattered, parameters
 all-gathered) on the same seeded batches, then compares after every one of 3 optimizer steps: loss
 1e-5 relative, the full gradient (the owned rows of every rank, summed over dp x sp) and the full
 updated parameters 1e-4 absolute, and the grad norm 1e-4 (layout_utils.compare). Also: a NaN on one
-rank skips the step on every rank; the per-rank model-state bytes equal DESIGN 11's formula (2% per
+rank skips the step on every rank; the per-rank model-state bytes equal docs/design.md §11 (2% per
 rank for the ceil(rows / n) split, exact summed over ranks); bf16 parameters keep fp32 master rows.
 Checkpoints across every mode and exact resume: tests/distributed/test_fsdp.py (_check_checkpoints).
 """
@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from megatron_sp.config import JobConfig
 from megatron_sp.grad_sync import all_reduce_sum
 from megatron_sp.mesh import ParallelMesh
-from megatron_sp.optimizer import LRScheduler, build_optimizer
+from megatron_sp.training.optimizer import LRScheduler, build_optimizer
 from megatron_sp.sharding.distributed_optimizer import DistributedOptimizer
 from megatron_sp.tensor_parallel import gather_full_like
-from megatron_sp.testing import run_distributed
+from megatron_sp.testing import FaultInjection, run_distributed
 from megatron_sp.training import Trainer
 from megatron_sp.models import preset
 
@@ -45,10 +46,13 @@ def _trainer(mesh, cfg, case, *, distributed, global_batch, steps, micro_batch=N
         optimizer = sharding = DistributedOptimizer(chunks, mesh, lr=1e-3, weight_decay=0.1,
                                                     bucket_mb=0.05, **distributed)
     scheduler = LRScheduler(optimizer, 1e-3, 1e-4, warmup_iters=1, decay_iters=steps, style="cosine")
-    return Trainer(chunks, optimizer, scheduler, mesh, global_batch_size=global_batch,
-                   micro_batch_size=micro_batch or case["micro_batch"],
-                   seq_length=case["seq"], clip_grad=case.get("clip", 1.0), bucket_mb=0.05,
-                   schedule=schedule, sharding=sharding)
+    flags, step_hooks = _inject_nan(case, mesh)
+    job = JobConfig.from_flags({"global_batch_size": global_batch,
+                                "micro_batch_size": micro_batch or case["micro_batch"],
+                                "seq_length": case["seq"], "clip_grad": case.get("clip", 1.0),
+                                "grad_bucket_size_mb": 0.05, **flags})
+    return Trainer(job, mesh, chunks, optimizer, scheduler, schedule=schedule, sharding=sharding,
+                   step_hooks=step_hooks)
 
 
 def _full_grad(optimizer, p):
@@ -79,7 +83,7 @@ def _history(trainer, batches, mesh):
 
 
 def _check_bytes(optimizer, mesh):
-    """DESIGN 11: 4 P_r weights + 4 P_r grads on the device, 8 P_r / n Adam (+ 4 P_r / n master and
+    """docs/design.md §11: 4 P_r weights + 4 P_r grads on the device, 8 P_r / n Adam (+ 4 P_r / n master and
     4 P_r / n gradient rows on the host with offload); exact summed over the n ranks."""
     n = optimizer.n
     p_r = sum(p.numel() for p in optimizer.params)
@@ -96,12 +100,14 @@ def _check_bytes(optimizer, mesh):
     return got
 
 
-def _inject_nan(trainer, case, mesh):
-    """--nonfinite-loss skip, with a NaN loss on global rank 0 only at iteration case["nan_at"]."""
+def _inject_nan(case, mesh):
+    """--nonfinite-loss skip, with a NaN loss on global rank 0 only at iteration case["nan_at"]:
+    (the flags, the step hooks) of the Trainer."""
     if case.get("nan_at"):
-        trainer.set_failure_policy("skip")
-        trainer.faults.nan_iters = {case["nan_at"]} if mesh.rank == 0 else set()
-    return trainer
+        return ({"nonfinite_loss": "skip"},
+                [FaultInjection(mesh.rank, environ={"MEGATRON_SP_INJECT_NAN_AT_ITER":
+                                                    str(case["nan_at"])})])
+    return {}, []
 
 
 def check_distributed_optimizer(rank, world, cases):
@@ -112,14 +118,14 @@ def check_distributed_optimizer(rank, world, cases):
         batches = global_batches(cfg.vocab_size, case["seq"], case["global_batch"], case["steps"],
                                  seed=case.get("data_seed", 11))
         one = ParallelMesh.single()
-        reference = _history(_inject_nan(_trainer(one, cfg, case, distributed=None,
-                                                   micro_batch=case["global_batch"],
-                                                   global_batch=case["global_batch"],
-                                                   steps=case["steps"]), case, one), batches, one)
+        reference = _history(_trainer(one, cfg, case, distributed=None,
+                                      micro_batch=case["global_batch"],
+                                      global_batch=case["global_batch"],
+                                      steps=case["steps"]), batches, one)
         mesh = ParallelMesh.from_sizes(tp=case.get("tp", 1), sp=case.get("sp", 1), pp=case.get("pp", 1))
         trainer = _trainer(mesh, cfg, case, distributed=case.get("distributed", {}),
                            global_batch=case["global_batch"], steps=case["steps"])
-        candidate = _history(_inject_nan(trainer, case, mesh), batches, mesh)
+        candidate = _history(trainer, batches, mesh)
         assert trainer.state.skipped_iterations == (1 if case.get("nan_at") else 0)
         worst = compare(reference, candidate, case["name"])
         got = _check_bytes(trainer.optimizer, mesh) if case.get("bytes") else None
@@ -136,8 +142,9 @@ def check_16bit_parameters(rank, world):
     chunks, schedule = build_chunks(mesh, cfg)
     chunks = [c.to(torch.bfloat16) for c in chunks]
     opt = DistributedOptimizer(chunks, mesh, lr=1e-2, bucket_mb=0.05)
-    trainer = Trainer(chunks, opt, LRScheduler(opt, 1e-2, 1e-3, 0, 3), mesh, global_batch_size=4,
-                      micro_batch_size=2, seq_length=16, schedule=schedule, sharding=opt)
+    job = JobConfig.from_flags({"global_batch_size": 4, "micro_batch_size": 2, "seq_length": 16})
+    trainer = Trainer(job, mesh, chunks, opt, LRScheduler(opt, 1e-2, 1e-3, 0, 3), schedule=schedule,
+                      sharding=opt)
     before = [p.detach().clone() for p in opt.params]
     for batch in global_batches(cfg.vocab_size, 16, 4, 3, seed=1):
         assert not trainer.train_step(micro_batches(batch, 2, mesh.dp_rank, mesh.dp_size)).skipped

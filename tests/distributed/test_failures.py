@@ -1,4 +1,4 @@
-"""Failure behaviour of pretrain_gpt.py on gloo (issue 9): real processes, real launchers.
+"""Failure behaviour of pretrain_gpt.py on gloo (docs/design.md §12): real processes, real launchers.
 
 - a rank killed mid-step (SIGKILL under torchrun): every other rank exits with CollectiveFailure
   naming the iteration, within seconds, never a hang;
@@ -9,7 +9,7 @@
 - the straggler report names the slow rank; TensorBoard events come from one rank only;
 - a rank that cannot reach the rendezvous fails with a sentence naming the address.
 
-Faults are injected through MEGATRON_SP_INJECT_* (megatron_sp/training.py). Every subprocess runs in
+Faults are injected through MEGATRON_SP_INJECT_* (megatron_sp/training/trainer.py). Every subprocess runs in
 its own session under a wall-clock limit and is killed (by its own process group) if it overruns.
 """
 from __future__ import annotations
@@ -173,7 +173,7 @@ def test_unreachable_rendezvous_names_the_address():
 
 
 def test_mistake_said_once_and_evaluation_failure_named():
-    """Issue 13. A start-up mistake every rank finds (the batch size at dp=2) is said once, by
+    """A start-up mistake every rank finds (the batch size at dp=2) is said once, by
     rank 0, as one sentence without a traceback of ours; a rank killed during an evaluation makes
     the other stop with the CollectiveFailure sentence (its rank, the evaluation), not a raw
     gloo 'Connection reset by peer' traceback."""

@@ -1,4 +1,4 @@
-"""The families' features in every layout (issue 14): a tiny Qwen3-style model (qk-norm, tied
+"""The Hugging Face families' features in every layout: a tiny Qwen3-style model (qk-norm, tied
 embeddings, head_dim 32 != hidden 64 / 4 heads; also with YaRN) and a Llama-3.1-style one (llama3
 RoPE scaling that changes the frequencies at these lengths) train like one rank in tp2, sp2, sp4,
 tp2 x sp2, pp2, and a Qwen2.5-style one (bias in q/k/v only) in tp2 x sp2: losses 1e-5 relative,
@@ -83,9 +83,10 @@ def _memory_techniques(technique):
 def _converted_loss(layout, path, batch):
     """Load the converted release checkpoint into `layout` and return its first training loss."""
     from megatron_sp.checkpointing import load_checkpoint, read_meta, resolve_checkpoint
+    from megatron_sp.config import JobConfig
     from megatron_sp.mesh import ParallelMesh
     from megatron_sp.models import GPTConfig
-    from megatron_sp.optimizer import LRScheduler, build_optimizer
+    from megatron_sp.training.optimizer import LRScheduler, build_optimizer
     from megatron_sp.training import Trainer
     from layout_utils import build_chunks, micro_batches
     config = GPTConfig.from_dict(read_meta(resolve_checkpoint(path))["config"])
@@ -95,8 +96,9 @@ def _converted_loss(layout, path, batch):
     optimizer = build_optimizer(chunks, lr=1e-4)
     scheduler = LRScheduler(optimizer, 1e-4, 1e-5, warmup_iters=0, decay_iters=2, style="constant")
     n = batch["tokens"].shape[0]
-    trainer = Trainer(chunks, optimizer, scheduler, mesh, global_batch_size=n, micro_batch_size=1,
-                      seq_length=batch["tokens"].shape[1], clip_grad=1.0, schedule=schedule)
+    job = JobConfig.from_flags({"global_batch_size": n, "micro_batch_size": 1,
+                                "seq_length": batch["tokens"].shape[1], "clip_grad": 1.0})
+    trainer = Trainer(job, mesh, chunks, optimizer, scheduler, schedule=schedule)
     return trainer.train_step(micro_batches(batch, 1, mesh.dp_rank, mesh.dp_size)).loss
 
 

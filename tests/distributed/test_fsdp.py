@@ -1,4 +1,4 @@
-"""--use-torch-fsdp2 (and --optimizer-cpu-offload) against the same model on one rank (DESIGN 8, 11).
+"""--use-torch-fsdp2 (and --optimizer-cpu-offload) against the same model on one rank (docs/design.md §8, §11).
 
 Every rank trains the one-rank reference locally and the FSDP2-sharded model on the real mesh, on
 the same fresh seeded batches, for 3 optimizer steps, and compares after every step:
@@ -7,7 +7,7 @@ the same fresh seeded batches, for 3 optimizer steps, and compares after every s
 - with --bf16 (bf16 gathered parameters and bf16 gradients on the wire) against the fp32
   reference: loss 2e-2 relative, gradients and parameters 1e-2 absolute (bf16 has 8 mantissa bits;
   measured worst difference 2.1e-3).
-The per-rank model-state bytes measured from the tensors (local shards) equal DESIGN 11's formula
+The per-rank model-state bytes measured from the tensors (local shards) equal the formula of docs/design.md §11
 exactly: 16 P_r / n on the device (0 on the host); with CPU offload 0 on the device, 16 P_r / n on
 the host (P_r: parameters of the rank's (tp, pp) slice, n = dp*sp; every dim 0 divides by n here,
 so FSDP2 pads nothing and the shards are equal).
@@ -25,15 +25,16 @@ import pytest
 import torch
 
 from megatron_sp.checkpointing import load_checkpoint, read_full_tensors, save_checkpoint
+from megatron_sp.config import JobConfig
 from megatron_sp.grad_sync import all_reduce_sum
 from megatron_sp.memory import MemoryOptions
 from megatron_sp.mesh import ParallelMesh
 from megatron_sp.models import preset
-from megatron_sp.optimizer import LRScheduler, build_optimizer
+from megatron_sp.training.optimizer import LRScheduler, build_optimizer
 from megatron_sp.sharding.distributed_optimizer import DistributedOptimizer
 from megatron_sp.sharding.fsdp import apply_fsdp2, full_tensor
 from megatron_sp.tensor_parallel import gather_full_like
-from megatron_sp.testing import assert_same_curve, free_port, run_distributed
+from megatron_sp.testing import FaultInjection, assert_same_curve, free_port, run_distributed
 from megatron_sp.training import Trainer
 
 from layout_utils import build_chunks, global_batches, micro_batches
@@ -45,8 +46,9 @@ SEQ, GLOBAL_BATCH, STEPS = 32, 8, 3
 
 
 def _trainer(mesh, cfg, micro_batch, *, fsdp=None, distopt=None, sequence_parallel=False,
-             pipeline=None, memory=None, seed=7):
-    """fsdp / distopt: the keyword arguments of apply_fsdp2 / DistributedOptimizer (None: not)."""
+             pipeline=None, memory=None, seed=7, flags=None, step_hooks=()):
+    """fsdp / distopt: the keyword arguments of apply_fsdp2 / DistributedOptimizer (None: not);
+    flags: more JobConfig flags; step_hooks: the Trainer's."""
     chunks, schedule = build_chunks(mesh, cfg, sequence_parallel=sequence_parallel,
                                     pipeline=pipeline, seed=seed,
                                     model_kwargs={"memory": MemoryOptions(**(memory or {}))})
@@ -57,9 +59,11 @@ def _trainer(mesh, cfg, micro_batch, *, fsdp=None, distopt=None, sequence_parall
     else:
         optimizer = build_optimizer(chunks, lr=1e-3, weight_decay=0.1)
     scheduler = LRScheduler(optimizer, 1e-3, 1e-4, warmup_iters=1, decay_iters=STEPS, style="cosine")
-    return Trainer(chunks, optimizer, scheduler, mesh, global_batch_size=GLOBAL_BATCH,
-                   micro_batch_size=micro_batch, seq_length=SEQ, clip_grad=1.0, bucket_mb=0.05,
-                   schedule=schedule, sharding=sharding, bf16=bool(fsdp and fsdp.get("bf16")))
+    job = JobConfig.from_flags({"global_batch_size": GLOBAL_BATCH, "micro_batch_size": micro_batch,
+                                "seq_length": SEQ, "clip_grad": 1.0, "grad_bucket_size_mb": 0.05,
+                                "bf16": bool(fsdp and fsdp.get("bf16")), **(flags or {})})
+    return Trainer(job, mesh, chunks, optimizer, scheduler, schedule=schedule, sharding=sharding,
+                   step_hooks=step_hooks)
 
 
 def _full(tensor, param, mesh):
@@ -99,7 +103,7 @@ def _compare(ref, cand, what, loss_rtol=LOSS_RTOL, atol=ATOL):
 
 
 def _state_bytes_formula(trainer, mesh, offloaded):
-    """DESIGN 11: 16 P_r / n per rank (on the host with offload), P_r the (tp, pp) slice."""
+    """docs/design.md §11: 16 P_r / n per rank (on the host with offload), P_r the (tp, pp) slice."""
     p_r = sum(p.numel() for c in trainer.chunks for p in c.parameters())   # DTensor: slice shape
     n = mesh.dp_size * mesh.sp_size
     sharded = 16 * p_r // n
@@ -231,12 +235,9 @@ def _check_nonfinite_skip(rank, world):
     cfg = preset("gpt2-tiny")
     mesh = ParallelMesh.from_sizes()
     batches = global_batches(cfg.vocab_size, SEQ, GLOBAL_BATCH, STEPS, seed=31)
-    os.environ["MEGATRON_SP_INJECT_NAN_AT_ITER"] = "2"
-    try:
-        trainer = _trainer(mesh, cfg, 2, fsdp={})
-    finally:
-        del os.environ["MEGATRON_SP_INJECT_NAN_AT_ITER"]
-    trainer.set_failure_policy("skip")
+    trainer = _trainer(mesh, cfg, 2, fsdp={}, flags={"nonfinite_loss": "skip"},
+                       step_hooks=[FaultInjection(mesh.rank,
+                                                  environ={"MEGATRON_SP_INJECT_NAN_AT_ITER": "2"})])
     results = []
     for i, batch in enumerate(batches):
         results.append(trainer.train_step(micro_batches(batch, 2, mesh.dp_rank, mesh.dp_size)))

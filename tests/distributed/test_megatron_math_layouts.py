@@ -1,4 +1,4 @@
-"""Megatron-LM's math flags in parallel layouts against one rank (issue 17), one 4-rank spawn
+"""Megatron-LM's math flags in parallel layouts against one rank (docs/design.md §10), one 4-rank spawn
 (dp fills the ranks a layout leaves):
 
 - --apply-layernorm-1p (RMSNorm with qk-norm, tp2 x sp2 sequence-parallel; LayerNorm, tp2 x sp2),
@@ -58,16 +58,17 @@ CASES = [
 
 
 def _trainer(mesh, cfg, micro_batch, *, sequence_parallel=False, optimizer=None, precision=None):
-    from megatron_sp.optimizer import LRScheduler, build_optimizer
+    """precision: flat precision flags (fp16, initial_loss_scale, grad_reduce_in_bf16, ...)."""
+    from megatron_sp.config import JobConfig
+    from megatron_sp.training.optimizer import LRScheduler, build_optimizer
     from megatron_sp.training import Trainer
     chunks, schedule = build_chunks(mesh, cfg, sequence_parallel=sequence_parallel)
     opt = build_optimizer(chunks, lr=1e-3, weight_decay=0.1, **(optimizer or {}))
     scheduler = LRScheduler(opt, 1e-3, 1e-4, warmup_iters=1, decay_iters=STEPS, style="cosine")
-    trainer = Trainer(chunks, opt, scheduler, mesh, global_batch_size=GLOBAL_BATCH,
-                      micro_batch_size=micro_batch, seq_length=SEQ, clip_grad=1.0, bucket_mb=0.05,
-                      schedule=schedule)
-    trainer.set_precision(**(precision or {}))
-    return trainer
+    job = JobConfig.from_flags({"global_batch_size": GLOBAL_BATCH, "micro_batch_size": micro_batch,
+                                "seq_length": SEQ, "clip_grad": 1.0, "grad_bucket_size_mb": 0.05,
+                                **(precision or {})})
+    return Trainer(job, mesh, chunks, opt, scheduler, schedule=schedule)
 
 
 def _full(trainer, what):
@@ -128,15 +129,14 @@ def _layouts(cases):
 
 
 def _fp16_against_fp32():
-    from megatron_sp.loss_scaler import LossScaler
     from megatron_sp.mesh import ParallelMesh
     from megatron_sp.models import preset
     cfg = preset(LLAMA["model"], **LLAMA["overrides"])
     batches = global_batches(cfg.vocab_size, SEQ, GLOBAL_BATCH, STEPS, seed=22)
     ref_history, _ = _run(_trainer(ParallelMesh.single(), cfg, GLOBAL_BATCH), batches)
-    scaler = LossScaler(2.0**12, window=2, hysteresis=2)
+    scaler = dict(initial_loss_scale=2.0**12, loss_scale_window=2, hysteresis=2)
     candidate = _trainer(ParallelMesh.from_sizes(), cfg, 1,
-                         precision=dict(fp16=True, loss_scaler=scaler))
+                         precision=dict(fp16=True, **scaler))
     history, results = _run(candidate, batches)
     worst = compare(ref_history, history, "fp16 dp4", loss_rtol=1e-3, grad_atol=5e-4)
     assert worst[1] > 1e-6, "fp16 autocast did not round anything (fp32 layouts differ by ~1e-8)"
@@ -148,13 +148,12 @@ def _fp16_against_fp32():
 def _overflow_backoff():
     """An inf in one gradient on rank 0 only (pp2 x dp2: stage 1 never sees it) at steps 1, 2."""
     import torch.distributed as dist
-    from megatron_sp.loss_scaler import LossScaler
     from megatron_sp.mesh import ParallelMesh
     from megatron_sp.models import preset
     cfg = preset(LLAMA["model"], **LLAMA["overrides"])
     batches = global_batches(cfg.vocab_size, SEQ, GLOBAL_BATCH, STEPS, seed=23)
     trainer = _trainer(ParallelMesh.from_sizes(pp=2), cfg, 1,
-                       precision=dict(fp16=True, loss_scaler=LossScaler(2.0**12, hysteresis=2)))
+                       precision=dict(fp16=True, initial_loss_scale=2.0**12, hysteresis=2))
     before, after_skips = _full(trainer, "param"), {}
 
     def inject(step, t):
@@ -233,17 +232,17 @@ def _grad_reduce_in_bf16():
 
 
 def _distributed_optimizer_trainer(mesh, cfg, bf16_reduce: bool):
-    from megatron_sp.optimizer import LRScheduler
+    from megatron_sp.config import JobConfig
+    from megatron_sp.training.optimizer import LRScheduler
     from megatron_sp.sharding.distributed_optimizer import DistributedOptimizer
     from megatron_sp.training import Trainer
     chunks, schedule = build_chunks(mesh, cfg)
     opt = DistributedOptimizer(chunks, mesh, lr=1e-3, weight_decay=0.1, bucket_mb=0.05)
     scheduler = LRScheduler(opt, 1e-3, 1e-4, warmup_iters=1, decay_iters=STEPS, style="cosine")
-    trainer = Trainer(chunks, opt, scheduler, mesh, global_batch_size=GLOBAL_BATCH,
-                      micro_batch_size=1, seq_length=SEQ, clip_grad=1.0, schedule=schedule,
-                      sharding=opt)
-    trainer.set_precision(grad_reduce_in_bf16=bf16_reduce)
-    return trainer
+    job = JobConfig.from_flags({"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 1,
+                                "seq_length": SEQ, "clip_grad": 1.0,
+                                "grad_reduce_in_bf16": bf16_reduce})
+    return Trainer(job, mesh, chunks, opt, scheduler, schedule=schedule, sharding=opt)
 
 
 def _grad_reduce_in_bf16_distributed_optimizer():

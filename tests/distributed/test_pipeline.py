@@ -1,4 +1,4 @@
-"""Pipeline parallelism (issue 6): stage partition, p2p, 1F1B and interleaved schedules, and their
+"""Pipeline parallelism (docs/design.md §6): stage partition, p2p, 1F1B and interleaved schedules, and their
 composition with tp, sp and dp, each equal to one rank (loss 1e-5 relative, gradients 1e-4 over
 several optimizer steps; every stage compares the gradients of the parameters it holds), plus
 pretrain_gpt.py under torchrun (tp 2 x sp 2 x pp 2 on 8 gloo ranks) against its one-rank loss curve.
@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp import comm_stats
-from megatron_sp.arguments import parse_args
+from megatron_sp.cli.build import parse_job
+from megatron_sp.errors import ConfigError
 from megatron_sp.mesh import ParallelMesh
 from megatron_sp.pipeline import (PipelineLayoutError, check_num_microbatches, chunk_layer_ids,
                                   forward_backward_pipelining_with_interleaving, stage_layer_ids)
@@ -49,7 +50,7 @@ def test_stage_partition():
         stage_layer_ids(7, 4)
     with pytest.raises(PipelineLayoutError, match="does not equal --num-layers 6"):
         stage_layer_ids(6, 2, first=1, last=4)
-    # First/last stages that take every layer: no "-1 layers" (issue 13), the flags and the fix.
+    # First/last stages that take every layer: no "-1 layers", the flags and the fix.
     with pytest.raises(PipelineLayoutError, match=r"^--decoder-first-pipeline-num-layers 5 leaves "
                        r"no layer of --num-layers 4 for the other 1 pipeline stage: every stage "
                        r"needs at least one layer; give the first/last stage fewer layers\.$"):
@@ -73,11 +74,11 @@ def test_stage_partition():
 
 
 def test_pipeline_flags_accepted():
-    args = parse_args(["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
-                       "1", "--decoder-first-pipeline-num-layers", "1"])
+    args = parse_job(["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+                      "1", "--decoder-first-pipeline-num-layers", "1"]).parallel
     assert args.pipeline_model_parallel_size == 2
-    with pytest.raises(SystemExit, match="needs --pipeline-model-parallel-size > 1"):
-        parse_args(["--num-layers-per-virtual-pipeline-stage", "2"])
+    with pytest.raises(ConfigError, match="needs --pipeline-model-parallel-size > 1"):
+        parse_job(["--num-layers-per-virtual-pipeline-stage", "2"])
 
 
 # Distributed ----------------------------------------------------------------------------------------
@@ -130,8 +131,9 @@ def _held_after_send(schedule, chunks, mbs, mesh, count, autocast=contextlib.nul
 def pipeline_extras(rank, world):
     """pp=2: evaluation (forward only), byte counts, arming, the interleaved micro-batch check and
     identical tied embeddings on both stages after training."""
+    from megatron_sp.config import JobConfig
     from megatron_sp.models import preset
-    from megatron_sp.optimizer import LRScheduler, build_optimizer
+    from megatron_sp.training.optimizer import LRScheduler, build_optimizer
     from megatron_sp.training import Trainer
 
     cfg = preset(GPT2["model"], **GPT2["overrides"])
@@ -144,8 +146,9 @@ def pipeline_extras(rank, world):
         trainers = []
         for m, cs, sched in ((ParallelMesh.single(), ref_chunks, None), (mesh, chunks, schedule)):
             opt = build_optimizer(cs, lr=1e-3)
-            trainers.append(Trainer(cs, opt, LRScheduler(opt, 1e-3, 1e-4, 0, 2), m,
-                                    global_batch_size=4, micro_batch_size=1, seq_length=16,
+            job = JobConfig.from_flags({"global_batch_size": 4, "micro_batch_size": 1,
+                                        "seq_length": 16})
+            trainers.append(Trainer(job, m, cs, opt, LRScheduler(opt, 1e-3, 1e-4, 0, 2),
                                     schedule=sched))
         # Forward-only evaluation equals one rank's.
         evals = [t.evaluate(iter(micro_batches(batches[0], 1, 0, 1)), 1) for t in trainers]

@@ -46,7 +46,7 @@ def test_tp2_tp2_sequence_parallel_and_sp4_match_one_rank(tmp_path):
         assert len(train) == 4 and len(valid) == 1, name
         for a, b in zip(train1 + valid1, train + valid):
             assert abs(a - b) <= 1e-5 * abs(a), (name, train1 + valid1, train + valid)
-    # sp4 at dp1: the gradient sum runs over dp x sp and the log names that group (issue 15).
+    # sp4 at dp1: the gradient sum runs over dp x sp and the log names that group.
     import json
     records = [json.loads(line) for line in open(tmp_path / "sp4.jsonl") if '"lm_loss"' in line]
     assert all(r.get("bytes/dp_sp/all_reduce", 0) > 0 for r in records), records[0].keys()

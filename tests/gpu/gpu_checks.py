@@ -73,7 +73,7 @@ for name in sys.argv[1].split(","):
         out["versions"][name] = None if isinstance(err, ImportError) else f"broken: {err}"[:120]
 import megatron_sp, megatron_sp.models, megatron_sp.data
 out["megatron_sp"] = os.path.dirname(megatron_sp.__file__)
-from megatron_sp.arguments import build_parser
+from megatron_sp.cli.arguments import build_parser
 known = build_parser()._option_string_actions
 out["flags"] = {f: f in known for f in sys.argv[2].split(",")}
 try:                                                  # the bench's imports resolve

@@ -93,7 +93,7 @@ def test_pinned_offload_with_full_recompute_equals_plain():
 
 
 def test_fused_adamw_on_cuda():
-    from megatron_sp.optimizer import build_optimizer
+    from megatron_sp.training.optimizer import build_optimizer
     model = GPTModel(_config()).cuda()
     opt = build_optimizer([model], lr=1e-3)
     assert opt.defaults.get("fused") or type(opt).__name__ == "FusedAdam"

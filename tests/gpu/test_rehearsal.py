@@ -1,4 +1,4 @@
-"""CPU rehearsal of the one GPU script (issue 18): it must work the first time on a bare machine.
+"""CPU rehearsal of the one GPU script: it must work the first time on a bare machine.
 
 Runs in the normal suite, on CPU (no GPU needed, not skipped). It copies the checkout's tracked files
 (a clean checkout), builds a plain virtual environment that sees only torch, numpy, pytest,

@@ -3,7 +3,7 @@
 
 import pytest
 
-from megatron_sp.arguments import parse_args
+from megatron_sp.cli.build import parse_job
 from megatron_sp.models.config import PRESETS, GPTConfig, config_to_flags, preset
 
 from megatron_sp.testing import load_script  # noqa: E402
@@ -22,8 +22,8 @@ def _odd_config():
 @pytest.mark.parametrize("name", sorted(PRESETS) + ["odd"])
 def test_flags_rebuild_the_config(name):
     config = _odd_config() if name == "odd" else preset(name)
-    args = parse_args(config_to_flags(config) + ["--seq-length", "128"])
-    rebuilt = pretrain_gpt.model_config(args, config.vocab_size)
+    job = parse_job(config_to_flags(config) + ["--seq-length", "128"])
+    rebuilt = pretrain_gpt.model_config(job, config.vocab_size)
     assert rebuilt.to_dict() == config.to_dict()
 
 
@@ -42,8 +42,8 @@ def test_checkpoint_mismatch_names_the_flag(capsys):
 
 
 def test_help_has_a_sentence_and_default_for_every_flag():
-    """--help: every flag described, defaults shown (issue 15), --fp16 not described as refused."""
-    from megatron_sp.arguments import build_parser
+    """--help: every flag described, defaults shown, --fp16 not described as refused."""
+    from megatron_sp.cli.arguments import build_parser
     parser = build_parser()
     undocumented = [a.option_strings[0] for a in parser._actions
                     if a.option_strings and a.dest != "help" and not a.help]

@@ -1,4 +1,4 @@
-"""megatron_sp.cpu_allocator: on glibc, large CPU tensors come from the heap (reused from step to
+"""megatron_sp.memory.cpu_allocator: on glibc, large CPU tensors come from the heap (reused from step to
 step) instead of fresh mmaps that page-fault on first touch."""
 import ctypes
 import subprocess
@@ -15,7 +15,7 @@ class MallInfo2(ctypes.Structure):
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
 if sys.argv[1] == "keep":
-    from megatron_sp.cpu_allocator import keep_freed_memory
+    from megatron_sp.memory.cpu_allocator import keep_freed_memory
     assert keep_freed_memory() and keep_freed_memory()       # applied, and idempotent
 before = libc.mallinfo2().hblkhd
 x = torch.ones(16 << 20)                                      # 64 MiB

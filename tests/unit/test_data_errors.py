@@ -1,5 +1,5 @@
-"""Bad data input ends in one sentence and leaves nothing behind (issue 13 items 1, 3, 4, 8; issue 15
-small datasets): blend weights, token ids outside the vocabulary (preprocessing and training), the
+"""Bad data input ends in one sentence and leaves nothing behind (docs/design.md §12), small
+datasets included: blend weights, token ids outside the vocabulary (preprocessing and training), the
 index cache after re-preprocessing a prefix, empty splits, the preprocessing CLI's errors."""
 import json
 import os

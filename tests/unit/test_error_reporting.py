@@ -4,7 +4,7 @@ import pytest
 
 from megatron_sp import errors
 from megatron_sp.errors import ConfigError, UserError, as_user_error, should_print
-from megatron_sp.training import CollectiveFailure
+from megatron_sp.errors import CollectiveFailure
 
 
 class FakeStore:

@@ -1,4 +1,4 @@
-"""The families users arrive with (issue 14), against transformers on tiny random models built here
+"""The families users arrive with (models/families.py), against transformers on tiny random models built here
 (never downloaded): conversion both ways with logits within 1e-5 (fp32) for llama (plain, llama3
 and yarn RoPE), mistral, qwen2 and qwen3; the RoPE rules and qk-norm against transformers' own
 functions; the presets' parameter counts against the published ones; GPT2BPETokenizer ids against
@@ -128,7 +128,8 @@ def test_mistral_exports_as_mistral_and_sliding_window_is_refused_when_it_matter
              "--normalization RMSNorm --disable-bias-linear --untie-embeddings-and-output-weights "
              "--max-position-embeddings 64 --seq-length 32 --train-iters 1 --eval-iters 0 "
              "--attention-backend sdpa --finetune").split()
-    with pytest.raises(SystemExit, match="exceeds the sliding window 16 of the checkpoint"):
+    from megatron_sp.errors import ConfigError
+    with pytest.raises(ConfigError, match="exceeds the sliding window 16 of the checkpoint"):
         pretrain_gpt.main(flags + ["--load", str(tmp_path / "ours")])
 
 
@@ -268,7 +269,7 @@ def test_family_flags_rebuild_the_config(name):
     import sys
     sys.path.insert(0, ROOT)
     import pretrain_gpt
-    from megatron_sp.arguments import parse_args
+    from megatron_sp.cli.build import parse_job
     cfg = preset(name, position_embedding_type="yarn", use_rope_scaling=False,
                  yarn_rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=32768,
                  yarn_beta_fast=16.0) if name == "qwen3-4b" else preset(name)
@@ -281,8 +282,8 @@ def test_family_flags_rebuild_the_config(name):
              f"--hidden-dropout 0 --seq-length 128").split()
     shape += ["--add-qkv-bias"] if cfg.add_qkv_bias else []
     shape += [] if cfg.tie_embeddings else ["--untie-embeddings-and-output-weights"]
-    args = parse_args(shape + families.family_flags(cfg))
-    assert pretrain_gpt.model_config(args, cfg.vocab_size) == cfg
+    job = parse_job(shape + families.family_flags(cfg))
+    assert pretrain_gpt.model_config(job, cfg.vocab_size) == cfg
 
 
 def test_family_presets_shapes():
@@ -406,10 +407,11 @@ def test_vocab_size_pads_a_real_tokenizer_to_the_checkpoint_rows():
     import sys
     sys.path.insert(0, ROOT)
     import pretrain_gpt
-    from megatron_sp.arguments import parse_args
+    from megatron_sp.cli.build import parse_job
+    from megatron_sp.errors import ConfigError
     base = "--model qwen3-0.6b --seq-length 128 --tokenizer-type HuggingFaceTokenizer".split()
-    assert pretrain_gpt.model_config(parse_args(base), 151669).vocab_size == 151669
-    args = parse_args(base + ["--vocab-size", "151936"])
-    assert pretrain_gpt.model_config(args, 151669).vocab_size == 151936
-    with pytest.raises(SystemExit, match="--vocab-size 1000 is smaller than the HuggingFaceTokenizer"):
-        pretrain_gpt.model_config(parse_args(base + ["--vocab-size", "1000"]), 151669)
+    assert pretrain_gpt.model_config(parse_job(base), 151669).vocab_size == 151669
+    job = parse_job(base + ["--vocab-size", "151936"])
+    assert pretrain_gpt.model_config(job, 151669).vocab_size == 151936
+    with pytest.raises(ConfigError, match="--vocab-size 1000 is smaller than the HuggingFaceTokenizer"):
+        pretrain_gpt.model_config(parse_job(base + ["--vocab-size", "1000"]), 151669)

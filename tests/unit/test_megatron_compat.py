@@ -1,4 +1,4 @@
-"""Megatron-LM compatibility (issue 17): the flag table, start-up mapping, the log line read by
+"""Megatron-LM compatibility (docs/design.md §10): the flag table, start-up mapping, the log line read by
 train_llama3.sh's regular expressions, and the batch-size ramp-up and sample-counted schedule checked
 against megatron-core's own calculator and scheduler (exact integers; lr to 1e-12 relative)."""
 import os
@@ -8,10 +8,12 @@ import warnings
 import pytest
 import torch
 
-from megatron_sp import megatron_compat as mc
-from megatron_sp.arguments import build_parser, parse_args
-from megatron_sp.optimizer import LRScheduler
-from megatron_sp.rampup import BatchSizeRampup, schedule_steps
+from megatron_sp.cli import megatron_compat as mc
+from megatron_sp.cli.arguments import build_parser, parse_args
+from megatron_sp.cli.build import parse_job
+from megatron_sp.errors import ConfigError
+from megatron_sp.training.optimizer import LRScheduler
+from megatron_sp.training.rampup import BatchSizeRampup, schedule_steps
 from megatron_sp.training import format_log_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,7 +26,7 @@ def test_readme_table_is_the_generated_one():
     begin, end = "<!-- megatron-flags-table: begin -->\n", "<!-- megatron-flags-table: end -->"
     table = text[text.index(begin) + len(begin):text.index(end)]
     assert table == mc.markdown_table(), "README table drifted: regenerate it with " \
-        "python -m megatron_sp.megatron_compat --markdown"
+        "python -m megatron_sp.cli.megatron_compat --markdown"
 
 
 def test_every_categorised_flag_is_parsed_once():
@@ -70,9 +72,9 @@ def test_mapped_and_noop_flags_are_said_once():
     (["--global-batch-size", "8", "--rampup-batch-size", "3", "2", "10"], "multiple of INCR"),
 ])
 def test_refusals_are_one_sentence(argv, words):
-    with pytest.raises(SystemExit) as err:
-        parse_args(BASE + argv)
-    message = str(err.value)
+    with pytest.raises(ConfigError) as err:       # run_main prints it as "error: <message>"
+        parse_job(BASE + argv)
+    message = f"error: {err.value}"
     assert message.startswith("error: ") and words in message and "\n" not in message
 
 
@@ -154,8 +156,8 @@ def test_sample_counted_schedule_is_megatron_cores(flags):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    args = parse_args(BASE + ["--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-5",
-                              "--lr-decay-style", "cosine"] + flags)    # the last style given wins
+    args = parse_job(BASE + ["--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-5",
+                             "--lr-decay-style", "cosine"] + flags).training   # the last style wins
     warmup, decay, wsd = schedule_steps(args)
     param = torch.nn.Parameter(torch.zeros(1))
     ours = LRScheduler(torch.optim.SGD([param], lr=0.0), args.lr, args.min_lr, warmup, decay,
@@ -166,7 +168,7 @@ def test_sample_counted_schedule_is_megatron_cores(flags):
                                      lr_decay_style=args.lr_decay_style, start_wd=0.0, end_wd=0.0,
                                      wd_incr_steps=1, wd_incr_style="constant", wsd_decay_steps=wsd,
                                      lr_wsd_decay_style="linear")
-    ramp = BatchSizeRampup.from_args(args)
+    ramp = args.rampup()
     consumed = 0
     for _ in range(args.train_iters):
         gbs = ramp.batch_size(consumed) if ramp else args.global_batch_size
@@ -209,6 +211,6 @@ def test_exit_on_missing_checkpoint(tmp_path, capsys):
     argv = ["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "32",
             "--num-attention-heads", "2", "--seq-length", "8", "--train-iters", "1",
             "--load", str(tmp_path / "none"), "--exit-on-missing-checkpoint"]
-    with pytest.raises(SystemExit) as err:
+    with pytest.raises(ConfigError) as err:       # run_main prints it as "error: <message>"
         pretrain_gpt.main(argv)
-    assert str(err.value).startswith("error: --exit-on-missing-checkpoint: no checkpoint under --load")
+    assert f"error: {err.value}".startswith("error: --exit-on-missing-checkpoint: no checkpoint under --load")

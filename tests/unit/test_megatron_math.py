@@ -1,4 +1,4 @@
-"""Megatron-LM's math flags on one rank (issue 17): the model variants against their definitions
+"""Megatron-LM's math flags on one rank (docs/design.md §10): the model variants against their definitions
 (and Megatron-core's own RoPE where it is installed), the loss scaler's rules, --optimizer sgd
 against torch.optim.SGD, the loss scaler and SGD state through a checkpoint, and the Transformer
 Engine / FP8 glue against a stand-in module with Transformer Engine's documented signatures."""
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import sys
 import types
 
@@ -13,13 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_sp.arguments import parse_args
-from megatron_sp.loss_scaler import LossScaler
+from megatron_sp.cli.arguments import parse_args
+from megatron_sp.cli.build import parse_job
+from megatron_sp.config import JobConfig
+from megatron_sp.errors import ConfigError
+from megatron_sp.training.loss_scaler import LossScaler
 from megatron_sp.mesh import ParallelMesh
 from megatron_sp.models import GPTConfig, GPTModel
 from megatron_sp.models.gpt import RotaryEmbedding, apply_rotary
 from megatron_sp.models.init import init_parameters
-from megatron_sp.optimizer import LRScheduler, build_optimizer
+from megatron_sp.training.optimizer import LRScheduler, build_optimizer
 from megatron_sp.training import Trainer
 
 pytestmark = pytest.mark.timeout(120)
@@ -81,15 +85,15 @@ def test_rotary_percent_rotates_only_the_first_dims():
 def test_rotary_percent_and_1p_flags_reach_the_config_and_back():
     """config_to_flags -> the parser -> pretrain_gpt.model_config rebuilds both fields, and both
     flags sit in the model group that --use-checkpoint-args copies from a checkpoint."""
-    from megatron_sp.arguments import build_parser
+    from megatron_sp.cli.arguments import build_parser
     from megatron_sp.models.config import config_to_flags
     from megatron_sp.testing import load_script
     pretrain_gpt = load_script("pretrain_gpt.py")
     cfg = tiny(rotary_percent=0.25, apply_layernorm_1p=True)
     flags = config_to_flags(cfg)
     assert "--apply-layernorm-1p" in flags and flags[flags.index("--rotary-percent") + 1] == "0.25"
-    args = parse_args(flags + ["--seq-length", "32"])
-    assert pretrain_gpt.model_config(args, cfg.vocab_size).to_dict() == cfg.to_dict()
+    job = parse_job(flags + ["--seq-length", "32"])
+    assert pretrain_gpt.model_config(job, cfg.vocab_size).to_dict() == cfg.to_dict()
     model_group = next(g for g in build_parser()._action_groups if g.title == "model")
     dests = {a.dest for a in model_group._group_actions}
     assert {"apply_layernorm_1p", "rotary_percent"} <= dests
@@ -112,10 +116,11 @@ def test_dynamic_loss_scaler_follows_megatron_rules():
     assert static.scale == 128.0
 
 
-def _train(model, optimizer, scheduler, batches, steps, **precision):
-    trainer = Trainer([model], optimizer, scheduler, ParallelMesh.single(), global_batch_size=2,
-                      micro_batch_size=1, seq_length=16, clip_grad=1.0)
-    trainer.set_precision(**precision)
+def _train(model, optimizer, scheduler, batches, steps, **flags):
+    """`steps` steps of a fresh Trainer whose JobConfig has `flags` (precision flags, ...)."""
+    job = JobConfig.from_flags(dict(global_batch_size=2, micro_batch_size=1, seq_length=16,
+                                    clip_grad=1.0, **flags))
+    trainer = Trainer(job, ParallelMesh.single(), [model], optimizer, scheduler)
     return trainer, [trainer.train_step([{k: v[i:i + 1] for k, v in b.items()} for i in range(2)])
                      for b in batches[:steps]]
 
@@ -150,17 +155,18 @@ def test_sgd_matches_torch_sgd_and_its_momentum_survives_a_checkpoint(tmp_path):
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6, msg=name)
     # The scaler state and momentum buffers through a checkpoint (one rank, no process group).
-    trainer.set_precision(fp16=True, loss_scaler=LossScaler(2.0**10, window=2))
-    trainer.train_step([{k: v[i:i + 1] for k, v in batches[0].items()} for i in range(2)])
+    trainer, _ = _train(model, optimizer, scheduler, batches[:1], 1, fp16=True,
+                        initial_loss_scale=2.0**10, loss_scale_window=2)
     save_checkpoint(str(tmp_path), trainer.state.iteration, [model], ParallelMesh.single(),
                     optimizer=optimizer, scheduler=scheduler, train_state=trainer.state, config=cfg)
     fresh = GPTModel(cfg)
     fresh_opt = build_optimizer([fresh], lr=0.05, weight_decay=0.1, optimizer="sgd")
     fresh_sched = LRScheduler(fresh_opt, 0.05, 0.05, warmup_iters=0, decay_iters=3,
                               style="constant")
-    restored = Trainer([fresh], fresh_opt, fresh_sched, ParallelMesh.single(), global_batch_size=2,
-                       micro_batch_size=1, seq_length=16)
-    restored.set_precision(fp16=True, loss_scaler=LossScaler(2.0**32))
+    restored = Trainer(JobConfig.from_flags(dict(global_batch_size=2, micro_batch_size=1,
+                                                 seq_length=16, fp16=True,
+                                                 initial_loss_scale=2.0**32)),
+                       ParallelMesh.single(), [fresh], fresh_opt, fresh_sched)
     load_checkpoint(str(tmp_path), [fresh], ParallelMesh.single(), optimizer=fresh_opt,
                     scheduler=fresh_sched, train_state=restored.state, config=cfg)
     assert restored._loss_scale() == trainer.loss_scaler.scale == 2.0**10
@@ -219,26 +225,28 @@ FP8_FLAGS = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-
 
 
 def test_fp8_flags_build_the_delayed_scaling_recipe_and_wrap_every_forward(fake_te):
-    from megatron_sp import fp8
+    from megatron_sp.training import fp8
     te, calls = fake_te
-    args = parse_args(FP8_FLAGS + ["--transformer-impl", "transformer_engine"])
-    recipe = fp8.delayed_scaling_recipe(args)
+    job = parse_job(FP8_FLAGS + ["--transformer-impl", "transformer_engine"])
+    recipe = fp8.delayed_scaling_recipe(job.precision)
     assert recipe.kwargs == dict(margin=1, fp8_format="HYBRID", amax_history_len=1024,
                                  amax_compute_algo="max")          # TE >= 1.8: no interval
     te.__version__ = "1.7.0"
-    assert fp8.delayed_scaling_recipe(args).kwargs["interval"] == 3
-    assert fp8.attention_backend(args) == "te"
-    args.attention_backend = "sdpa"                       # an explicit backend is kept
-    assert fp8.attention_backend(args) == "sdpa"
-    with fp8.model_init_context(args):
+    assert fp8.delayed_scaling_recipe(job.precision).kwargs["interval"] == 3
+    assert fp8.attention_backend(job.model) == "te"
+    explicit = dataclasses.replace(job.model, attention_backend="sdpa")   # an explicit backend
+    assert fp8.attention_backend(explicit) == "sdpa"                      # is kept
+    with fp8.model_init_context(job.precision):
         pass
     assert calls["model_init"] == [True]
     model = GPTModel(tiny())
     init_parameters(model, seed=1)
     optimizer = build_optimizer([model], lr=1e-3)
     scheduler = LRScheduler(optimizer, 1e-3, 1e-4, warmup_iters=0, decay_iters=2)
-    _train(model, optimizer, scheduler, [batch(3)], 1,
-           fp8_autocast=fp8.fp8_autocast_factory(args, ParallelMesh.single()))
+    fp8_flags = {f: getattr(job.precision, f) for f in ("fp8_format", "fp8_margin", "fp8_interval",
+                                                         "fp8_amax_history_len",
+                                                         "fp8_amax_compute_algo")}
+    _train(model, optimizer, scheduler, [batch(3)], 1, **fp8_flags)
     assert len(calls["autocast"]) == 2                    # one per micro-batch forward
     assert all(c["enabled"] and c["group"] is None and c["recipe"].kwargs["margin"] == 1
                for c in calls["autocast"])
@@ -250,10 +258,10 @@ def test_without_transformer_engine_fp8_is_refused_and_transformer_impl_mapped(m
     monkeypatch.setitem(sys.modules, "transformer_engine", None)      # import fails
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", None)
     for flags in (FP8_FLAGS, FP8_FLAGS + ["--transformer-impl", "transformer_engine"]):
-        with pytest.raises(SystemExit) as err:
+        with pytest.raises(ConfigError) as err:     # run_main prints it as "error: <message>"
             parse_args(flags)
         message = str(err.value)
-        assert message.startswith("error: --fp8-format") and "Transformer Engine" in message
+        assert message.startswith("--fp8-format") and "Transformer Engine" in message
         assert message.count(". ") == 0 and "\n" not in message
     args = parse_args(["--transformer-impl", "transformer_engine"])
     assert args.transformer_impl == "local" and args.attention_backend == "auto"
@@ -273,8 +281,8 @@ def test_megatron_math_flags_parse_with_megatron_defaults():
     for flags, words in [(["--fp16", "--bf16"], "contradict"),
                          (["--decoupled-min-lr", "1e-5"], "--decoupled-lr"),
                          (["--rotary-percent", "1.5"], "--rotary-percent")]:
-        with pytest.raises(SystemExit, match=words):
-            parse_args(flags)
+        with pytest.raises(ConfigError, match=words):
+            parse_job(flags)
 
 
 def test_layernorm_1p_model_exports_to_hugging_face_as_gamma():

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from megatron_sp.models import GPTConfig, GPTModel, preset
 from megatron_sp.models.init import init_parameters
-from megatron_sp.optimizer import LRScheduler, build_optimizer
+from megatron_sp.training.optimizer import LRScheduler, build_optimizer
 
 
 def tiny(name, **kw):

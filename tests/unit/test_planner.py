@@ -1,7 +1,7 @@
-"""The parallel-layout planner (issue 12): model state per sharding mode against hand-computed
+"""The parallel-layout planner (docs/design.md §11): model state per sharding mode against hand-computed
 bytes, the activation model against the bytes measured under bf16 (autocast and bf16 weights), the
 three Arctic Long Sequence Training configurations feasible, --max-seq consistent with feasibility,
-each plan's flags accepted by pretrain_gpt.py's parser, and the table's layout (issue 15)."""
+each plan's flags accepted by pretrain_gpt.py's parser, and the table's layout."""
 import json
 import shlex
 import sys
@@ -9,11 +9,12 @@ import sys
 import pytest
 import torch
 
-from megatron_sp.arguments import build_parser
+from megatron_sp.cli.arguments import build_parser
+from megatron_sp.cli.build import job_config
 from megatron_sp.memory import MemoryOptions, SavedTensorAccountant
-from megatron_sp.memory.planner import (activation_bytes, host_state_pinned_bytes,
-                                        max_feasible_seq, model_state_bytes, pinned_bytes, plan,
-                                        step_peak_bytes)
+from megatron_sp.memory.planner import (Hardware, Workload, activation_bytes,
+                                        host_state_pinned_bytes, max_feasible_seq,
+                                        model_state_bytes, pinned_bytes, plan, step_peak_bytes)
 from megatron_sp.models import GPTModel, GPTConfig, preset
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -103,7 +104,7 @@ def test_activation_model_equals_measured_bytes_in_bf16(name, weights):
 
 @pytest.mark.parametrize("seq,gpus", ALST)
 def test_alst_configurations_are_feasible(seq, gpus):
-    plans = plan(_llama8b(seq), seq, 1, gpus, gpu_mem_gb=80)
+    plans = plan(_llama8b(seq), Workload(seq), Hardware(gpus, gpu_mem_gb=80))
     assert plans, f"Llama-8B at {seq} tokens on {gpus} x 80 GB"
     best = plans[0]
     assert best.tp * best.sp * best.pp * best.dp == gpus
@@ -113,20 +114,31 @@ def test_alst_configurations_are_feasible(seq, gpus):
     modelled = best.state_device_gb + best.activations_gb
     assert best.reserve_gb == pytest.approx(4 + 0.1 * modelled)
     assert best.total_gb == pytest.approx(modelled + best.reserve_gb)
-    # replicated model state (the state before issue 12) finds no layout for the 1- and 8-GPU runs
+    # replicated model state (no sharding) finds no layout for the 1- and 8-GPU runs
     if gpus <= 8:
-        assert not plan(_llama8b(seq), seq, 1, gpus, gpu_mem_gb=80, sharding="none")
+        assert not plan(_llama8b(seq), Workload(seq), Hardware(gpus, gpu_mem_gb=80),
+                        sharding="none")
+
+
+def test_every_plan_covers_every_gpu_when_a_node_size_does_not_divide_them():
+    """12 GPUs, 8 to a node: tp = 8 leaves no whole layout (it once gave tp=8 dp=1, 8 ranks)."""
+    cfg = GPTConfig(num_layers=8, hidden_size=1024, num_attention_heads=16, num_query_groups=8,
+                    vocab_size=32000, normalization="RMSNorm", activation="swiglu",
+                    position_embedding_type="rope", add_bias_linear=False)
+    plans = plan(cfg, Workload(32768, global_batch=12), Hardware(12))
+    assert plans and all(p.tp * p.sp * p.pp * p.dp == 12 for p in plans)
+    assert {p.tp for p in plans} <= {1, 2, 4}
 
 
 def test_max_seq_is_monotone_and_consistent_with_feasibility():
     make = lambda s: preset("llama-1b", max_position_embeddings=s)  # noqa: E731
     found = {}
     for gpus, mem in ((1, 24), (1, 40), (2, 40), (4, 40)):
-        seq, best = max_feasible_seq(make, gpus, gpu_mem_gb=mem)
+        seq, best = max_feasible_seq(make, Hardware(gpus, gpu_mem_gb=mem))
         step = 1024                                   # lcm(1024, gpus)
         assert seq > 0 and seq % step == 0 and best is not None and best.total_gb <= mem
-        assert plan(make(seq), seq, 1, gpus, gpu_mem_gb=mem)
-        assert not plan(make(seq + step), seq + step, 1, gpus, gpu_mem_gb=mem)
+        assert plan(make(seq), Workload(seq), Hardware(gpus, gpu_mem_gb=mem))
+        assert not plan(make(seq + step), Workload(seq + step), Hardware(gpus, gpu_mem_gb=mem))
         found[gpus, mem] = seq
     assert found[1, 24] < found[1, 40] <= found[2, 40] <= found[4, 40]
 
@@ -138,8 +150,8 @@ def _flag_argv(p):
 def test_each_plans_flags_are_accepted_by_pretrain_gpt():
     parser = build_parser()
     cfg8 = _llama8b(131072)
-    cases = [plan(_llama8b(s), s, 1, g) for s, g in ALST]
-    cases += [plan(cfg8, 131072, 16, 32, sharding=m, cpu_offload=o)
+    cases = [plan(_llama8b(s), Workload(s), Hardware(g)) for s, g in ALST]
+    cases += [plan(cfg8, Workload(131072, global_batch=16), Hardware(32), sharding=m, cpu_offload=o)
               for m, o in (("none", None), ("distributed-optimizer", False),
                            ("distributed-optimizer", True), ("fsdp", False), ("fsdp", True))]
     seen = set()
@@ -152,7 +164,7 @@ def test_each_plans_flags_are_accepted_by_pretrain_gpt():
             assert (args.tensor_model_parallel_size, args.sequence_parallel_size,
                     args.pipeline_model_parallel_size, args.micro_batch_size) == (p.tp, p.sp, p.pp, 1)
             assert args.bf16 and args.sequence_parallel == p.sequence_parallel
-            assert MemoryOptions.from_args(args) == p.memory
+            assert MemoryOptions.from_config(job_config(args).memory) == p.memory
             for flag, on in (("--use-distributed-optimizer", p.sharding == "distributed-optimizer"),
                              ("--use-torch-fsdp2", p.sharding == "fsdp"),
                              ("--optimizer-cpu-offload", p.cpu_offload)):
@@ -179,7 +191,7 @@ def test_cli_table_fits_120_columns_with_labelled_columns_and_json(capsys):
                  "--json"]) == 0
     found = json.loads(capsys.readouterr().out)
     make = lambda s: preset("llama-1b", max_position_embeddings=max(s, 2048))  # noqa: E731
-    assert found["max_seq"] == max_feasible_seq(make, 2, gpu_mem_gb=40)[0] > 0
+    assert found["max_seq"] == max_feasible_seq(make, Hardware(2, gpu_mem_gb=40))[0] > 0
     assert main(["--model", "llama-8b", "--num-gpus", "8", "--max-seq"]) == 0
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 120 and "limited by host memory" in out

@@ -1,12 +1,13 @@
 """Sharded model state without processes: FSDP2's row arithmetic, start-up refusals, and the
-replicated mode's measured model-state bytes against DESIGN 11 (16 bytes per parameter)."""
+replicated mode's measured model-state bytes against docs/design.md §11 (16 bytes per parameter)."""
 import pytest
 import torch
 
-from megatron_sp.arguments import parse_args
+from megatron_sp.cli.build import parse_job
+from megatron_sp.errors import ConfigError
 from megatron_sp.mesh import ParallelMesh
 from megatron_sp.models import GPTModel, preset
-from megatron_sp.optimizer import build_optimizer
+from megatron_sp.training.optimizer import build_optimizer
 from megatron_sp.sharding import Replicated
 from megatron_sp.sharding.fsdp import FSDPLayoutError, check_shardable, fsdp_rows
 
@@ -37,9 +38,9 @@ def test_fused_rows_that_would_straddle_parts_are_refused_at_start_up():
      "error: --use-torch-fsdp2 and --use-distributed-optimizer are two sharding modes: choose one."),
 ])
 def test_refused_flag_combinations_say_one_sentence(argv, message, capsys):
-    with pytest.raises(SystemExit) as err:
-        parse_args(argv)
-    assert str(err.value) == message
+    with pytest.raises(ConfigError) as err:       # run_main prints it as "error: <message>"
+        parse_job(argv)
+    assert f"error: {err.value}" == message
 
 
 @pytest.mark.parametrize("argv", [
@@ -48,7 +49,7 @@ def test_refused_flag_combinations_say_one_sentence(argv, message, capsys):
     ["--use-torch-fsdp2", "--optimizer-cpu-offload"],
 ])
 def test_accepted_sharded_state_flags(argv):
-    args = parse_args(argv)
+    args = parse_job(argv).parallel
     assert args.optimizer_cpu_offload and args.use_distributed_optimizer != args.use_torch_fsdp2
 
 
