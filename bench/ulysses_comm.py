@@ -1,4 +1,4 @@
-"""Bytes sent per attention layer and rank: Ulysses (measured) against the formulas (DESIGN 4, 8).
+"""Bytes sent per attention layer and rank: Ulysses (measured) against the formulas (docs/design.md §4, §8).
 
 Runs UlyssesAttention forward (SDPA local attention, fp32, MHA) on sp gloo ranks for each sp and
 sequence length and reads the comm_stats counter "sp/all_to_all" of every rank (they must agree).
@@ -8,7 +8,7 @@ Formulas printed, with b batch, s sequence, H = h*d hidden of the attention head
   Ulysses exact   4 * (sp-1)/sp * b*(s/sp)*H   four all-to-alls (q, k, v, out), each sending
                                                (sp-1)/sp of the local [b, s/sp, h, d] tensor
                                                (with GQA: (2h + 2*max(g, sp)) * d instead of 4H)
-  DESIGN approx   4 * b*s*H/sp                 the "about 4sH/sp" of DESIGN 4
+  4sH/sp approx   4 * b*s*H/sp                 the "about 4sH/sp" of docs/design.md §4
   Megatron SP     2 * (t-1)/t * b*s*H, t = sp  tensor parallel with sequence sharding over the same
                                                number of ranks: per attention block one all-gather
                                                of the [b, s/t, H] input and one reduce-scatter of

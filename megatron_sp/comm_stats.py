@@ -1,7 +1,7 @@
 """Byte counters for collectives, per rank.
 
 Every communication module calls `record(kind, nbytes)` for each collective it issues, with the
-number of bytes this rank *sends* (the figure DESIGN 4 uses). The training loop reads and resets
+number of bytes this rank *sends* (the figure docs/design.md §4 uses). The training loop reads and resets
 the counters once per logged step; benchmarks read them directly. Counting is plain Python on
 host-side sizes, so it costs nothing on the device.
 """

@@ -1,4 +1,4 @@
-"""Layout-independent parameter initialisation (DESIGN 8).
+"""Layout-independent parameter initialisation (docs/design.md §8).
 
 Each parameter is drawn whole from its own generator, seeded from (seed, global parameter name), then
 this rank's tensor-parallel shard is copied in. Any two layouts therefore start from identical weights,

@@ -1,4 +1,4 @@
-"""Attention backends behind one [b, s, heads, d] interface: TE, flash-attn, SDPA (DESIGN 5)."""
+"""Attention backends behind one [b, s, heads, d] interface: TE, flash-attn, SDPA (docs/design.md §5)."""
 from megatron_sp.attention.backends import (BACKEND_NAMES, AttentionBackend,
                                             AttentionBackendUnavailable, FlashAttention,
                                             SDPAAttention, TEAttention, get_attention_backend)

@@ -1,4 +1,4 @@
-"""Attention backends behind one interface (DESIGN 5).
+"""Attention backends behind one interface (docs/design.md §5).
 
     backend(q, k, v, *, causal=True, softmax_scale=None, document_ids=None, dropout_p=0.0) -> out
 

@@ -1,4 +1,4 @@
-"""Long-context memory techniques (issue 8): activation recompute (full / selective), tiled MLP,
+"""Long-context memory techniques: activation recompute (full / selective), tiled MLP,
 chunked loss, activation offload, saved-tensor accounting and the parallel-layout planner.
 
 The model takes them as one `MemoryOptions` (GPTModel(..., memory=MemoryOptions(...))).

@@ -4,7 +4,7 @@
     chunks = [GPTModel(config, mesh, **spec, ...) for spec in specs]
     schedule = get_forward_backward_func(mesh.pp_size, len(chunks))
 
-The core does not import the models (DESIGN 2): callers build the chunks from the specs.
+The core does not import the models (docs/design.md §2): callers build the chunks from the specs.
 """
 from __future__ import annotations
 

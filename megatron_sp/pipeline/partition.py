@@ -1,6 +1,6 @@
 """Which global layer ids each pipeline stage (and each virtual chunk of it) holds.
 
-Megatron-LM's rules (DESIGN 6):
+Megatron-LM's rules (docs/design.md §6):
 - Stages own contiguous layers. By default the L layers split evenly over pp stages.
 - --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers give the first / last
   stage that many layers; the remaining layers split evenly over the other stages.

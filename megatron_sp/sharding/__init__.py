@@ -1,4 +1,4 @@
-"""Sharded model state over the flattened dp x sp group (DESIGN 11).
+"""Sharded model state over the flattened dp x sp group (docs/design.md §11).
 
 Under Ulysses the sp ranks of one sequence hold identical weights, exactly like dp ranks, so the
 model state (weights, gradients, Adam moments) can be sharded over n = dp*sp ranks, as DeepSpeed

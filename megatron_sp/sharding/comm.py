@@ -1,4 +1,4 @@
-"""Collectives of the distributed optimizer over the flattened dp x sp group (DESIGN 11).
+"""Collectives of the distributed optimizer over the flattened dp x sp group (docs/design.md §11).
 
 A bucket's buffer is rank-major, [n, segment]: segment r holds what rank r owns. Gradients are
 reduce-scattered (summed: the loss is already normalised by the global token count), so rank r

@@ -3,7 +3,7 @@
 torch's FSDP2 (`fully_shard`) on the flattened dp x sp dimension of the mesh, composed with our
 tensor-parallel layers and the pipeline as torchtitan composes it: tensor- and pipeline-parallel
 shards are cut first (our layers hold their tp shard as a plain tensor), then FSDP2 shards each
-rank's (tp, pp) slice along dim 0 over the n = dp*sp ranks of its dp x sp group (DESIGN 11):
+rank's (tp, pp) slice along dim 0 over the n = dp*sp ranks of its dp x sp group (docs/design.md §11):
 
     (tp, pp) slice  W [R, C]  ->  dp x sp rank i holds rows [i*ceil(R/n), (i+1)*ceil(R/n)) of it
 
@@ -222,7 +222,7 @@ class FSDP2:
 
     def model_state_bytes(self, optimizer) -> dict:
         """Local shards of the parameters, gradients and optimizer state: on the host when
-        offloaded (CPUOffloadPolicy), else on the device (16 P_r / n either way, DESIGN 11)."""
+        offloaded (CPUOffloadPolicy), else on the device (16 P_r / n either way, docs/design.md §11)."""
         state = {"params": self.params, "grads": [p.grad for p in self.params],
                  "optim": optimizer_tensors(optimizer)}
         return model_state_bytes(self.device, **{"host" if self.offloaded else "device": state})

@@ -1,4 +1,4 @@
-"""Model-state bytes per rank, measured from the tensors themselves (--report-memory, DESIGN 11).
+"""Model-state bytes per rank, measured from the tensors themselves (--report-memory, docs/design.md §11).
 
 One measurement for every mode: parameters, gradients and optimizer state ("params", "grads",
 "optim"), each split into "device" and "host". A DTensor counts its local shard only (what this

@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism: seq<->head all-to-alls and the attention wrapper (DESIGN 4)."""
+"""Ulysses sequence parallelism: seq<->head all-to-alls and the attention wrapper (docs/design.md §4)."""
 from megatron_sp.ulysses.attention import (UlyssesAttention, check_seq_divisible,
                                            check_ulysses_layout, expand_kv_heads)
 from megatron_sp.ulysses.comm import (COMM_KIND, all_to_all_bytes, head_to_seq_all_to_all,
