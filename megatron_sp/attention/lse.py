@@ -1,0 +1,337 @@
+"""Attention that returns its log-sum-exp, the block backward from a given lse, and the merge.
+
+These are the pieces of every blockwise attention (FlashAttention's online softmax, ring
+attention, Liu et al. 2023, Megatron-LM's context parallelism; docs/design.md §14). For queries
+q_i and a key set K, with scores s_ij = q_i . k_j * scale,
+
+    lse_i = log sum_{j in K} exp(s_ij)          [b, h, sq], fp32, -inf when row i sees no key
+    out_i = sum_{j in K} exp(s_ij - lse_i) v_j  [b, sq, h, d], 0 when row i sees no key
+
+Two partial results over DISJOINT key sets K1, K2 merge exactly (merge_partials, in fp32):
+
+    lse = log(exp(lse1) + exp(lse2)) = max + log1p(exp(min - max))
+    out = out1 exp(lse1 - lse) + out2 exp(lse2 - lse)
+
+and the backward of any block needs only q, k, v of the block and the GLOBAL out and lse of the
+merged result (attention_backward_with_lse): p = exp(s - lse) is then the block's slice of the
+global softmax, so the blocks' gradients sum to the full gradient.
+
+blockwise_attention runs the full sequence block pair by block pair (query block x key block),
+never building an s x s tensor, and skips the pairs nothing in which attends:
+
+    key block ->   0   1   2   3          D  diagonal: causal inside the block (plus documents)
+    query 0        D   .   .   .          F  full (or document-masked where documents change)
+          1        F   D   .   .          .  skipped: above the diagonal, or no document of the
+          2        F   F   D   .             query block occurs in the key block
+          3        F   F   F   D
+
+Shapes: q [b, sq, h, d], k, v [b, sk, g, d] with h % g == 0 (grouped-query attention: query head
+i uses key/value head i // (h/g), the repeat_interleave layout of megatron_sp/ulysses/attention.py).
+Kernels: on CPU the fused `aten._scaled_dot_product_flash_attention_for_cpu` and its backward
+serve the unmasked blocks (they take GQA as is and return / accept the lse); on CUDA the
+memory-efficient SDPA kernel serves the unmasked forward; everything else (masks, and the
+reference the tests use) is the plain fp32 math path here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megatron_sp.attention.documents import document_starts
+
+DEFAULT_BLOCK = 512        # blockwise_attention's block when none is given (tokens)
+_FUSED_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+# Shapes and masks -------------------------------------------------------------------------------
+
+def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
+    """(h, g) of q [b, sq, h, d], k, v [b, sk, g, d]; refuses shapes GQA cannot take."""
+    h, g = q.shape[2], k.shape[2]
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"attention shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)} (expected [b, sq, h, d] and [b, sk, g, d] twice).")
+    if h % g != 0:
+        raise ValueError(f"grouped-query attention needs the query heads h = {h} to be a multiple "
+                         f"of the key/value heads g = {g}.")
+    return h, g
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for fp32/bf16/fp16 inputs (fp64 inputs compute in fp64; the lse is fp32 always)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _allowed(causal: bool, mask, sq: int, sk: int, device) -> torch.Tensor | None:
+    """The keys each query may see, [1 or b, sq, sk] bool (None: all of them)."""
+    if mask is not None:
+        mask = mask.to(device=device, dtype=torch.bool)
+        mask = mask if mask.dim() == 3 else mask.unsqueeze(0)           # [sq, sk] -> [1, sq, sk]
+    if causal:   # query i sees keys j <= i, both counted from index 0 of the block
+        tril = torch.ones(sq, sk, dtype=torch.bool, device=device).tril().unsqueeze(0)
+        mask = tril if mask is None else mask & tril
+    return mask
+
+
+def _safe(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf rows (no key seen) replaced by 0, so that exp(s - lse) is 0 there, not NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+# Forward ----------------------------------------------------------------------------------------
+
+def _scores(q, k, scale, allowed):
+    """q [b, sq, h, d], k [b, sk, g, d] -> fp32 scores [b, g, h/g, sq, sk], -inf where masked."""
+    dtype = _compute_dtype(q.dtype)
+    g = k.shape[2]
+    qg = q.to(dtype).unflatten(2, (g, -1))                   # [b, sq, h, d] -> [b, sq, g, h/g, d]
+    s = torch.einsum("bqgrd,bkgd->bgrqk", qg, k.to(dtype)) * scale       # [b, g, h/g, sq, sk]
+    if allowed is not None:
+        s = s.masked_fill(~allowed[:, None, None], float("-inf"))  # mask [b|1, 1, 1, sq, sk]
+    return s
+
+
+def _forward_math(q, k, v, causal, scale, mask):
+    """The fp32 reference: (out [b, sq, h, d] in q's dtype, lse [b, h, sq] fp32)."""
+    b, sq, h, d = q.shape
+    s = _scores(q, k, scale, _allowed(causal, mask, sq, k.shape[1], q.device))
+    lse = torch.logsumexp(s, dim=-1)                                     # [b, g, h/g, sq]
+    p = torch.exp(s - _safe(lse).unsqueeze(-1))                          # [b, g, h/g, sq, sk]
+    out = torch.einsum("bgrqk,bkgd->bqgrd", p, v.to(p.dtype))            # [b, sq, g, h/g, d]
+    return out.reshape(b, sq, h, d).to(q.dtype), lse.reshape(b, h, sq).float()  # (g, h/g) -> h
+
+
+def _forward_fused_cpu(q, k, v, causal, scale):
+    """aten's CPU flash kernel: takes [b, heads, s, d] (GQA as is), returns out, lse [b, h, sq]."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),     # [b, s, n, d] -> [b, n, s, d]
+        0.0, causal, scale=scale)
+    # out [b, h, sq, d] (laid out as [b, sq, h, d]) -> [b, sq, h, d]; lse [b, h, sq] (as [b, sq, h])
+    return out.transpose(1, 2), lse.float().contiguous()
+
+
+def _forward_fused_cuda(q, k, v, causal, scale):
+    """SDPA's memory-efficient CUDA kernel (any float dtype; no GQA: key/value heads expanded).
+
+    Its log_sumexp is [b, h, sq rounded up to 32]: the first sq columns are the lse.
+    """
+    r = q.shape[2] // k.shape[2]
+    k, v = (t.repeat_interleave(r, dim=2) for t in (k, v))       # [b, sk, g, d] -> [b, sk, h, d]
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),     # [b, s, h, d] -> [b, h, s, d]
+        None, True, 0.0, causal, scale=scale)[:2]
+    return out.transpose(1, 2), lse[:, :, :q.shape[1]].float()   # [b, sq, h, d], [b, h, sq]
+
+
+def _use_fused_cpu(q, k, mask) -> bool:
+    # The CPU kernel dies with SIGFPE on an empty query or key block (torch 2.13): never pass one.
+    return (q.device.type == "cpu" and mask is None and q.dtype in _FUSED_CPU_DTYPES
+            and q.shape[1] > 0 and k.shape[1] > 0)
+
+
+def attention_with_lse(q, k, v, *, causal: bool, scale: float | None = None, mask=None):
+    """Softmax attention of q [b, sq, h, d] over k, v [b, sk, g, d] and its log-sum-exp.
+
+    Returns (out [b, sq, h, d] in q's dtype, lse [b, h, sq] fp32). causal: query i attends keys
+    j <= i, both aligned at index 0 (the diagonal block of a ring or of blockwise attention).
+    mask: optional bool [sq, sk] or [b, sq, sk], True = attend (document boundaries inside a
+    block), combined with causal. A row that attends no key has lse = -inf and out = 0.
+    """
+    _heads(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if _use_fused_cpu(q, k, mask):
+        return _forward_fused_cpu(q, k, v, causal, scale)
+    if q.device.type == "cuda" and mask is None and q.shape[1] > 0 and k.shape[1] > 0:
+        try:
+            return _forward_fused_cuda(q, k, v, causal, scale)
+        except RuntimeError:     # head dim / alignment the kernel does not take: the math path
+            pass
+    return _forward_math(q, k, v, causal, scale, mask)
+
+
+# Backward ---------------------------------------------------------------------------------------
+
+def _backward_math(q, k, v, out, dout, lse, causal, scale, mask):
+    """The block backward in fp32 from the given (global) out and lse; (dq, dk, dv) fp32."""
+    b, sq, h, d = q.shape
+    g = k.shape[2]
+    s = _scores(q, k, scale, _allowed(causal, mask, sq, k.shape[1], q.device))
+    dtype = s.dtype
+    lse = _safe(lse.to(dtype)).reshape(b, g, h // g, sq)             # [b, h, sq] -> [b, g, h/g, sq]
+    p = torch.exp(s - lse.unsqueeze(-1))                                 # [b, g, h/g, sq, sk]
+    do = dout.to(dtype).unflatten(2, (g, -1))                            # [b, sq, g, h/g, d]
+    delta = (do * out.to(dtype).unflatten(2, (g, -1))).sum(-1)           # [b, sq, g, h/g]
+    dv = torch.einsum("bgrqk,bqgrd->bkgd", p, do)                        # sums the group's heads
+    dp = torch.einsum("bqgrd,bkgd->bgrqk", do, v.to(dtype))              # [b, g, h/g, sq, sk]
+    ds = p * (dp - delta.permute(0, 2, 3, 1).unsqueeze(-1))          # delta -> [b, g, h/g, sq, 1]
+    dq = torch.einsum("bgrqk,bkgd->bqgrd", ds, k.to(dtype)) * scale      # [b, sq, g, h/g, d]
+    dk = torch.einsum("bgrqk,bqgrd->bkgd", ds, q.to(dtype).unflatten(2, (g, -1))) * scale
+    return dq.reshape(b, sq, h, d), dk, dv                               # dk, dv [b, sk, g, d]
+
+
+def _backward_fused_cpu(q, k, v, out, dout, lse, causal, scale):
+    """aten's CPU flash backward, run in fp32; it takes the lse it is given (GQA reduced inside)."""
+    f = _compute_dtype(q.dtype)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        *(t.to(f).transpose(1, 2) for t in (dout, q, k, v, out)),     # [b, s, n, d] -> [b, n, s, d]
+        lse.to(f), 0.0, causal, scale=scale)
+    return tuple(t.transpose(1, 2) for t in (dq, dk, dv))                # -> [b, s, n, d]
+
+
+def attention_backward_with_lse(q, k, v, out, dout, lse, *, causal: bool,
+                                scale: float | None = None, mask=None):
+    """Gradients of one attention block, recomputed from q, k and a GIVEN lse [b, h, sq].
+
+    out [b, sq, h, d] and lse are those of the merged (global) result, as ring attention needs:
+    p = exp(q k^T scale - lse), dv = p^T dout, dp = dout v^T, delta = rowsum(dout * out),
+    ds = p (dp - delta), dq = ds k scale, dk = ds^T q scale. Returns (dq [b, sq, h, d],
+    dk, dv [b, sk, g, d]) in fp32 (fp64 for fp64 inputs); dk, dv are summed over the query heads
+    of each group. Rows with lse = -inf (no key seen) contribute 0.
+    """
+    _heads(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if _use_fused_cpu(q, k, mask) and bool(torch.isfinite(lse).all()):
+        return _backward_fused_cpu(q, k, v, out, dout, lse, causal, scale)
+    return _backward_math(q, k, v, out, dout, lse, causal, scale, mask)
+
+
+# Merge ------------------------------------------------------------------------------------------
+
+def merge_partials(out1, lse1, out2, lse2):
+    """Merge two attention results over disjoint key sets, in fp32 (docs/design.md §14).
+
+    out [b, sq, h, d], lse [b, h, sq] each -> (out fp32, lse fp32). A row empty in both stays
+    lse = -inf, out = 0 (the exps are guarded, never NaN).
+    """
+    lse1, lse2 = lse1.float(), lse2.float()
+    hi, lo = torch.maximum(lse1, lse2), torch.minimum(lse1, lse2)
+    lse = hi + torch.log1p(torch.exp(lo - _safe(hi)))                # both -inf: -inf + log1p(0)
+    w1 = torch.exp(lse1 - _safe(lse)).transpose(1, 2).unsqueeze(-1)  # [b, h, sq] -> [b, sq, h, 1]
+    w2 = torch.exp(lse2 - _safe(lse)).transpose(1, 2).unsqueeze(-1)
+    return out1.float() * w1 + out2.float() * w2, lse
+
+
+# Block pairs (blockwise attention and the ring's per-step work) --------------------------------
+
+@dataclass(frozen=True)
+class BlockPair:
+    """Queries at positions q (a slice) against keys at positions k (a slice).
+
+    causal: the diagonal block (query i sees keys j <= i, both counted from the slices' starts);
+    documents: some rows of the pair cross a document boundary, so a document mask is needed.
+    """
+    q: slice
+    k: slice
+    causal: bool
+    documents: bool = False
+
+
+def _pair_mask(pair: BlockPair, doc_q, doc_k):
+    """[b, bq, bk] bool: same document (document indices [b, s] of the queries and the keys)."""
+    if not pair.documents:
+        return None
+    return doc_q[:, pair.q, None] == doc_k[:, None, pair.k]
+
+
+def forward_pairs(q, k, v, pairs, *, scale, out, lse, doc_q=None, doc_k=None) -> None:
+    """Add each pair's partial attention into the running out [b, sq, h, d] and lse [b, h, sq]
+    (fp32, updated in place through merge_partials)."""
+    for p in pairs:
+        o, l = attention_with_lse(q[:, p.q], k[:, p.k], v[:, p.k], causal=p.causal, scale=scale,
+                                  mask=_pair_mask(p, doc_q, doc_k))
+        out[:, p.q], lse[:, :, p.q] = merge_partials(out[:, p.q], lse[:, :, p.q], o, l)
+
+
+def backward_pairs(q, k, v, out, dout, lse, pairs, *, scale, dq, dk, dv,
+                   doc_q=None, doc_k=None) -> None:
+    """Add each pair's gradients (from the global out and lse) into dq, dk, dv (fp32, in place)."""
+    for p in pairs:
+        gq, gk, gv = attention_backward_with_lse(
+            q[:, p.q], k[:, p.k], v[:, p.k], out[:, p.q], dout[:, p.q], lse[:, :, p.q],
+            causal=p.causal, scale=scale, mask=_pair_mask(p, doc_q, doc_k))
+        dq[:, p.q] += gq
+        dk[:, p.k] += gk
+        dv[:, p.k] += gv
+
+
+# Blockwise attention ----------------------------------------------------------------------------
+
+def document_index(document_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] ids -> [b, s] int64 index of each token's document in its row (non-decreasing);
+    a document is a maximal run of equal ids (megatron_sp.attention.documents)."""
+    return document_starts(document_ids).cumsum(dim=1)
+
+
+def blockwise_pairs(s: int, block: int, causal: bool, doc=None) -> list[BlockPair]:
+    """The block pairs of a length-s sequence that attend anything, query block by query block.
+
+    doc: the [b, s] document index (document_index) or None. A pair is skipped when it lies above
+    the causal diagonal or when, in every row, its query and key blocks share no document; it
+    needs a document mask unless both blocks hold one and the same document in every row.
+    """
+    starts = list(range(0, s, block))
+    slices = [slice(i, min(i + block, s)) for i in starts]
+    if doc is not None:
+        first = doc[:, starts]                                           # [b, n] first token's doc
+        last = doc[:, [sl.stop - 1 for sl in slices]]                    # [b, n] last token's doc
+        lo = torch.maximum(first[:, :, None], first[:, None, :])         # [b, n, n] (query, key)
+        hi = torch.minimum(last[:, :, None], last[:, None, :])
+        meet = (lo <= hi).any(0).tolist()                                # some row shares a doc
+        one = first == last                                              # [b, n] block in one doc
+        single = (one[:, :, None] & one[:, None, :] & (first[:, :, None] == first[:, None, :]))
+        single = single.all(0).tolist()                                  # [n, n] same one doc
+    pairs = []
+    for i, qs in enumerate(slices):
+        for j, ks in enumerate(slices):
+            if (causal and j > i) or (doc is not None and not meet[i][j]):
+                continue
+            pairs.append(BlockPair(qs, ks, causal and i == j, doc is not None and not single[i][j]))
+    return pairs
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, block, document_ids):
+        doc = None if document_ids is None else document_index(document_ids)
+        pairs = blockwise_pairs(q.shape[1], block, causal, doc)
+        b, s, h, d = q.shape
+        out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
+        lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+        forward_pairs(q, k, v, pairs, scale=scale, out=out, lse=lse, doc_q=doc, doc_k=doc)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, doc)
+        ctx.pairs, ctx.scale = pairs, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, doc = ctx.saved_tensors
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        backward_pairs(q, k, v, out, dout, lse, ctx.pairs, scale=ctx.scale, dq=dq, dk=dk, dv=dv,
+                       doc_q=doc, doc_k=doc)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def blockwise_attention(q, k, v, *, causal: bool, scale: float | None = None,
+                        block: int | None = None, document_ids=None):
+    """Attention over the whole sequence, block pair by block pair, merged in fp32.
+
+    q [b, s, h, d], k, v [b, s, g, d] -> out [b, s, h, d] in q's dtype. block: tokens per query /
+    key block (default min(s, DEFAULT_BLOCK)); no tensor of s x s elements is built when
+    block < s, and backward recomputes each pair from the saved global out and lse.
+    document_ids [b, s]: packed documents (tokens of different documents never attend each other),
+    pairs no document crosses are skipped.
+    """
+    _heads(q, k, v)
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"blockwise attention is self-attention: {q.shape[1]} queries, "
+                         f"{k.shape[1]} keys.")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    block = min(q.shape[1], DEFAULT_BLOCK) if block is None else block
+    if block < 1:
+        raise ValueError(f"blockwise attention needs a block of at least one token, got {block}.")
+    return _BlockwiseAttention.apply(q, k, v, causal, scale, block, document_ids)
