@@ -45,6 +45,8 @@ SlurmctldHost=$HOST(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+AuthInfo=cred_expire=10
+# (a requeued job waits cred_expire seconds before it may start again: 120 by default)
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/spool
 SlurmctldPidFile=$STATE/slurmctld.pid
