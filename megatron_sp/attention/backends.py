@@ -13,8 +13,10 @@ Backends, in `auto` order: Transformer Engine DotProductAttention (fused), flash
 `unfused`, Megatron's unfused dot-product attention (two batched matrix products around an fp32
 softmax; keeps the s x s probabilities, for short sequences). The optional
 packages are imported only when their backend is built. Without document_ids no backend builds an
-s x s mask; with them only SDPA does (a [b, 1, s, s] bool mask: fine for tests and CPU, not for
-long contexts, where TE or flash-attn take cu_seqlens instead).
+s x s mask; with them SDPA builds a [b, 1, s, s] bool mask up to MASK_TOKENS tokens (fine for
+tests and short sequences) and, on CPU past that, runs blockwise attention instead (attention/lse.py:
+block pairs no document crosses skipped, the rest merged through their log-sum-exp, no s x s
+tensor); on CUDA long packed sequences want TE or flash-attn, which take cu_seqlens.
 """
 from __future__ import annotations
 
@@ -25,8 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_sp.attention.documents import cu_seqlens_from_document_ids, document_causal_mask
+from megatron_sp.attention.lse import blockwise_attention
 
 BACKEND_NAMES = ("auto", "te", "flash", "sdpa", "unfused")
+MASK_TOKENS = 4096   # SDPA with packed documents: an s x s mask up to this length, blockwise beyond
 
 _INSTALL_HINTS = {
     "transformer_engine.pytorch": (
@@ -104,6 +108,9 @@ class SDPAAttention(AttentionBackend):
 
     def forward(self, q, k, v, *, causal=True, softmax_scale=None, document_ids=None, dropout_p=0.0):
         _check_shapes(q, k, v, document_ids)
+        if self._blockwise(q, document_ids, dropout_p):
+            return blockwise_attention(q, k, v, causal=causal, scale=softmax_scale,
+                                       document_ids=document_ids)
         h, g = q.shape[2], k.shape[2]
         mask = None
         if document_ids is not None:
@@ -117,6 +124,14 @@ class SDPAAttention(AttentionBackend):
             attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None,
             scale=softmax_scale, enable_gqa=use_gqa)
         return out.transpose(1, 2).contiguous()                       # [b, h, s, d] -> [b, s, h, d]
+
+    @staticmethod
+    def _blockwise(q, document_ids, dropout_p) -> bool:
+        """Packed documents past MASK_TOKENS on CPU (without dropout, which blockwise lacks): the
+        blockwise path instead of a [b, 1, s, s] mask. Its CUDA kernels have not run on a GPU yet,
+        so CUDA keeps the mask (and TE / flash-attn, cu_seqlens) for now."""
+        return (document_ids is not None and q.shape[1] > MASK_TOKENS and not q.is_cuda
+                and not dropout_p)
 
 
 class UnfusedAttention(AttentionBackend):

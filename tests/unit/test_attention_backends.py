@@ -119,6 +119,42 @@ def test_sdpa_keeps_dtype_and_applies_dropout():
     assert not torch.allclose(dropped, backend(q, k, v))
 
 
+@pytest.mark.parametrize("h,g,causal,seed", [(4, 4, True, 0), (8, 2, True, 1), (6, 1, False, 2)])
+def test_sdpa_long_packed_documents_run_blockwise_without_an_s_by_s_tensor(monkeypatch, h, g,
+                                                                         causal, seed):
+    """Past MASK_TOKENS (lowered here to keep the test small) packed documents on CPU take the
+    blockwise path: the reference's results (1e-5 / 1e-4), no [b, 1, s, s] mask built and no
+    [.., s, s] tensor saved for backward; below it, the mask path as before."""
+    from megatron_sp.attention import backends
+    s = 96
+    q, k, v, grad, gen = make_inputs(s=s, h=h, g=g, seed=seed)
+    docs = random_documents(2, s, gen)
+    docs[0, :4] = docs[0, 4] - 1                    # a short document at the start of a row
+    docs[1] = docs[1, 0]                            # one document spanning the whole row
+    monkeypatch.setattr(backends, "MASK_TOKENS", 32)
+    masks = []
+    real_mask = backends.document_causal_mask
+    monkeypatch.setattr(backends, "document_causal_mask",
+                        lambda *a, **kw: masks.append(1) or real_mask(*a, **kw))
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        assert_matches_reference(SDPAAttention(), q, k, v, grad, causal=causal, document_ids=docs)
+    assert masks == []
+    saved.clear()                  # the backend alone (the reference above saves s x s tensors)
+    qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        SDPAAttention()(qq, kk, vv, causal=causal, document_ids=docs)
+    assert saved and all(list(shape).count(s) < 2 for shape in saved), saved   # no [.., s, s]
+    monkeypatch.setattr(backends, "MASK_TOKENS", s)          # at the limit: the mask path
+    SDPAAttention()(q, k, v, causal=causal, document_ids=docs)
+    assert masks == [1]
+
+
 def test_sdpa_unpacked_builds_no_mask(monkeypatch):
     """The unpacked path hands SDPA is_causal=True and no mask (no s x s tensor)."""
     seen = {}
