@@ -189,6 +189,12 @@ def check_model_fits(job: JobConfig, config: GPTConfig, tokenizer, mesh) -> None
         raise ConfigError(f"--seq-length {seq} exceeds --max-position-embeddings "
                           f"{config.max_position_embeddings} of learned position embeddings.")
     mesh.dims.check_sequence(seq, job.parallel.sequence_parallel)
+    if mesh.cp_size > 1 and config.attention_dropout:
+        raise ConfigError(f"--attention-dropout {config.attention_dropout} with ring attention "
+                          f"(--context-parallel-size {job.parallel.context_parallel_size}, "
+                          f"--cp-comm-type {job.parallel.cp_comm_type}): dropout on the attention "
+                          f"probabilities is not implemented in the ring; pass --attention-dropout 0 "
+                          f"or --cp-comm-type a2a.")
 
 
 # Processes, model, optimizer, trainer -----------------------------------------------------------
@@ -203,7 +209,7 @@ def start(job: JobConfig):
                                .split("(")[0] or 1)) if env else 1
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, local)))
     mesh = ParallelMesh.from_sizes(tp=p.tensor_model_parallel_size, sp=p.sequence_parallel_size,
-                                   pp=p.pipeline_model_parallel_size)
+                                   pp=p.pipeline_model_parallel_size, cp=p.ring_size)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available()
                           else "cpu")
     if device.type == "cpu":
@@ -217,7 +223,8 @@ def build_model(config, mesh, job: JobConfig, device):
     with --num-layers-per-virtual-pipeline-stage); embedding on the first, loss on the last."""
     from megatron_sp.training import fp8   # --transformer-impl, --fp8-param-gather (Transformer Engine)
     seed, p = job.training.seed, job.parallel
-    tracker = RNGTracker(seed, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, sp_rank=mesh.sp_rank)
+    tracker = RNGTracker(seed, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank,
+                         sp_rank=mesh.sequence_chunk)   # one dropout stream per sequence chunk
     specs = pipeline.chunk_specs(config.num_layers, mesh,   # PipelineLayoutError: a UserError
                                  layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,
                                  first=p.decoder_first_pipeline_num_layers,
@@ -394,6 +401,8 @@ def loaders(job: JobConfig, train_ds, valid_ds, state, mesh, vocab_size: int):
 def say_startup(job: JobConfig, mesh, config, chunks) -> None:
     for note in job.notes:    # mapped and no-op Megatron flags (docs/design.md §10)
         print_rank0(mesh, note)
+    if job.parallel.describe_context():     # how Ulysses and the ring split the context (§14)
+        print_rank0(mesh, job.parallel.describe_context())
     print_rank0(mesh, f"> {mesh}\n> model: {config.num_parameters() / 1e6:.2f}M parameters, "
                       f"{config}\n> attention backend: {chunks[0].attention_backend_name}")
 

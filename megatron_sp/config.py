@@ -88,6 +88,14 @@ class ParallelConfig:
     grad_reduce_in_bf16: bool = False
     """--grad-reduce-in-bf16: reduce gradients over dp x sp in bf16 on the wire (accumulated in
     fp32)."""
+    context_parallel_size: int = 1
+    """--context-parallel-size: Megatron-LM's context-parallel degree, the ranks one sequence is
+    split over (how: cp_comm_type)."""
+    cp_comm_type: str = "p2p"
+    """--cp-comm-type: p2p (ring attention, Megatron's default), a2a (Ulysses), a2a+p2p (Ulysses
+    inside x ring across) or allgather (refused)."""
+    hierarchical_context_parallel_sizes: tuple[int, ...] | None = None
+    """--hierarchical-context-parallel-sizes: a2a+p2p's Ulysses and ring degrees (A R)."""
 
     def __post_init__(self):
         pp = self.pipeline_model_parallel_size
@@ -109,6 +117,65 @@ class ParallelConfig:
                                   f"--use-distributed-optimizer or --use-torch-fsdp2.")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             _resolve(self, sequence_parallel=False)   # Megatron drops it at tp=1 too: nothing to shard
+        self._resolve_context()
+
+    def _resolve_context(self) -> None:
+        """Megatron's context-parallel flags -> our Ulysses degree (sequence_parallel_size) and the
+        ring degree (ring_size); docs/design.md §14."""
+        n, kind, s = self.context_parallel_size, self.cp_comm_type, self.sequence_parallel_size
+        sizes = self.hierarchical_context_parallel_sizes
+        if sizes is not None:
+            sizes = tuple(sizes)
+            _resolve(self, hierarchical_context_parallel_sizes=sizes)
+        if n < 1:
+            raise ConfigError(f"--context-parallel-size must be >= 1, got {n}.")
+        if sizes is not None and kind != "a2a+p2p":
+            raise ConfigError(f"--hierarchical-context-parallel-sizes applies to --cp-comm-type "
+                              f"a2a+p2p, not {kind}: add --cp-comm-type a2a+p2p or drop the sizes.")
+        if kind == "allgather" and n > 1:
+            raise ConfigError(f"--cp-comm-type allgather (Llama 3's key/value all-gather) is not "
+                              f"implemented: use p2p (ring attention, the default), a2a (Ulysses) "
+                              f"or a2a+p2p for --context-parallel-size {n}.")
+        if kind == "a2a" and n > 1:
+            if s not in (1, n):
+                raise ConfigError(f"--context-parallel-size {n} and --sequence-parallel-size {s} "
+                                  f"disagree; pass one of them.")
+            _resolve(self, sequence_parallel_size=n)
+        if kind == "a2a+p2p":
+            if sizes is None or len(sizes) != 2 or sizes[0] * sizes[1] != n:
+                raise ConfigError(
+                    f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A R with "
+                    f"A x R = --context-parallel-size {n}, got {list(sizes) if sizes else 'none'}; "
+                    f"e.g. --hierarchical-context-parallel-sizes {min(n, 2) if n % 2 == 0 else 1} "
+                    f"{n // 2 if n % 2 == 0 else n}.")
+            if s not in (1, sizes[0]):
+                raise ConfigError(f"--sequence-parallel-size {s} and the Ulysses degree {sizes[0]} "
+                                  f"of --hierarchical-context-parallel-sizes disagree; pass one of "
+                                  f"them.")
+            _resolve(self, sequence_parallel_size=sizes[0])
+
+    @property
+    def ring_size(self) -> int:
+        """The ring degree of context parallelism (1: none): the mesh's cp axis."""
+        n, kind = self.context_parallel_size, self.cp_comm_type
+        if kind == "p2p":
+            return n
+        if kind == "a2a+p2p":
+            return self.hierarchical_context_parallel_sizes[1]
+        return 1
+
+    def describe_context(self) -> str | None:
+        """The start-up line saying how the context of a sequence is split, or None."""
+        n, kind, s, r = (self.context_parallel_size, self.cp_comm_type,
+                         self.sequence_parallel_size, self.ring_size)
+        if n == 1 and r == 1:
+            return None
+        if kind == "a2a":
+            return (f"> --context-parallel-size {n} --cp-comm-type a2a runs as Ulysses "
+                    f"--sequence-parallel-size {n}: all-to-all of heads")
+        ulysses = f"Ulysses all-to-all over {s} adjacent ranks x " if s > 1 else ""
+        return (f"> --context-parallel-size {n} --cp-comm-type {kind}: {ulysses}ring attention over "
+                f"{r} ranks (zigzag chunks): one sequence over {s * r} ranks")
 
     @property
     def sharded_state(self) -> bool:

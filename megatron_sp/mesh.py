@@ -1,17 +1,19 @@
-"""The unified device mesh: one object, built once from (tp, sp, dp, pp) and passed explicitly.
+"""The unified device mesh: one object, built once from (tp, sp, cp, dp, pp) and passed explicitly.
 
-Rank order follows Megatron-LM (tp-cp-dp-pp, Ulysses in the cp slot), tp varying fastest so that
-the heaviest traffic stays inside a node (docs/design.md §3):
+Rank order follows Megatron-LM (tp-cp-dp-pp), tp varying fastest so that the heaviest traffic stays
+inside a node; Megatron's cp slot holds Ulysses sp (adjacent ranks) times the ring cp of context
+parallelism (stride TP*SP; docs/design.md §3, §14):
 
-    rank = tp_rank + sp_rank*TP + dp_rank*TP*SP + pp_rank*TP*SP*DP,   world = TP*SP*DP*PP
+    rank = tp_rank + sp_rank*TP + cp_rank*TP*SP + dp_rank*TP*SP*CP + pp_rank*TP*SP*CP*DP,
+    world = TP*SP*CP*DP*PP        (cp = 1, no ring: the four-axis layout)
 
 `ParallelDims` is the pure rank arithmetic (no process group, unit-tested for every factorisation)
 and the one home of the layout rules: heads over tp and Ulysses sp, the sequence over its shards
 (docs/design.md §4: `check_heads`, `check_sequence`; `head_layout_problem` and
 `sequence_layout_problem` are the same rules for callers that know only (tp, sp)). `ParallelMesh`
-builds the torch.distributed DeviceMesh and hands out the groups: tp, sp, dp, pp, dp x sp
-(gradient reduction of replicated parameters) and the embedding group (first and last pipeline
-stage, for tied embeddings). With one rank it needs no torch.distributed at all: every group is
+builds the torch.distributed DeviceMesh and hands out the groups: tp, sp, cp, dp, pp,
+dp x cp x sp (`dp_sp_group`: gradient reduction of replicated parameters) and the embedding group
+(first and last pipeline stage, for tied embeddings). With one rank it needs no torch.distributed at all: every group is
 None and every communication helper is then the identity (`group_size`, `group_rank`).
 """
 from __future__ import annotations
@@ -27,8 +29,9 @@ import torch.distributed as dist
 from megatron_sp.errors import UserError
 
 # Mesh dimensions from slowest to fastest varying: DeviceMesh lays ranks out row-major, so this
-# order gives exactly the rank formula above.
-MESH_DIMS = ("pp", "dp", "sp", "tp")
+# order gives exactly the rank formula above. Megatron's cp slot holds Ulysses (sp, adjacent ranks)
+# times the ring of context parallelism (cp, stride TP*SP): c = sp x cp.
+MESH_DIMS = ("pp", "dp", "cp", "sp", "tp")
 
 
 class LayoutError(UserError, ValueError):
@@ -116,17 +119,24 @@ def head_layout_problem(num_heads: int, num_kv_heads: int, tp: int = 1, sp: int 
 
 
 def sequence_layout_problem(seq_length: int, sp: int, tp: int = 1, sequence_parallel: bool = False,
-                            *, what: str = "--seq-length") -> str | None:
+                            *, what: str = "--seq-length", cp: int = 1) -> str | None:
     """Why a sequence of seq_length tokens does not split into equal contiguous chunks over its
-    shards (sequence_shards: sp, or sp*tp with --sequence-parallel), or None when it does.
+    shards (sequence_shards: sp, or sp*tp with --sequence-parallel; with a ring of cp > 1 ranks
+    first 2*cp zigzag chunks, docs/design.md §14), or None when it does.
 
     what: "--seq-length" says it as the flag (pretrain_gpt.py: "... not divisible by the sequence
     shards (sp=2 x tp=2)."); any other name (e.g. "sequence length", for a tensor) says it with the
     arithmetic ("sequence length 40 is not divisible by sp*tp = 8*3 = 24 ...").
     """
-    shards = sequence_shards(sp, tp, sequence_parallel)
+    shards = sequence_shards(sp, tp, sequence_parallel) * (2 * cp if cp > 1 else 1)
     if seq_length % shards == 0:
         return None
+    if cp > 1:
+        fit = max(shards, seq_length // shards * shards)
+        named = f"2 x cp={cp} x sp={sp}" + (f" x tp={tp}" if sequence_parallel else "")
+        return (f"{what} {seq_length} is not divisible by the sequence shards ({named} = {shards}): "
+                f"the ring's zigzag layout cuts the sequence into 2*cp chunks, each split over the "
+                f"rest; use a multiple of {shards}, e.g. {fit}.")
     if what == "--seq-length":
         named = f"sp={sp}" + (f" x tp={tp}" if sequence_parallel else "")
         return f"--seq-length {seq_length} is not divisible by the sequence shards ({named})."
@@ -138,37 +148,48 @@ def sequence_layout_problem(seq_length: int, sp: int, tp: int = 1, sequence_para
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the four parallel axes. dp=None is inferred from the world size."""
+    """Sizes of the parallel axes: tp, sp (Ulysses), cp (the ring of context parallelism), pp and
+    dp. dp=None is inferred from the world size. The context of one sequence is split over sp x cp
+    ranks; cp = 1 (no ring) is the four-axis layout."""
 
     world_size: int
     tp: int = 1
     sp: int = 1
     pp: int = 1
     dp: int | None = None
+    cp: int = 1
 
     def __post_init__(self):
-        for name in ("world_size", "tp", "sp", "pp"):
+        for name in ("world_size", "tp", "sp", "pp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}.")
-        model_parallel = self.tp * self.sp * self.pp
+        model_parallel = self.tp * self.sp * self.cp * self.pp
+        ring = f"*cp" if self.cp > 1 else ""
         if self.world_size % model_parallel != 0:
+            sizes = f"tp={self.tp}, sp={self.sp}" + (f", cp={self.cp}" if self.cp > 1 else "")
             raise LayoutError(
-                f"world size {self.world_size} is not divisible by tp*sp*pp = {model_parallel} "
-                f"(tp={self.tp}, sp={self.sp}, pp={self.pp}): choose sizes whose product divides "
-                f"the number of ranks.")
+                f"world size {self.world_size} is not divisible by tp*sp{ring}*pp = {model_parallel} "
+                f"({sizes}, pp={self.pp}): choose sizes whose product divides the number of ranks.")
         inferred = self.world_size // model_parallel
         if self.dp is None:
             object.__setattr__(self, "dp", inferred)
         elif self.dp != inferred:
+            cp = f"*{self.cp}" if self.cp > 1 else ""
             raise LayoutError(
-                f"tp*sp*dp*pp = {self.tp}*{self.sp}*{self.dp}*{self.pp} = {model_parallel * self.dp} "
-                f"does not equal the world size {self.world_size}: leave dp out to infer it.")
+                f"tp*sp{ring}*dp*pp = {self.tp}*{self.sp}{cp}*{self.dp}*{self.pp} = "
+                f"{model_parallel * self.dp} does not equal the world size {self.world_size}: "
+                f"leave dp out to infer it.")
+
+    @property
+    def context(self) -> int:
+        """Ranks one sequence's context is split over: Ulysses sp times the ring cp."""
+        return self.sp * self.cp
 
     # Layout rules (docs/design.md §4) ------------------------------------------------------------
     def sequence_shards(self, sequence_parallel: bool = False) -> int:
-        """Ranks one sequence is split over: sp, or sp*tp with Megatron's tp sequence sharding."""
-        return sequence_shards(self.sp, self.tp, sequence_parallel)
+        """Ranks one sequence is split over: sp*cp, times tp with Megatron's tp sequence sharding."""
+        return sequence_shards(self.sp, self.tp, sequence_parallel) * self.cp
 
     def check_heads(self, num_heads: int, num_kv_heads: int, what: str = "heads") -> None:
         """Refuse (LayoutError) head counts this tp x Ulysses sp cannot split (see
@@ -182,34 +203,38 @@ class ParallelDims:
         """Refuse (LayoutError) a sequence length its shards do not divide, by default in the
         flag's words: "--seq-length 100 is not divisible by the sequence shards (sp=8)."."""
         problem = sequence_layout_problem(seq_length, self.sp, self.tp, sequence_parallel,
-                                          what=what)
+                                          what=what, cp=self.cp)
         if problem:
             raise LayoutError(problem)
 
     # Rank arithmetic (docs/design.md §3) ---------------------------------------------------------
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """Mesh shape in MESH_DIMS order (pp, dp, sp, tp)."""
-        return (self.pp, self.dp, self.sp, self.tp)
+    def shape(self) -> tuple[int, ...]:
+        """Mesh shape in MESH_DIMS order (pp, dp, cp, sp, tp)."""
+        return (self.pp, self.dp, self.cp, self.sp, self.tp)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """{tp, sp, dp, pp} coordinates of a global rank."""
+        """{tp, sp, cp, dp, pp} coordinates of a global rank."""
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} is outside the world of {self.world_size} ranks.")
-        tp_rank = rank % self.tp
-        sp_rank = rank // self.tp % self.sp
-        dp_rank = rank // (self.tp * self.sp) % self.dp
-        pp_rank = rank // (self.tp * self.sp * self.dp)
-        return {"tp": tp_rank, "sp": sp_rank, "dp": dp_rank, "pp": pp_rank}
+        coords, rest = {}, rank
+        for axis in reversed(MESH_DIMS):                 # tp fastest, pp slowest
+            size = getattr(self, axis)
+            coords[axis], rest = rest % size, rest // size
+        return coords
 
-    def rank_of(self, tp: int = 0, sp: int = 0, dp: int = 0, pp: int = 0) -> int:
+    def rank_of(self, tp: int = 0, sp: int = 0, dp: int = 0, pp: int = 0, cp: int = 0) -> int:
         """Global rank of the given coordinates."""
-        return tp + sp * self.tp + dp * self.tp * self.sp + pp * self.tp * self.sp * self.dp
+        coords, rank, stride = {"tp": tp, "sp": sp, "cp": cp, "dp": dp, "pp": pp}, 0, 1
+        for axis in reversed(MESH_DIMS):
+            rank += coords[axis] * stride
+            stride *= getattr(self, axis)
+        return rank
 
     def group_ranks(self, axes: tuple[str, ...], rank: int) -> list[int]:
         """Global ranks of `rank`'s group along `axes` (e.g. ("dp", "sp")), in axis order."""
         base = self.coords(rank)
-        sizes = {"tp": self.tp, "sp": self.sp, "dp": self.dp, "pp": self.pp}
+        sizes = {"tp": self.tp, "sp": self.sp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
         members = [dict(base)]
         for axis in axes:
             members = [dict(m, **{axis: i}) for m in members for i in range(sizes[axis])]
@@ -226,10 +251,10 @@ class ParallelDims:
         return groups
 
     def embedding_ranks(self, rank: int) -> list[int]:
-        """First and last pipeline stage holding `rank`'s (tp, sp, dp) coordinates."""
-        c = self.coords(rank)
-        first = self.rank_of(c["tp"], c["sp"], c["dp"], 0)
-        last = self.rank_of(c["tp"], c["sp"], c["dp"], self.pp - 1)
+        """First and last pipeline stage holding `rank`'s (tp, sp, cp, dp) coordinates."""
+        c = dict(self.coords(rank))
+        first = self.rank_of(**dict(c, pp=0))
+        last = self.rank_of(**dict(c, pp=self.pp - 1))
         return sorted({first, last})
 
 
@@ -245,8 +270,9 @@ class ParallelMesh:
         self.device_type = device_type
         c = dims.coords(rank)
         self.tp_rank, self.sp_rank, self.dp_rank, self.pp_rank = c["tp"], c["sp"], c["dp"], c["pp"]
+        self.cp_rank = c["cp"]
         self.device_mesh = self.dp_sp_mesh = None
-        self.tp_group = self.sp_group = self.dp_group = self.pp_group = None
+        self.tp_group = self.sp_group = self.dp_group = self.pp_group = self.cp_group = None
         self.dp_sp_group = self.embedding_group = None
         if dims.world_size > 1:
             self._build_groups()
@@ -257,14 +283,14 @@ class ParallelMesh:
 
     @classmethod
     def from_sizes(cls, tp: int = 1, sp: int = 1, pp: int = 1, dp: int | None = None,
-                   device_type: str | None = None) -> "ParallelMesh":
+                   device_type: str | None = None, cp: int = 1) -> "ParallelMesh":
         """Build the mesh for the already initialised default process group (or one rank)."""
         if not (dist.is_available() and dist.is_initialized()):
-            dims = ParallelDims(world_size=1, tp=tp, sp=sp, pp=pp, dp=dp)
+            dims = ParallelDims(world_size=1, tp=tp, sp=sp, pp=pp, dp=dp, cp=cp)
             return cls(dims)
         if device_type is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        dims = ParallelDims(world_size=dist.get_world_size(), tp=tp, sp=sp, pp=pp, dp=dp)
+        dims = ParallelDims(world_size=dist.get_world_size(), tp=tp, sp=sp, pp=pp, dp=dp, cp=cp)
         return cls(dims, rank=dist.get_rank(), device_type=device_type)
 
     def _build_groups(self):
@@ -276,7 +302,10 @@ class ParallelMesh:
         self.sp_group = mesh["sp"].get_group()
         self.dp_group = mesh["dp"].get_group()
         self.pp_group = mesh["pp"].get_group()
-        self.dp_sp_mesh = mesh["dp", "sp"]._flatten("dp_sp")   # 1-D: FSDP2 shards over it
+        self.cp_group = mesh["cp"].get_group()
+        # 1-D dp x (the whole context: cp x sp): replicated parameters' gradients are reduced and
+        # FSDP2 / the distributed optimizer shard over it (the name predates the ring).
+        self.dp_sp_mesh = mesh["dp", "cp", "sp"]._flatten("dp_sp")
         self.dp_sp_group = self.dp_sp_mesh.get_group()
         if self.dims.pp > 1:
             # new_group is collective: every rank creates every embedding group, keeps its own.
@@ -290,6 +319,7 @@ class ParallelMesh:
     # Sizes -----------------------------------------------------------------------------------
     tp_size = property(lambda self: self.dims.tp)
     sp_size = property(lambda self: self.dims.sp)
+    cp_size = property(lambda self: self.dims.cp)
     dp_size = property(lambda self: self.dims.dp)
     pp_size = property(lambda self: self.dims.pp)
     world_size = property(lambda self: self.dims.world_size)
@@ -318,13 +348,19 @@ class ParallelMesh:
         self.dims.check_sequence(seq_length, sequence_parallel, what)
 
     def stage_rank(self, pp_rank: int) -> int:
-        """Global rank of the given pipeline stage at this rank's (tp, sp, dp) coordinates."""
-        return self.dims.rank_of(self.tp_rank, self.sp_rank, self.dp_rank, pp_rank)
+        """Global rank of the given pipeline stage at this rank's (tp, sp, cp, dp) coordinates."""
+        return self.dims.rank_of(self.tp_rank, self.sp_rank, self.dp_rank, pp_rank, self.cp_rank)
+
+    @property
+    def sequence_chunk(self) -> int:
+        """This rank's index among the sp x cp ranks that share one sequence (RNG streams)."""
+        return self.cp_rank * self.dims.sp + self.sp_rank
 
     def __repr__(self):
         d = self.dims
-        return (f"ParallelMesh(world={d.world_size}, tp={d.tp}, sp={d.sp}, dp={d.dp}, pp={d.pp}, "
-                f"rank={self.rank} -> tp{self.tp_rank} sp{self.sp_rank} dp{self.dp_rank} "
+        cp, cp_rank = (f", cp={d.cp}", f" cp{self.cp_rank}") if d.cp > 1 else ("", "")
+        return (f"ParallelMesh(world={d.world_size}, tp={d.tp}, sp={d.sp}{cp}, dp={d.dp}, pp={d.pp}, "
+                f"rank={self.rank} -> tp{self.tp_rank} sp{self.sp_rank}{cp_rank} dp{self.dp_rank} "
                 f"pp{self.pp_rank})")
 
 

@@ -30,6 +30,8 @@ from megatron_sp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear
                                          VocabParallelEmbedding, vocab_parallel_cross_entropy)
 from megatron_sp.tensor_parallel import mappings
 from megatron_sp.tensor_parallel.layers import sequence_parallel_linear
+from megatron_sp.attention.lse import document_index
+from megatron_sp.context_parallel import RingLocalAttention, zigzag_split
 from megatron_sp.ulysses import UlyssesAttention
 
 from .config import GPTConfig
@@ -184,7 +186,9 @@ class SelfAttention(nn.Module):
         qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         self.qkv = ColumnParallelLinear(config.hidden_size, qkv_out, mesh=mesh,
                                         bias=config.add_qkv_bias, sequence_parallel=sequence_parallel)
-        self.core = UlyssesAttention(backend, mesh.sp_group)
+        # With a ring (cp > 1) the local attention after Ulysses' exchange is the ring over cp.
+        local = RingLocalAttention(mesh.cp_group) if mesh.cp_size > 1 else backend
+        self.core = UlyssesAttention(local, mesh.sp_group)
         # --qk-layernorm (Qwen3): one norm over d shared by every head; each tp rank normalises its
         # own heads, so the weights' gradients are partial over tp and summed there (grad_sync).
         self.q_layernorm = self.k_layernorm = None
@@ -368,6 +372,8 @@ class GPTModel(nn.Module):
         backend = get_attention_backend(attention_backend) if isinstance(attention_backend, str) \
             else attention_backend
         self.attention_backend_name = getattr(backend, "name", type(backend).__name__)
+        if mesh.cp_size > 1:   # the ring replaces the backend (its block kernels: attention/lse.py)
+            self.attention_backend_name = f"ring over cp={mesh.cp_size} (attention/lse.py blocks)"
         self.memory = memory or MemoryOptions()
         if self.memory.selective_recompute:
             backend = RecomputedAttention(backend)
@@ -400,15 +406,27 @@ class GPTModel(nn.Module):
                 self.output_layer.weight.real_rows = config.vocab_size
                 self.output_layer.weight.is_embedding_or_output_parameter = True
 
-    # Sequence sharding over sp -----------------------------------------------------------------
+    # Sequence sharding over cp and sp ---------------------------------------------------------
     def shard_sequence(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        """This sp rank's contiguous chunk of a full-sequence tensor [b, s, ...] -> [b, s/sp, ...]."""
-        if t is None or self.mesh.sp_size == 1:
+        """This rank's tokens of a full-sequence tensor [b, s, ...] -> [b, s/(sp*cp), ...]: with a
+        ring (cp > 1) its ring rank's zigzag chunks r and 2cp-1-r (docs/design.md §14), then this
+        sp rank's contiguous part of them. Positions, labels and the loss mask all go through
+        here, so RoPE and the loss follow the same layout."""
+        mesh = self.mesh
+        if t is None or mesh.sp_size * mesh.cp_size == 1:
             return t
-        s = t.shape[1]
-        self.mesh.check_sequence(s, what="sequence length")       # LayoutError, a ValueError
-        chunk = s // self.mesh.sp_size
-        return t[:, self.mesh.sp_rank * chunk:(self.mesh.sp_rank + 1) * chunk]
+        mesh.check_sequence(t.shape[1], what="sequence length")   # LayoutError, a ValueError
+        if mesh.cp_size > 1:
+            t = zigzag_split(t, mesh.cp_size, mesh.cp_rank, dim=1)  # [b, s/cp, ...]
+        chunk = t.shape[1] // mesh.sp_size
+        return t[:, mesh.sp_rank * chunk:(mesh.sp_rank + 1) * chunk]
+
+    def _attention_documents(self, document_ids):
+        """What the attention core takes for packed documents: the ids of the full sequence, or
+        under a ring this ring rank's zigzag tokens' document index over the full row."""
+        if document_ids is None or self.mesh.cp_size == 1:
+            return document_ids
+        return zigzag_split(document_index(document_ids), self.mesh.cp_size, self.mesh.cp_rank)
 
     # Forward -----------------------------------------------------------------------------------
     def forward(self, input_ids=None, position_ids=None, labels=None, document_ids=None,
@@ -423,7 +441,8 @@ class GPTModel(nn.Module):
         """
         ref = input_ids if input_ids is not None else labels
         if position_ids is None:
-            s = ref.shape[1] if ref is not None else hidden_states.shape[1] * self.mesh.sp_size
+            s = (ref.shape[1] if ref is not None
+                 else hidden_states.shape[1] * self.mesh.sp_size * self.mesh.cp_size)
             position_ids = torch.arange(s, device=(ref if ref is not None else hidden_states).device)
             position_ids = position_ids.unsqueeze(0).expand(
                 (ref if ref is not None else hidden_states).shape[0], -1)
@@ -438,7 +457,8 @@ class GPTModel(nn.Module):
         else:
             x = hidden_states
         rope = self.rope(positions) if self.rope is not None else None
-        x = forward_layers(self.layers.items(), x, rope, document_ids, self.memory, self.rng_tracker)
+        x = forward_layers(self.layers.items(), x, rope, self._attention_documents(document_ids),
+                           self.memory, self.rng_tracker)
         if not self.post_process:
             return x
         return self.output(x, self.shard_sequence(labels))

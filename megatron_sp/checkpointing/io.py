@@ -316,7 +316,8 @@ def save_checkpoint(root: str, iteration: int | str, chunks, mesh, *, optimizer=
     meta = {
         "format": "megatron_sp", "format_version": FORMAT_VERSION,
         "iteration": iteration if iteration == RELEASE else int(iteration),
-        "layout": {"tp": d.tp, "sp": d.sp, "dp": d.dp, "pp": d.pp, "world_size": d.world_size},
+        "layout": {"tp": d.tp, "sp": d.sp, "dp": d.dp, "pp": d.pp, "world_size": d.world_size,
+                   **({"cp": d.cp} if d.cp > 1 else {})},
         "has_optimizer": optimizer is not None,
         "has_rng": f"rng/{mesh.rank}" in state,
         "train_state": dataclasses.asdict(train_state) if train_state is not None else None,
@@ -408,9 +409,9 @@ def load_checkpoint(path: str, chunks, mesh, *, optimizer=None, scheduler=None, 
     if with_optim:
         state.update(optimizer_state(chunks, optimizer, mesh.tp_rank, mesh.tp_size, create=True))
     saved_layout = meta.get("layout", {})
-    same_layout = all(saved_layout.get(k) == v for k, v in
+    same_layout = all(saved_layout.get(k, 1 if k == "cp" else None) == v for k, v in
                       (("tp", mesh.tp_size), ("sp", mesh.sp_size), ("dp", mesh.dp_size),
-                       ("pp", mesh.pp_size)))
+                       ("pp", mesh.pp_size), ("cp", mesh.cp_size)))
     rng_key = f"rng/{mesh.rank}"
     with_rng = load_rng and not weights_only and meta.get("has_rng") and same_layout
     if with_rng:

@@ -125,6 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     par.add_argument("--sequence-parallel-size", type=int, default=1,
                      help="Ulysses sequence-parallel degree")
+    par.add_argument("--context-parallel-size", type=int, default=1,
+                     help="Megatron's context parallelism: ranks one sequence is split over, "
+                          "how chosen by --cp-comm-type")
+    par.add_argument("--cp-comm-type", choices=["p2p", "a2a", "a2a+p2p", "allgather"],
+                     default="p2p", help="p2p: ring attention over zigzag chunks (not capped by the "
+                     "heads); a2a: Ulysses (as --sequence-parallel-size); a2a+p2p: Ulysses inside "
+                     "x ring across, sizes from --hierarchical-context-parallel-sizes")
+    par.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
+                     metavar="N", help="a2a+p2p: A R, the Ulysses (adjacent ranks) and ring "
+                     "degrees, A x R = --context-parallel-size")
     _bool_flag(par, "--sequence-parallel", "Megatron sequence sharding inside tensor parallelism")
     par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     par.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)

@@ -34,6 +34,7 @@ HONOURED = (
     "--clip-grad", "--adam-beta1", "--adam-beta2", "--bf16", "--recompute-granularity",
     "--recompute-method", "--recompute-num-layers", "--exit-duration-in-mins",
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--sequence-parallel",
+    "--context-parallel-size", "--cp-comm-type", "--hierarchical-context-parallel-sizes",
     "--distributed-backend", "--distributed-timeout-minutes",
     "--data-path", "--split", "--data-cache-path", "--mock-data", "--tokenizer-type",
     "--tokenizer-model", "--vocab-size", "--vocab-file", "--merge-file", "--num-workers",
@@ -54,6 +55,12 @@ HONOURED = (
 
 # What an honoured flag does here, where that needs saying (the README table shows it).
 HONOURED_NOTES = {
+    "--context-parallel-size": "ranks one sequence is split over; how: --cp-comm-type",
+    "--cp-comm-type": "p2p (default): ring attention over zigzag chunks; a2a: Ulysses; a2a+p2p: "
+                      "Ulysses inside x ring across (--hierarchical-context-parallel-sizes); "
+                      "allgather refused",
+    "--hierarchical-context-parallel-sizes": "a2a+p2p: A Ulysses ranks x R ring ranks, A x R = "
+                                             "--context-parallel-size",
     "--attention-backend": "auto, flash, unfused; fused -> te (sdpa without Transformer Engine), "
                            "local -> sdpa; our te, sdpa accepted",
     "--ckpt-format": "torch_dist (ours: torch.distributed.checkpoint); other formats refused",
@@ -99,8 +106,6 @@ HONOURED_NOTES = {
 
 # Mapped: flag -> (number of values, our equivalent in words). `apply` sets our arguments.
 MAPPED = {
-    "--context-parallel-size": (1, "runs as Ulysses --sequence-parallel-size N: the same attention "
-                                   "result, all-to-all of heads instead of a ring of key/value blocks"),
     "--use-flash-attn": (0, "selects --attention-backend flash"),
 }
 
@@ -192,13 +197,6 @@ def apply(args) -> list[str]:
                           f"are torch.distributed.checkpoint folders, the family of Megatron's "
                           f"torch_dist; pass --ckpt-format torch_dist or leave the flag out.")
     notes = []
-    cp = getattr(args, "context_parallel_size", None)
-    if cp is not None and int(cp) > 1:
-        if args.sequence_parallel_size not in (1, int(cp)):
-            raise ConfigError(f"--context-parallel-size {cp} and --sequence-parallel-size "
-                              f"{args.sequence_parallel_size} disagree; pass one of them.")
-        args.sequence_parallel_size = int(cp)
-        notes.append(f"> --context-parallel-size {cp} {MAPPED['--context-parallel-size'][1]}")
     if getattr(args, "use_flash_attn", False):
         args.attention_backend = "flash"
         notes.append(f"> --use-flash-attn {MAPPED['--use-flash-attn'][1]}")

@@ -1,16 +1,18 @@
 """Context parallelism past the head count: ring attention, zigzag layout (docs/design.md §14).
 
 zigzag: the head-tail sequence layout (chunks r and 2cp-1-r on ring rank r); comm: the ring
-exchange (every torch.distributed call); ring: ring attention, forward and backward. The block
+exchange (every torch.distributed call); ring: ring attention, forward and backward; attention:
+the ring behind the attention-backend interface (a model layer's local attention). The block
 kernels (attention with lse, its backward, the merge) are megatron_sp.attention.lse.
 """
+from megatron_sp.context_parallel.attention import RingLocalAttention
 from megatron_sp.context_parallel.comm import COMM_KIND, RingExchange, send_next_recv_prev
 from megatron_sp.context_parallel.ring import RingAttention, ring_attention, step_pairs
 from megatron_sp.context_parallel.zigzag import (check_zigzag_length, zigzag_chunks, zigzag_merge,
                                                  zigzag_positions, zigzag_split)
 
 __all__ = [
-    "COMM_KIND", "RingExchange", "send_next_recv_prev", "RingAttention", "ring_attention",
+    "COMM_KIND", "RingExchange", "RingLocalAttention", "send_next_recv_prev", "RingAttention", "ring_attention",
     "step_pairs", "check_zigzag_length", "zigzag_chunks", "zigzag_merge", "zigzag_positions",
     "zigzag_split",
 ]

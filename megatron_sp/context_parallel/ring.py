@@ -40,83 +40,98 @@ from megatron_sp.context_parallel.comm import GRAD_TAG, KV_TAG, send_next_recv_p
 from megatron_sp.mesh import group_rank, group_size
 
 
-def step_pairs(rank: int, src: int, c: int, causal: bool) -> list[BlockPair]:
+def step_pairs(rank: int, src: int, c: int, causal: bool,
+               documents: bool = False) -> list[BlockPair]:
     """The block pairs rank `rank` computes against the kv block of rank `src` (local slices of
-    its 2c queries and of the block's 2c keys; see the table in the module docstring)."""
+    its 2c queries and of the block's 2c keys; see the table in the module docstring).
+    documents: every pair also gets the document mask (packed documents)."""
     head, tail, both = slice(0, c), slice(c, 2 * c), slice(0, 2 * c)
     if not causal:
-        return [BlockPair(both, both, False)]
-    if src == rank:
-        return [BlockPair(head, head, True), BlockPair(tail, head, False),
-                BlockPair(tail, tail, True)]
-    if src < rank:
-        return [BlockPair(both, head, False)]
-    return [BlockPair(tail, both, False)]
+        pairs = [(both, both, False)]
+    elif src == rank:
+        pairs = [(head, head, True), (tail, head, False), (tail, tail, True)]
+    elif src < rank:
+        pairs = [(both, head, False)]
+    else:
+        pairs = [(tail, both, False)]
+    return [BlockPair(q, k, diagonal, documents) for q, k, diagonal in pairs]
 
 
-def _ring_forward(q, k, v, group, causal, scale):
+def _travelling(k, v, doc):
+    """What travels around the ring: the kv block, and its tokens' document indices if packed."""
+    return (k.contiguous(), v.contiguous()) + (() if doc is None else (doc.contiguous(),))
+
+
+def _ring_forward(q, k, v, doc, group, causal, scale):
     """(out [b, 2c, h, d] in q's dtype, lse [b, h, 2c] fp32) of this rank's queries."""
     cp, r = group_size(group), group_rank(group)
     b, n, h, d = q.shape
     out = torch.zeros(b, n, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device)
-    kv = (k.contiguous(), v.contiguous())
+    held = _travelling(k, v, doc)
     for i in range(cp):
-        pending = send_next_recv_prev(kv, group, KV_TAG) if i < cp - 1 else None  # next block
-        forward_pairs(q, *kv, step_pairs(r, (r - i) % cp, n // 2, causal), scale=scale,
-                      out=out, lse=lse)
+        pending = send_next_recv_prev(held, group, KV_TAG) if i < cp - 1 else None  # next block
+        pairs = step_pairs(r, (r - i) % cp, n // 2, causal, doc is not None)
+        forward_pairs(q, held[0], held[1], pairs, scale=scale, out=out, lse=lse,
+                      doc_q=doc, doc_k=held[2] if doc is not None else None)
         if pending is not None:
-            kv = pending.wait()
+            held = pending.wait()
     return out.to(q.dtype), lse
 
 
-def _ring_backward(q, k, v, out, dout, lse, group, causal, scale):
+def _ring_backward(q, k, v, doc, out, dout, lse, group, causal, scale):
     """(dq, dk, dv) of this rank's tokens, fp32: dk, dv of the held block travel with it."""
     cp, r = group_size(group), group_rank(group)
     f32 = torch.float32
     dq = torch.zeros(q.shape, dtype=f32, device=q.device)
-    kv = (k.contiguous(), v.contiguous())
+    held = _travelling(k, v, doc)
     grads = None                           # the exchange bringing the next block's dk, dv
     for i in range(cp):
-        pending = send_next_recv_prev(kv, group, KV_TAG) if i < cp - 1 else None
+        pending = send_next_recv_prev(held, group, KV_TAG) if i < cp - 1 else None
         dk = torch.zeros(k.shape, dtype=f32, device=k.device)
         dv = torch.zeros(v.shape, dtype=f32, device=v.device)
-        backward_pairs(q, *kv, out, dout, lse, step_pairs(r, (r - i) % cp, q.shape[1] // 2, causal),
-                       scale=scale, dq=dq, dk=dk, dv=dv)
+        pairs = step_pairs(r, (r - i) % cp, q.shape[1] // 2, causal, doc is not None)
+        backward_pairs(q, held[0], held[1], out, dout, lse, pairs, scale=scale, dq=dq, dk=dk,
+                       dv=dv, doc_q=doc, doc_k=held[2] if doc is not None else None)
         if grads is not None:              # the other ranks' share of this block so far
             dk_in, dv_in = grads.wait()
             dk, dv = dk + dk_in, dv + dv_in
         grads = send_next_recv_prev((dk, dv), group, GRAD_TAG)   # on around the ring / home
         if pending is not None:
-            kv = pending.wait()
+            held = pending.wait()
     dk, dv = grads.wait()                  # this rank's own block, complete, back home
     return dq, dk, dv
 
 
 class RingAttention(torch.autograd.Function):
-    """Ring attention as an autograd function: forward(ctx, q, k, v, group, causal, scale)."""
+    """Ring attention as an autograd function: forward(ctx, q, k, v, doc, group, causal, scale)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale):
-        out, lse = _ring_forward(q, k, v, group, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, doc, group, causal, scale):
+        out, lse = _ring_forward(q, k, v, doc, group, causal, scale)
+        ctx.save_for_backward(q, k, v, doc, out, lse)
         ctx.group, ctx.causal, ctx.scale = group, causal, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(q, k, v, out, dout.contiguous(), lse, ctx.group, ctx.causal,
-                                    ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        q, k, v, doc, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(q, k, v, doc, out, dout.contiguous(), lse, ctx.group,
+                                    ctx.causal, ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def ring_attention(q, k, v, group, *, causal: bool = True, scale: float | None = None):
+def ring_attention(q, k, v, group, *, causal: bool = True, scale: float | None = None,
+                   document_index=None):
     """Attention of this rank's zigzag tokens against the whole sequence, over a ring.
 
     q [b, 2c, h, d], k, v [b, 2c, g, d]: this rank's tokens in the zigzag layout (zigzag_split),
     h % g == 0. group: the context parallel ring (group ranks 0..cp-1 in ring order; None or one
-    rank: plain attention). Returns out [b, 2c, h, d] in q's dtype, in the same layout.
+    rank: plain attention). document_index [b, 2c] int64 (packed documents): each token's document
+    index counted over the FULL row (megatron_sp.attention.lse.document_index of the full
+    document ids, then zigzag_split), so indices compare across ranks; it travels with the kv
+    blocks and masks every block pair to same-document keys. Returns out [b, 2c, h, d] in q's
+    dtype, in the same layout.
     """
     b, n, h, d = q.shape
     if n % 2 or k.shape[:2] != (b, n) or k.shape != v.shape or k.shape[3] != d:
@@ -126,5 +141,8 @@ def ring_attention(q, k, v, group, *, causal: bool = True, scale: float | None =
     if h % k.shape[2]:
         raise ValueError(f"grouped-query attention needs the query heads h = {h} to be a multiple "
                          f"of the key/value heads g = {k.shape[2]}.")
+    if document_index is not None and tuple(document_index.shape) != (b, n):
+        raise ValueError(f"document_index must be [b, 2c] = [{b}, {n}] (this rank's zigzag "
+                         f"tokens), got {tuple(document_index.shape)}.")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    return RingAttention.apply(q, k, v, group, causal, scale)
+    return RingAttention.apply(q, k, v, document_index, group, causal, scale)

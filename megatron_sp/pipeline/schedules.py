@@ -35,9 +35,9 @@ from .partition import check_num_microbatches
 
 
 def activation_shape(model, micro_batch: dict, mesh) -> tuple[int, int, int]:
-    """[b, s/sp, H] (s/(sp*tp) under --sequence-parallel) of the tensors crossing stages."""
+    """[b, s/(sp*cp), H] (s/(sp*cp*tp) under --sequence-parallel) of the tensors crossing stages."""
     b, s = micro_batch["tokens"].shape[:2]
-    shards = mesh.sp_size * (mesh.tp_size if getattr(model, "sequence_parallel", False) else 1)
+    shards = mesh.dims.sequence_shards(getattr(model, "sequence_parallel", False))
     return (b, s // shards, model.config.hidden_size)
 
 

@@ -8,13 +8,13 @@ paths -> tmp) run for 2 iterations on CPU at 1-2 ranks.
 Each script runs with every flag as Megatron has it. The FP8 script without Transformer Engine must
 end in the one-sentence refusal naming Transformer Engine (exit != 0, no traceback); the others must
 run clean: exit 0, no traceback, no "unrecognized arguments", 2 log lines that train_llama3.sh's
-regular expressions read (throughput > 0), the no-op line once, the --context-parallel-size -> Ulysses
-note once, the "nothing is profiled" note where --profile has Megatron's default steps, checkpoint
+regular expressions read (throughput > 0), the no-op line once, the --context-parallel-size note
+(Megatron's default --cp-comm-type p2p: ring attention) once, the "nothing is profiled" note where --profile has Megatron's default steps, checkpoint
 metadata without optimizer / RNG state for --no-save-optim / --no-save-rng, and the wandb sentence
 once where wandb is not installed.
 
 One-rank equality (losses 1e-5 relative, consumed samples and batch sizes exact):
---rampup-batch-size under --context-parallel-size 2 (mapped to Ulysses) at 2 ranks against one rank,
+--rampup-batch-size under --context-parallel-size 2 (ring attention) at 2 ranks against one rank,
 and a run resumed from a checkpoint taken mid-ramp against the uninterrupted run (which also writes
 the --use-pytorch-profiler trace of iterations 2-3 to --tensorboard-dir).
 """
@@ -102,7 +102,8 @@ def llama3_8b_h100_fp8(tmp):
 
 
 def llama3_8b_h200_bf16(tmp):
-    """train_llama3_8b_h200_bf16.sh (mock data); CP_SIZE 1 -> 2 on 2 ranks (mapped to Ulysses)."""
+    """train_llama3_8b_h200_bf16.sh (mock data); CP_SIZE 1 -> 2 on 2 ranks (Megatron's default
+    --cp-comm-type p2p: ring attention)."""
     return 2, (_llama3_8b_model("fused") + _llama3_8b_training()
                + ["--tensor-model-parallel-size", "1", "--context-parallel-size", "2",
                   "--sequence-parallel"]
@@ -199,7 +200,7 @@ def _check_clean_run(name, rc, out, argv, tmp):
         lines = [ln for ln in out.splitlines() if "accepted as no-ops" in ln]
         assert len(lines) == 1 and all(f in lines[0] for f in noops), lines
     if "--context-parallel-size" in argv and argv[argv.index("--context-parallel-size") + 1] != "1":
-        assert out.count("runs as Ulysses --sequence-parallel-size") == 1, out[-3000:]
+        assert out.count("--cp-comm-type p2p: ring attention over") == 1, out[-3000:]
     if "--profile" in argv and "--profile-step-start" not in argv:   # Megatron's 10-12: none here
         assert out.count("nothing is profiled") == 1, out[-3000:]
     if "--no-save-optim" in argv:      # the final save: no optimizer state, no RNG state
@@ -260,7 +261,7 @@ def test_rampup_with_context_parallel_and_resume_mid_ramp_match_one_rank(tmp_pat
     rc, out = _run(1, one, tmp_path)
     assert rc == 0, out[-4000:]
     rc, out = _run(2, cp, tmp_path)
-    assert rc == 0 and "runs as Ulysses" in out, out[-4000:]
+    assert rc == 0 and "--cp-comm-type p2p: ring attention over 2 ranks" in out, out[-4000:]
     rc, out = _run(1, resumed, tmp_path)
     assert rc == 0, out[-4000:]
     ref = _records(tmp_path / "one.jsonl")

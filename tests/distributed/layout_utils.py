@@ -120,8 +120,8 @@ def compare(reference, candidate, what: str, loss_rtol=LOSS_RTOL, grad_atol=GRAD
 
 
 def check_layouts(rank, world, cases):
-    """Run each (name, preset overrides, tp, sp, pp, pipeline, micro_batch, sequence_parallel,
-    packed) case."""
+    """Run each (name, preset overrides, tp, sp, cp, pp, pipeline, micro_batch, sequence_parallel,
+    packed, model_kwargs) case."""
     torch.manual_seed(1000 + rank)
     results = []
     for case in cases:
@@ -130,9 +130,9 @@ def check_layouts(rank, world, cases):
                                  seed=case.get("data_seed", 11), packed=case.get("packed", False))
         reference = train_layout(ParallelMesh.single(), cfg, batches, case["global_batch"])
         mesh = ParallelMesh.from_sizes(tp=case.get("tp", 1), sp=case.get("sp", 1),
-                                       pp=case.get("pp", 1))
+                                       pp=case.get("pp", 1), cp=case.get("cp", 1))
         candidate = train_layout(mesh, cfg, batches, case["micro_batch"],
                                  sequence_parallel=case.get("sequence_parallel", False),
-                                 pipeline=case.get("pipeline"))
+                                 pipeline=case.get("pipeline"), model_kwargs=case.get("model_kwargs"))
         results.append((case["name"],) + compare(reference, candidate, case["name"]))
     return results

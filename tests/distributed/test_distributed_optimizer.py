@@ -122,7 +122,8 @@ def check_distributed_optimizer(rank, world, cases):
                                       micro_batch=case["global_batch"],
                                       global_batch=case["global_batch"],
                                       steps=case["steps"]), batches, one)
-        mesh = ParallelMesh.from_sizes(tp=case.get("tp", 1), sp=case.get("sp", 1), pp=case.get("pp", 1))
+        mesh = ParallelMesh.from_sizes(tp=case.get("tp", 1), sp=case.get("sp", 1), pp=case.get("pp", 1),
+                                       cp=case.get("cp", 1))
         trainer = _trainer(mesh, cfg, case, distributed=case.get("distributed", {}),
                            global_batch=case["global_batch"], steps=case["steps"])
         candidate = _history(trainer, batches, mesh)
@@ -198,6 +199,8 @@ def test_four_rank_layouts():
              pipeline=dict(virtual=1), **dict(common, global_batch=8)),
         dict(LLAMA, name="llama sp2 x dp2 cpu offload", sp=2, micro_batch=1, bytes=True,
              distributed=dict(cpu_offload=True), **common),
+        dict(LLAMA, name="llama ring cp2 x dp2 (Adam state over dp x cp)", cp=2, micro_batch=1,
+             bytes=True, **common),
     ]
     _run(4, cases)
 

@@ -105,7 +105,7 @@ def _compare(ref, cand, what, loss_rtol=LOSS_RTOL, atol=ATOL):
 def _state_bytes_formula(trainer, mesh, offloaded):
     """docs/design.md §11: 16 P_r / n per rank (on the host with offload), P_r the (tp, pp) slice."""
     p_r = sum(p.numel() for c in trainer.chunks for p in c.parameters())   # DTensor: slice shape
-    n = mesh.dp_size * mesh.sp_size
+    n = mesh.dp_size * mesh.sp_size * mesh.cp_size       # dp x (the whole context: sp x cp)
     sharded = 16 * p_r // n
     return {"device_bytes": 0 if offloaded else sharded, "host_bytes": sharded if offloaded else 0}
 
@@ -123,7 +123,7 @@ def _check_cases(rank, world, cases):
                                               memory=case.get("memory")),
                                      batches, ParallelMesh.single())
         mesh = ParallelMesh.from_sizes(tp=case.get("tp", 1), sp=case.get("sp", 1),
-                                       pp=case.get("pp", 1))
+                                       pp=case.get("pp", 1), cp=case.get("cp", 1))
         fsdp = case.get("fsdp", {})
         trainer = _trainer(mesh, cfg, case["micro_batch"], fsdp=fsdp,
                            sequence_parallel=case.get("sequence_parallel", False),
@@ -292,6 +292,8 @@ def test_fsdp2_four_ranks_layouts_memory_bf16_checkpoints(tmp_path):
         _case("pp2 x dp2 llama (interleaved)", "llama-tiny", 8, 2, pp=2,
               pipeline={"virtual": 1}, overrides=SMALL_LLAMA),
         _case("sp2 x dp2 gpt2 --bf16", "gpt2-tiny", 3, 2, sp=2, fsdp={"bf16": True}),
+        _case("ring cp2 x dp2 llama (sharded over dp x cp)", "llama-tiny", 9, 2, cp=2,
+              check_bytes=True, overrides=SMALL_LLAMA),
     ]
     outputs = run_distributed(_four_rank_checks, 4, cases, str(tmp_path))
     print("worst full gradient / parameter difference per case:", outputs[0][0])

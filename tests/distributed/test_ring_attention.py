@@ -4,9 +4,11 @@ groups [0, 2] and [1, 3], so ring order is group order, not global rank order).
 Every rank draws the same full q, k, v (same seed), zigzag-splits them, runs ring_attention, and
 gathers every rank's output and gradients over its ring; zigzag-merged, they must equal full
 causal attention (SDPA, fp32) on one rank: forward 1e-5, gradients 1e-4. MHA and GQA with 2 kv
-heads (cp = 4 > 2 kv heads), causal and not. The bytes the ring sends are checked exactly:
-forward 2 (cp-1) x (kv elements per rank) x element size; backward (cp-1) kv blocks plus cp fp32
-dk, dv blocks.
+heads (cp = 4 > 2 kv heads), causal and not, and packed documents (the reference then has a
+block-diagonal causal mask; one-token documents and a document spanning a whole row included).
+The bytes the ring sends are checked exactly: forward 2 (cp-1) x (kv elements per rank) x element
+size; backward (cp-1) kv blocks plus cp fp32 dk, dv blocks; with documents the int64 document
+indices travel with every kv block too.
 """
 import pytest
 import torch
@@ -14,13 +16,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_sp import comm_stats
+from megatron_sp.attention.documents import document_causal_mask
+from megatron_sp.attention.lse import document_index
 from megatron_sp.context_parallel import COMM_KIND, ring_attention, zigzag_merge, zigzag_split
 from megatron_sp.testing import run_distributed
 
 WORLD = 4
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
 B, S, D = 2, 32, 8
-CASES = [(4, 4, True), (4, 2, True), (4, 1, True), (2, 2, False)]   # (h, g, causal)
+CASES = [(4, 4, True, False), (4, 2, True, False), (4, 1, True, False), (2, 2, False, False),
+         (4, 2, True, True), (2, 1, False, True)]                   # (h, g, causal, documents)
 
 
 def _rings(rank):
@@ -33,10 +38,22 @@ def _rings(rank):
     return rings
 
 
-def _reference(q, k, v, dout, causal):
-    """Full attention and its gradients on one rank (SDPA, GQA by enable_gqa)."""
+def _documents(gen):
+    """[B, S] ids: random boundaries in row 0 (one-token documents at both ends), one document
+    spanning the whole of row 1."""
+    ids = (torch.rand(B, S, generator=gen) < 0.2).long().cumsum(1)
+    ids[0, 0], ids[0, -1] = -1, ids[0, -2] + 1
+    ids[1] = 5
+    return ids
+
+
+def _reference(q, k, v, dout, causal, docs=None):
+    """Full attention and its gradients on one rank (SDPA, GQA by enable_gqa; with documents a
+    block-diagonal (causal) mask)."""
     qkv = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in qkv), is_causal=causal,
+    mask = None if docs is None else document_causal_mask(docs, causal=causal)  # [b, 1, s, s]
+    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in qkv), attn_mask=mask,
+                                         is_causal=causal and mask is None,
                                          enable_gqa=True).transpose(1, 2)
     out.backward(dout)
     return [out.detach()] + [t.grad for t in qkv]
@@ -49,21 +66,25 @@ def _gather_merge(t, group, cp):
     return zigzag_merge(parts, cp)
 
 
-def _check_case(rank, group, cp, h, g, causal, seed):
+def _check_case(rank, group, cp, h, g, causal, documents, seed):
     r = dist.get_rank(group)
     gen = torch.Generator().manual_seed(seed + 100 * h + 10 * g + causal)
     q, k, v, dout = (torch.randn(B, S, n, D, generator=gen) for n in (h, g, g, h))
-    want = _reference(q, k, v, dout, causal)
+    docs = _documents(gen) if documents else None
+    want = _reference(q, k, v, dout, causal, docs)
     mine = [zigzag_split(t, cp, r).requires_grad_() for t in (q, k, v)]
+    index = None if docs is None else zigzag_split(document_index(docs), cp, r)   # [B, 2c]
     comm_stats.reset()
-    out = ring_attention(*mine, group, causal=causal)
+    out = ring_attention(*mine, group, causal=causal, document_index=index)
     sent_forward = comm_stats.snapshot().get(COMM_KIND, 0)
     comm_stats.reset()
     out.backward(zigzag_split(dout, cp, r))
     sent_backward = comm_stats.snapshot().get(COMM_KIND, 0)
     kv_elems = mine[1].numel()                                  # k (or v) elements per rank
-    assert sent_forward == 2 * (cp - 1) * kv_elems * 4, (sent_forward, cp, kv_elems)
-    assert sent_backward == 2 * (cp - 1) * kv_elems * 4 + cp * 2 * kv_elems * 4, sent_backward
+    doc_bytes = 0 if index is None else (cp - 1) * index.numel() * 8   # int64, with every block
+    assert sent_forward == 2 * (cp - 1) * kv_elems * 4 + doc_bytes, (sent_forward, cp, kv_elems)
+    assert sent_backward == (2 * (cp - 1) * kv_elems * 4 + doc_bytes
+                             + cp * 2 * kv_elems * 4), sent_backward
     errors = {}
     got = [out.detach()] + [t.grad for t in mine]
     for name, tol, t, ref in zip(["out", "dq", "dk", "dv"], [FWD_TOL] + [GRAD_TOL] * 3, got, want):
@@ -80,8 +101,9 @@ def _ring_checks(rank, world, seed):
     rings = _rings(rank)
     results = {}
     for cp in (4, 2):
-        for h, g, causal in CASES:
-            results[(cp, h, g, causal)] = _check_case(rank, rings[cp], cp, h, g, causal, seed)
+        for h, g, causal, documents in CASES:
+            results[(cp, h, g, causal, documents)] = _check_case(rank, rings[cp], cp, h, g, causal,
+                                                                 documents, seed)
     return results
 
 

@@ -120,11 +120,11 @@ def test_unknown_field_is_a_type_error_in_code():
 def test_record_keeps_the_namespace_keys_with_resolved_values():
     """What a checkpoint stores as "args": the parsed namespace's keys, the sections' values."""
     args = parse_args(["--seq-length", "16", "--micro-batch-size", "2", "--mlp-tiles", "3",
-                       "--context-parallel-size", "2"])
+                       "--context-parallel-size", "2", "--cp-comm-type", "a2a", "--use-flash-attn"])
     record = job_config(args).flags()
     assert set(record) == set(vars(args))
     assert record["global_batch_size"] == 2 and record["mlp_tiles"] == 3
-    assert record["sequence_parallel_size"] == 2 and record["context_parallel_size"] == "2"
+    assert record["sequence_parallel_size"] == 2 and record["context_parallel_size"] == 2
     assert record["megatron_notes"] == args.megatron_notes != []
 
 

@@ -54,9 +54,8 @@ def test_mapped_and_noop_flags_are_said_once():
     args = parse_args(BASE + ["--context-parallel-size", "2", "--use-flash-attn", "--use-mcore-models",
                               "--rerun-mode", "disabled", "--empty-unused-memory-level", "1",
                               "--no-rope-fusion", "--tiktoken-pattern", "v2"])
-    assert args.sequence_parallel_size == 2 and args.attention_backend == "flash"
+    assert args.context_parallel_size == 2 and args.attention_backend == "flash"
     notes = args.megatron_notes
-    assert sum("--context-parallel-size 2 runs as Ulysses" in n for n in notes) == 1
     assert sum("--use-flash-attn selects" in n for n in notes) == 1
     noop = [n for n in notes if "no-ops" in n]
     assert len(noop) == 1 and all(f in noop[0] for f in ("--use-mcore-models", "--rerun-mode",
@@ -214,3 +213,43 @@ def test_exit_on_missing_checkpoint(tmp_path, capsys):
     with pytest.raises(ConfigError) as err:       # run_main prints it as "error: <message>"
         pretrain_gpt.main(argv)
     assert f"error: {err.value}".startswith("error: --exit-on-missing-checkpoint: no checkpoint under --load")
+
+
+@pytest.mark.parametrize("argv, ulysses, ring, note", [
+    ([], 1, 1, None),
+    (["--context-parallel-size", "4"], 1, 4, "--context-parallel-size 4 --cp-comm-type p2p: ring "
+                                             "attention over 4 ranks (zigzag chunks): one sequence "
+                                             "over 4 ranks"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a"], 4, 1,
+     "--context-parallel-size 4 --cp-comm-type a2a runs as Ulysses --sequence-parallel-size 4"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+      "--hierarchical-context-parallel-sizes", "2", "2"], 2, 2,
+     "Ulysses all-to-all over 2 adjacent ranks x ring attention over 2 ranks"),
+    (["--context-parallel-size", "2", "--sequence-parallel-size", "2"], 2, 2,
+     "one sequence over 4 ranks"),
+])
+def test_context_parallel_flags_keep_megatrons_meaning(argv, ulysses, ring, note):
+    """Megatron's default --cp-comm-type is p2p (the ring); a2a is Ulysses; a2a+p2p both, with the
+    sizes; our --sequence-parallel-size is Ulysses and composes with a ring (said at start-up)."""
+    from megatron_sp.cli.build import parse_job
+    parallel = parse_job(BASE + argv).parallel
+    assert (parallel.sequence_parallel_size, parallel.ring_size) == (ulysses, ring)
+    described = parallel.describe_context()
+    assert (described is None) if note is None else (note in described)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"], "A x R = --context-parallel-size 4"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+      "--hierarchical-context-parallel-sizes", "2", "3"], "got [2, 3]"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "allgather"], "allgather"),
+    (["--hierarchical-context-parallel-sizes", "2", "2"], "applies to --cp-comm-type a2a+p2p"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--sequence-parallel-size", "2"],
+     "disagree"),
+])
+def test_context_parallel_refusals_are_one_sentence(argv, words):
+    from megatron_sp.cli.build import parse_job
+    with pytest.raises(ConfigError) as err:
+        parse_job(BASE + argv)
+    assert words in str(err.value) and "\n" not in str(err.value)
+

@@ -15,6 +15,39 @@ def factorisations(world):
             yield tp, sp, pp, world // (tp * sp * pp)
 
 
+@pytest.mark.parametrize("world", [4, 8, 12, 16])
+def test_every_factorisation_with_a_ring(world):
+    """Five axes: Ulysses sp (adjacent ranks) x ring cp (stride tp*sp) in Megatron's cp slot."""
+    for tp, sp, pp, rest in factorisations(world):
+        for cp in (c for c in range(2, rest + 1) if rest % c == 0):
+            dims = ParallelDims(world, tp=tp, sp=sp, pp=pp, cp=cp)
+            dp = dims.dp
+            assert dp == rest // cp and dims.context == sp * cp
+            for rank in range(world):
+                c = dims.coords(rank)
+                assert rank == (c["tp"] + c["sp"] * tp + c["cp"] * tp * sp + c["dp"] * tp * sp * cp
+                                + c["pp"] * tp * sp * cp * dp)
+                assert dims.rank_of(**c) == rank
+            for axes, size in ((("cp",), cp), (("dp", "cp", "sp"), dp * cp * sp)):
+                groups = dims.all_groups(axes)
+                assert all(len(g) == size for g in groups)
+                assert sorted(r for g in groups for r in g) == list(range(world))
+            # a ring's members are tp*sp ranks apart
+            assert all(b - a == tp * sp for g in dims.all_groups(("cp",)) for a, b in zip(g, g[1:]))
+
+
+def test_ring_sequence_rules():
+    dims = ParallelDims(8, sp=2, cp=2, tp=2)
+    assert dims.sequence_shards() == 4 and dims.sequence_shards(sequence_parallel=True) == 8
+    dims.check_sequence(32, sequence_parallel=True)            # 2 x cp x sp x tp = 16 divides 32
+    with pytest.raises(LayoutError, match=r"--seq-length 40 is not divisible by the sequence shards "
+                                          r"\(2 x cp=2 x sp=2 x tp=2 = 16\).*zigzag.*multiple of "
+                                          r"16, e.g. 32\."):
+        dims.check_sequence(40, sequence_parallel=True)
+    with pytest.raises(LayoutError, match=r"tp\*sp\*cp\*pp = 8"):
+        ParallelDims(12, tp=2, sp=2, cp=2)
+
+
 @pytest.mark.parametrize("world", range(1, 17))
 def test_every_factorisation(world):
     count = 0
