@@ -196,6 +196,7 @@ PRESETS: dict[str, dict] = {
     "llama-tiny": _llama(4, 256, 8, 2, 688, vocab=2048, theta=10000.0, max_pos=2048),
     "llama-1b": _llama(16, 2048, 32, 8, 8192, tied=True, max_pos=131072),   # Llama-3.2-1B shapes
     "llama-8b": _llama(32, 4096, 32, 8, 14336, max_pos=131072),            # Llama-3.1-8B shapes
+    "llama3-70b": _llama(80, 8192, 64, 8, 28672, max_pos=8192),             # Llama-3-70B shapes
 }
 
 

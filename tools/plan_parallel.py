@@ -5,42 +5,57 @@ fit, best first, each with the pretrain_gpt.py flags that run it.
     python3 tools/plan_parallel.py --model llama-8b --seq-length 4194304 --num-gpus 64
     python3 tools/plan_parallel.py --model llama-8b --num-gpus 8 --max-seq      # longest sequence
     python3 tools/plan_parallel.py --model llama-8b --seq-length 524288 --num-gpus 1 --json
+    python3 tools/plan_parallel.py --model llama3-70b --num-gpus 256 --max-seq --no-ring
+
+Layouts include a ring of context parallelism (cp > 1, docs/design.md §14): the ring alone
+(--context-parallel-size N --cp-comm-type p2p) or around Ulysses (--cp-comm-type a2a+p2p
+--hierarchical-context-parallel-sizes SP CP), so that one sequence can use more ranks than the
+head rules allow Ulysses sp; --no-ring plans with tp, Ulysses sp, pp and dp only. The table has a
+cp column when a listed plan has a ring.
 
 Per-rank device memory = model state on device + activations + reserve:
   model state   docs/design.md §11, per --sharding mode: none 16 bytes/param (fp32 weights, grads, Adam m, v);
                 distributed-optimizer 8 + 8/n; fsdp 16/n + the FSDP2 units in flight (bf16 params and
-                grads); --optimizer-cpu-offload moves the sharded optimizer state to host (n = dp x sp).
+                grads); --optimizer-cpu-offload moves the sharded optimizer state to host (n = dp x sp,
+                x cp with a ring).
   activations   the peak of one step from our implementation's per-op model (megatron_sp.memory.
                 planner, equal to the measured saved bytes on CPU in fp32 and under bf16 autocast):
                 what the forward keeps + the larger of the output layer's and one layer's backward.
                 bf16 matmul inputs; residual stream and norms fp32 under autocast, bf16 under FSDP2.
+                With a ring: b*s/(sp*cp) tokens per rank, + the ring's kv blocks and fp32 dk, dv in
+                flight in one layer's backward (planner.ring_buffer_bytes).
   reserve       --reserve-gb (CUDA context, NCCL and cuBLAS workspaces) + --fragmentation x the rest
                 (the caching allocator's split blocks).
 Host memory per node: offloaded optimizer state and activations of the node's ranks, pinned buffers
 rounded up to powers of two, within 90% of --host-memory-gb.
 s/step: model FLOPs at --mfu of --peak-tflops x technique cost + communication at the given
-bandwidths, not overlapped (a pessimistic ranking figure, not a prediction).
+bandwidths, not overlapped (a pessimistic ranking figure, not a prediction); the ring's point-to-point
+bytes at NVLink speed inside a node, the network's once the ring leaves it.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import textwrap
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_sp.memory.planner import (Hardware, Workload, activation_bytes,  # noqa: E402
-                                        korthikanti_layer_bytes, max_feasible_seq, plan)
+from megatron_sp.memory.planner import (Hardware, Workload,  # noqa: E402
+                                        activation_bytes, korthikanti_layer_bytes,
+                                        max_feasible_seq, plan, seq_step)
 from megatron_sp.models import GPTConfig, preset  # noqa: E402
 
 WIDTH = 120
 HEADER = ("  #  tp  sp  pp  dp  sharding       state GB     activ. GB   reserve  total  host/node"
           "   s/step  comm GB",
           "                                  device  host  device  host      GB     GB         GB")
+# With a ring among the listed plans: a cp column after sp.
+HEADER_CP = ("  #  tp  sp  cp  pp  dp  sharding       state GB     activ. GB   reserve  total  host/node"
+             "   s/step  comm GB",
+             "                                      device  host  device  host      GB     GB         GB")
 
 
 def build_config(args, seq: int) -> GPTConfig:
@@ -59,7 +74,8 @@ def build_config(args, seq: int) -> GPTConfig:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="preset (llama-1b, llama-8b, gpt2-small, ...)")
+    p.add_argument("--model", default=None,
+                   help="preset (llama-1b, llama-8b, llama3-70b, gpt2-small, ...)")
     p.add_argument("--num-layers", type=int)
     p.add_argument("--hidden-size", type=int)
     p.add_argument("--num-attention-heads", type=int)
@@ -69,6 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--seq-length", type=int, help="tokens per sequence (not with --max-seq)")
     p.add_argument("--max-seq", action="store_true",
                    help="find the longest feasible sequence (a multiple of lcm(1024, GPUs)) instead")
+    p.add_argument("--no-ring", dest="ring", action="store_false",
+                   help="no ring of context parallelism (cp = 1): tp, Ulysses sp, pp, dp only")
     p.add_argument("--global-batch-size", type=int, default=1, help="sequences per step (default 1)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="(default 1)")
     p.add_argument("--num-gpus", type=int, required=True)
@@ -120,13 +138,14 @@ def workload(args, seq: int) -> Workload:
 
 
 def search(args) -> dict:
-    """The sharding modes the planner may choose from."""
-    return dict(sharding=args.sharding, cpu_offload=args.optimizer_cpu_offload)
+    """The sharding modes and layouts (with or without a ring) the planner may choose from."""
+    return dict(sharding=args.sharding, cpu_offload=args.optimizer_cpu_offload, ring=args.ring)
 
 
-def format_row(i: int, pl) -> str:
+def format_row(i: int, pl, cp_column: bool = False) -> str:
     comm = pl.comm_total_gb
-    return (f"{i:>3} {pl.tp:>3} {pl.sp:>3} {pl.pp:>3} {pl.dp:>3}  {pl.sharding_label:<13}"
+    cp = f" {pl.cp:>3}" if cp_column else ""
+    return (f"{i:>3} {pl.tp:>3} {pl.sp:>3}{cp} {pl.pp:>3} {pl.dp:>3}  {pl.sharding_label:<13}"
             f"{pl.state_device_gb:>8.1f}{pl.state_host_gb:>6.1f}{pl.activations_gb:>8.1f}"
             f"{pl.activations_host_gb:>6.1f}{pl.reserve_gb:>8.1f}{pl.total_gb:>7.1f}"
             f"{pl.host_node_gb:>11.0f}{pl.score:>9.1f}{comm:>9.1f}")
@@ -155,9 +174,10 @@ def describe(cfg, args, seq) -> list[str]:
 
 
 def print_table(plans, top: int) -> None:
-    print(*HEADER, sep="\n")
+    cp_column = any(pl.cp > 1 for pl in plans[:top])
+    print(*(HEADER_CP if cp_column else HEADER), sep="\n")
     for i, pl in enumerate(plans[:top]):
-        print(format_row(i + 1, pl))
+        print(format_row(i + 1, pl, cp_column))
         print(format_flags(pl))
 
 
@@ -183,9 +203,9 @@ def main(argv=None):
     print_table(plans, args.top)
     best = plans[0]
     ours = activation_bytes(cfg, seq, args.micro_batch_size, tp=best.tp, sp=best.sp,
-                            sequence_parallel=best.sequence_parallel, dtype_bytes=2)
-    ref = korthikanti_layer_bytes(cfg, seq, args.micro_batch_size, tp=best.tp, sp=best.sp,
-                                  sequence_parallel=best.sequence_parallel)
+                            sequence_parallel=best.sequence_parallel, dtype_bytes=2, cp=best.cp)
+    ref = korthikanti_layer_bytes(cfg, seq, args.micro_batch_size, tp=best.tp,
+                                  sp=best.sp * best.cp, sequence_parallel=best.sequence_parallel)
     print(textwrap.fill(
         f"reference, best layout, one layer without recompute (all bf16): ours "
         f"{ours['layer'] / 2**30:.2f} GB, Korthikanti et al. {ref / 2**30:.2f} GB (stores the "
@@ -195,7 +215,7 @@ def main(argv=None):
 
 def limit(args, seq: int) -> str:
     """What stops the next longer sequence: device memory, or host memory (ample device memory)."""
-    nxt = seq + math.lcm(1024, args.num_gpus)
+    nxt = seq + seq_step(hardware(args), args.ring)
     ample_host = dataclasses.replace(hardware(args), host_memory_gb=float("inf"))
     if plan(build_config(args, nxt), workload(args, nxt), ample_host, **search(args)):
         return "host memory (pinned buffers round up to powers of two)"

@@ -19,8 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 allow_abbrev=False, formatter_class=_HelpWithDefaults)
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None, help="preset: gpt2-tiny, gpt2-small, gpt2-medium, "
-                   "llama-tiny, llama-1b, llama-8b, llama3.1-8b, llama3.2-1b, qwen3-0.6b, qwen3-4b, "
-                   "qwen3-8b, qwen2.5-7b, mistral-7b (flags below override its fields)")
+                   "llama-tiny, llama-1b, llama-8b, llama3.1-8b, llama3.2-1b, llama3-70b, "
+                   "qwen3-0.6b, qwen3-4b, qwen3-8b, qwen2.5-7b, mistral-7b (flags below override "
+                   "its fields)")
     m.add_argument("--num-layers", type=int)
     m.add_argument("--hidden-size", type=int)
     m.add_argument("--ffn-hidden-size", type=int)

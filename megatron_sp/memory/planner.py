@@ -3,9 +3,10 @@
 
 Activation bytes per rank (`activation_bytes`) count what OUR implementation saves for backward,
 tensor by tensor (derived from the saved-tensor accounting of each op; tests hold it to the measured
-bytes within 10%). Per micro-batch, with T = b*s/sp tokens per rank, t = tp, hl = h/t, gl = g/t, d the
-head dim, F the ffn size, V the padded vocabulary, e the activation element size (4 fp32, 2 bf16),
-and "/t*" meaning "divided by t under --sequence-parallel":
+bytes within 10%). Per micro-batch, with T = b*s/(sp*cp) tokens per rank (sp Ulysses, cp the ring;
+cp = 1 without one), t = tp, hl = h/t, gl = g/t, d the head dim, F the ffn size, V the padded
+vocabulary, e the activation element size (4 fp32, 2 bf16), and "/t*" meaning "divided by t under
+--sequence-parallel":
 
   attention block   norm: x T*H/t* + stats (LayerNorm: mean, rstd 2T/t*; RMSNorm: rstd T/t* (fp32),
                     + on CPU x_hat T*H/t*, all fp32; see _norm_bytes)
@@ -29,6 +30,23 @@ and "/t*" meaning "divided by t under --sequence-parallel":
   chunked loss      drops the softmax and the output weight copy
   offload           the layers' saved bytes move to host memory (device: 0 for the layers)
 
+The ring (context parallelism, cp > 1; docs/design.md §14; alone, or inside Ulysses as Megatron's
+a2a+p2p hybrid): outside attention a rank holds T = b*s/(sp*cp) tokens; inside attention its ring
+rank's 2c = s/cp zigzag tokens (times b) for hl/sp query heads and max(gl, sp)/sp key/value heads,
+so q, k, v at the kernel are T*hl*d and T*max(gl, sp)*d elements, as under Ulysses alone: every term
+above holds with this T. The ring's saved global out and lse are the sdpa_out (out [b, s/cp,
+hl/sp, d] in e bytes; with sp = 1 it is the out-proj input itself, counted once) and sdpa_lse
+(lse fp32 [b, hl/sp, s/cp] = T*hl*4) terms. On top, the ring's buffers in flight
+(`ring_buffer_bytes`, per attention layer and rank, with K = T*max(gl, sp)*d elements of k or v of
+one block):
+  forward           the held kv block and the one being received: 2 x 2K x e
+  backward          the same kv blocks, + the block's dk, dv accumulating, the travelling dk, dv
+                    (sent, held until their send is done) and the ones being received, all fp32:
+                    2 x 2K x e + 3 x 2K x 4
+The backward's are added to one layer's attention backward (`_layer_backward_peak`). The forward's
+never set the peak: the backward holds the same two kv blocks, and its dq fp32 accumulator is as
+large as the forward's fp32 out accumulator, on top of gradients the forward does not have.
+
 Korthikanti et al. (16-bit, attention matrix stored): `korthikanti_layer_bytes`.
 
 Element sizes: e for what the matmuls keep (their autocast copies: 2 under --bf16), r for the
@@ -40,7 +58,8 @@ x_hat). The per-term model equals the measured saved bytes on CPU in fp32, under
 with bf16 weights (tests/unit/test_planner.py, device="cpu").
 
 Model state per rank (`model_state_bytes`, docs/design.md §11): fp32 weights (4) + fp32 gradients (4)
-+ Adam m, v (8) = 16 bytes/param replicated; --use-distributed-optimizer shards Adam over n = dp x sp;
++ Adam m, v (8) = 16 bytes/param replicated; --use-distributed-optimizer shards Adam over n = dp x sp
+(x cp with a ring: the mesh's dp_sp group is dp x cp x sp);
 --use-torch-fsdp2 shards all of it and holds the units in flight unsharded; --optimizer-cpu-offload
 moves the sharded optimizer state to host. Under bf16 autocast (not FSDP2) the cast cache and
 aten::linear keep a bf16 copy of every weight: + 2 bytes/param (docs/design.md §9's 18).
@@ -51,7 +70,9 @@ full recompute), each with its working buffers (gradients, the attention kernel'
 one MLP tile, one loss chunk's logits).
 The planner (`plan(cfg, Workload, Hardware)`: the job, the machine; each layout a ParallelDims) adds
 a reserve (fixed + a fragmentation fraction) and checks host memory per node (offloaded state and
-activations, pinned buffers rounded up to powers of two).
+activations, pinned buffers rounded up to powers of two). With ring=True it also tries layouts with
+a ring (cp > 1, stride tp*sp in the rank order): Ulysses sp stays bounded by the head rules, the ring
+by nothing but the sequence, which must divide into 2*cp*sp (*tp with --sequence-parallel) shards.
 """
 from __future__ import annotations
 
@@ -59,7 +80,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from megatron_sp.memory.options import MemoryOptions, resolve_count
-from megatron_sp.mesh import ParallelDims
+from megatron_sp.mesh import ParallelDims, sequence_layout_problem
 
 BYTES_PER_PARAM = 16     # fp32 weights 4 + fp32 grads 4 + Adam exp_avg 4 + exp_avg_sq 4
 
@@ -84,7 +105,8 @@ class Workload:
     sequence_parallel: bool = False
 
     def tokens_per_rank(self, sp: int) -> float:
-        """T = b*s/sp: the tokens of one micro-batch each sp rank holds outside attention."""
+        """T = b*s/sp: the tokens of one micro-batch each rank holds outside attention, sp the
+        ranks one sequence is split over (sp*cp with a ring: pass ParallelDims.context)."""
         return self.micro_batch * self.seq / sp
 
     def micro_batches(self, dp: int) -> int:
@@ -213,23 +235,24 @@ def activation_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: in
                      memory: MemoryOptions | None = None, dtype_bytes: int = 4,
                      residual_bytes: int | None = None, weight_copies: bool = False,
                      post_process: bool = True, pre_process: bool = True,
-                     device: str = "cuda") -> dict:
+                     device: str = "cuda", cp: int = 1) -> dict:
     """Predicted bytes saved for backward per rank for one micro-batch (see the module docstring).
 
     residual_bytes: element size of the residual stream and the norms' saved tensors (default
     dtype_bytes; 4 under bf16 autocast over fp32 weights, where only the matmul inputs are bf16).
     weight_copies: also count the weight copies aten::linear keeps (the accountant reports them
     apart, as weight_copy_bytes). device: "cuda" or "cpu", whose RMSNorm kernel (module
-    docstring). Returns {"layer": bytes of one layer (not recomputed), "layers": all this stage's
-    layers, "output", "embedding", "shared" (RoPE), "host" (offloaded), "total" (device),
-    "terms": {...}}.
+    docstring). cp: the ring's degree (context parallelism; T = b*s/(sp*cp), the ring's saved out
+    and lse are the sdpa_out and sdpa_lse terms). Returns {"layer": bytes of one layer (not
+    recomputed), "layers": all this stage's layers, "output", "embedding", "shared" (RoPE), "host"
+    (offloaded), "total" (device), "terms": {...}}.
     """
     memory = memory or MemoryOptions()
     e = dtype_bytes
     r = e if residual_bytes is None else residual_bytes
     L = cfg.num_layers if num_layers is None else num_layers
     seqpar = sequence_parallel and tp > 1
-    T = micro_batch * seq / sp
+    T = micro_batch * seq / (sp * cp)
     Ts = T / tp if seqpar else T
     H, d = cfg.hidden_size, cfg.kv_channels
     terms = _layer_terms(cfg, T, tp, sp, seqpar, e, memory, weight_copies, r, device)
@@ -286,6 +309,29 @@ def korthikanti_layer_bytes(cfg, seq: int, micro_batch: int = 1, tp: int = 1, sp
     else:
         v = s * b * H * (10 + 24 / t + 5 * a * s / (H * t))
     return v / sp
+
+
+def ring_buffer_bytes(cfg, T: float, tp: int = 1, sp: int = 1, cp: int = 1,
+                      dtype_bytes: int = 2) -> dict:
+    """The ring's buffers in flight per attention layer and rank (context_parallel/ring.py), bytes.
+
+    T: the rank's tokens outside attention, b*s/(sp*cp); one kv block is the ring rank's 2c = s/cp
+    tokens (times b) of max(gl, sp)/sp key/value heads (after the Ulysses all-to-all; gl = g/tp),
+    K = T*max(gl, sp)*d elements each of k and v; e = dtype_bytes.
+      forward   the held block and the one being received (posted before the block is computed):
+                2 blocks x 2K x e
+      backward  the same two kv blocks, + the held block's dk, dv (fp32, accumulating), the
+                previous ones travelling on (sent, kept until the send completes) and the ones
+                being received: 2 x 2K x e + 3 x 2K x 4
+    At step 0 the held block is the saved k, v themselves; from step 1 on it is a received copy,
+    hence two blocks beyond what is saved. Returns {"forward", "backward", "block_elements": K};
+    zeros without a ring (cp = 1)."""
+    if cp == 1:
+        return {"forward": 0, "backward": 0, "block_elements": 0}
+    gl = cfg.num_query_groups // tp
+    K = T * max(gl, sp) * cfg.kv_channels
+    forward = 2 * 2 * K * dtype_bytes
+    return {"forward": forward, "backward": forward + 3 * 2 * K * 4, "block_elements": K}
 
 
 # Model state ------------------------------------------------------------------------------------
@@ -411,12 +457,24 @@ def comm_bytes_per_step(cfg, work: Workload, dims: ParallelDims, sharding: str =
     (and once more under full recompute) and bf16 gradients reduce-scattered, (n-1)/n each;
     host: with --optimizer-cpu-offload, the gradient shard down and the fp32 weight shard back up
     (4 + 4 bytes/param over PCIe, not a network link).
+
+    With a ring (dims.cp > 1; tokens per rank T = b*s/(sp*cp), so tp, sp and pp above carry the
+    rank's T tokens: the hybrid's all-to-alls move the ring rank's tokens over its sp ranks) and
+    cp: the ring's point-to-point bytes, per attention layer and rank, with K = T*max(gl, sp)*d
+    elements of one k (or v) block [b, s/cp, max(gl, sp)/sp, d] (ring_buffer_bytes):
+      forward    (cp-1) kv blocks:                          2 (cp-1) K e
+      backward   the kv blocks again + cp fp32 dk, dv blocks: 2 (cp-1) K e + 2 cp K 4
+    (tests/distributed/test_ring_attention.py measures exactly these with sp = 1:
+    2 (cp-1) kv_elems 4 and 2 (cp-1) kv_elems 4 + cp 2 kv_elems 4 in fp32, and
+    context_parallel.hybrid_comm_bytes equals them with sp = a, cp = r); the forward runs again
+    under full recompute and under selective recompute (the recomputed attention core is the ring).
+    Per step: micro-batches x L/pp layers x (forward x runs + backward).
     """
-    tp, sp, pp, dp = dims.tp, dims.sp, dims.pp, dims.dp
+    tp, sp, pp, dp, cp = dims.tp, dims.sp, dims.pp, dims.dp, dims.cp
     memory, sequence_parallel, e = work.memory, work.sequence_parallel, work.dtype_bytes
     L = cfg.num_layers
     micro = work.micro_batches(dp)
-    T = work.tokens_per_rank(sp)                                  # b*s/sp
+    T = work.tokens_per_rank(dims.context)                        # b*s/(sp*cp)
     H, d = cfg.hidden_size, cfg.kv_channels
     recompute_factor = 1.5 if memory.full_recompute else 1.0    # forward run twice of fwd+bwd pairs
     out = {}
@@ -432,9 +490,11 @@ def comm_bytes_per_step(cfg, work: Workload, dims: ParallelDims, sharding: str =
         hl, gl = cfg.num_attention_heads // tp, cfg.num_query_groups // tp
         a2a = (sp - 1) / sp * T * d * (2 * hl + 2 * max(gl, sp)) * e
         out["sp"] = micro * L * 2 * a2a * recompute_factor / pp
+    if cp > 1:
+        out["cp"] = micro * L * ring_layer_bytes(cfg, T, tp, sp, cp, e, memory) / pp
     if pp > 1:
         out["pp"] = micro * 2 * T * H * e / (tp if sequence_parallel else 1)
-    n = dp * sp
+    n = dp * sp * cp
     P = params_per_rank(cfg, tp, pp)
     if n > 1:
         if sharding == "fsdp":
@@ -447,10 +507,24 @@ def comm_bytes_per_step(cfg, work: Workload, dims: ParallelDims, sharding: str =
     return out
 
 
+def ring_layer_bytes(cfg, T: float, tp: int, sp: int, cp: int, e: int,
+                     memory: MemoryOptions | None = None) -> float:
+    """Bytes one rank sends around the ring for one attention layer and micro-batch, forward (run
+    twice under full or selective recompute) + backward (comm_bytes_per_step's formula)."""
+    if cp == 1:
+        return 0.0
+    memory = memory or MemoryOptions()
+    K = ring_buffer_bytes(cfg, T, tp, sp, cp, e)["block_elements"]
+    forward = 2 * (cp - 1) * K * e
+    backward = 2 * (cp - 1) * K * e + 2 * cp * K * 4
+    runs = 2 if (memory.full_recompute or memory.selective_recompute) else 1
+    return forward * runs + backward
+
+
 # Peak device memory of one step -----------------------------------------------------------------
 
 def _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory: MemoryOptions,
-                         device="cuda") -> float:
+                         device="cuda", cp=1) -> float:
     """Bytes alive during one layer's backward, its own saved tensors included: the larger of
     - the MLP phase: every saved tensor + the residual-stream gradient (Ts*H*r) + the MLP's
       recomputed activations and their gradients (one tile's when tiled) + the tile input's gradient;
@@ -458,7 +532,8 @@ def _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory: MemoryOptions,
       (sp > 1; with sp = 1 it is the kernel's saved output), attention's regenerated (selective), +
       the residual gradient + the kernel's buffers: grad of its output, dq and its fp32 accumulator
       (flash-attention 2), dk and dv expanded to the local query heads when they outnumber the
-      local key/value heads (GQA), and dk, dv.
+      local key/value heads (GQA), and dk, dv; with a ring (cp > 1) + its backward buffers in
+      flight (ring_buffer_bytes: two kv blocks, three fp32 dk, dv blocks).
     Later phases (the Ulysses all-to-all of dq, dk, dv; the QKV and norm backward) hold less: the
     kernel's buffers and saved q, k, v are freed by then."""
     H, d, F = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
@@ -480,6 +555,8 @@ def _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory: MemoryOptions,
     attn_bwd = q * (e + e + 4) + expanded + 2 * kv * e
     attention = (saved - terms["mlp_norm"] - terms["fc1_input"] - terms["mlp_act"]
                  - (terms["proj_input"] if sp > 1 else 0) + grads + attn_bwd)
+    if cp > 1:
+        attention += ring_buffer_bytes(cfg, T, tp, sp, cp, e)["backward"]
     return max(mlp, attention)
 
 
@@ -506,7 +583,7 @@ def _output_peak(cfg, T, tp, seqpar, e, r, memory: MemoryOptions, saved: float) 
 def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int = 1, pp: int = 1,
                     sequence_parallel: bool = False, memory: MemoryOptions | None = None,
                     dtype_bytes: int = 2, residual_bytes: int = 4, in_flight_micro_batches: int = 1,
-                    pinned: bool = True, device: str = "cuda") -> dict:
+                    pinned: bool = True, device: str = "cuda", cp: int = 1) -> dict:
     """Peak activation bytes of one step on one rank (the heaviest pipeline stage), and host bytes.
 
     kept: what the forward leaves for backward (all layers', or only the checkpointed inputs under
@@ -514,7 +591,8 @@ def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int
     larger of the output layer's backward and one layer's backward (recomputed first under full
     recompute; its saved tensors come back from host with offload). Host: the offloaded tensors,
     each rounded up to a power of two when pinned (torch's caching host allocator). device: "cuda"
-    or "cpu", whose RMSNorm kernel (module docstring).
+    or "cpu", whose RMSNorm kernel (module docstring). cp: the ring's degree (T = b*s/(sp*cp); the
+    ring's backward buffers join one layer's attention backward; "ring" in the result gives them).
     """
     memory = memory or MemoryOptions()
     e, r = dtype_bytes, residual_bytes
@@ -522,12 +600,12 @@ def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int
     L = cfg.num_layers // pp
     act = activation_bytes(cfg, seq, micro_batch, tp=tp, sp=sp, sequence_parallel=seqpar,
                            num_layers=L, memory=memory, dtype_bytes=e, residual_bytes=r,
-                           device=device)
-    T = micro_batch * seq / sp
+                           device=device, cp=cp)
+    T = micro_batch * seq / (sp * cp)
     Ts = T / tp if seqpar else T
     ckpt_input = Ts * cfg.hidden_size * r
     kept = (act["layers"] + act["embedding"] + act["shared"]) * in_flight_micro_batches
-    layer_peak = _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory, device)
+    layer_peak = _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory, device, cp)
     if memory.full_recompute:
         group = memory.recompute_num_layers if memory.recompute_method == "uniform" else 1
         # the group's input is the first norm's saved input: counted in kept unless offloaded
@@ -548,14 +626,16 @@ def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int
             host = act["host"]
         host *= in_flight_micro_batches
     return {"device": on_device, "host": host, "kept": kept, "layer_backward": working,
-            "output_backward": output, "activations": act}
+            "output_backward": output, "activations": act,
+            "ring": ring_buffer_bytes(cfg, T, tp, sp, cp, e)}
 
 
 # Planner ----------------------------------------------------------------------------------------
 
 @dataclass
 class Plan:
-    """One layout with its memory settings and sharding; sizes in GiB per rank unless said."""
+    """One layout with its memory settings and sharding; sizes in GiB per rank unless said. cp: the
+    ring's degree (context parallelism; 1: none), the sequence over sp x cp ranks."""
     tp: int
     sp: int
     pp: int
@@ -575,16 +655,29 @@ class Plan:
     comm_gb: dict = field(default_factory=dict)
     cost: float = 1.0
     score: float = 0.0
+    cp: int = 1
 
     @property
     def comm_total_gb(self) -> float:
         return sum(v for k, v in self.comm_gb.items() if k != "host")
 
+    def context_flags(self) -> list[str]:
+        """How the sequence is split, in Megatron's names: Ulysses alone --sequence-parallel-size
+        sp; the ring alone --context-parallel-size cp --cp-comm-type p2p; both (Ulysses inside,
+        adjacent ranks; the ring across) --context-parallel-size sp*cp --cp-comm-type a2a+p2p
+        --hierarchical-context-parallel-sizes sp cp."""
+        if self.cp == 1:
+            return [f"--sequence-parallel-size {self.sp}"]
+        if self.sp == 1:
+            return [f"--context-parallel-size {self.cp}", "--cp-comm-type p2p"]
+        return [f"--context-parallel-size {self.sp * self.cp}", "--cp-comm-type a2a+p2p",
+                f"--hierarchical-context-parallel-sizes {self.sp} {self.cp}"]
+
     def flag_list(self) -> list[str]:
         """pretrain_gpt.py flags of this plan (Megatron's names), one string per flag and value."""
         m = self.memory
-        parts = ["--bf16", f"--tensor-model-parallel-size {self.tp}",
-                 f"--sequence-parallel-size {self.sp}", f"--pipeline-model-parallel-size {self.pp}",
+        parts = ["--bf16", f"--tensor-model-parallel-size {self.tp}", *self.context_flags(),
+                 f"--pipeline-model-parallel-size {self.pp}",
                  f"--micro-batch-size {self.micro_batch}"]
         if self.sequence_parallel:
             parts.append("--sequence-parallel")
@@ -617,7 +710,7 @@ class Plan:
 
     def to_dict(self) -> dict:
         out = {k: getattr(self, k) for k in (
-            "tp", "sp", "pp", "dp", "micro_batch", "sequence_parallel", "sharding", "cpu_offload",
+            "tp", "sp", "cp", "pp", "dp", "micro_batch", "sequence_parallel", "sharding", "cpu_offload",
             "state_device_gb", "state_host_gb", "activations_gb", "activations_host_gb",
             "reserve_gb", "total_gb", "host_node_gb", "comm_gb", "score")}
         out["memory"] = self.memory.to_dict()
@@ -646,9 +739,9 @@ LOSS_CHUNK_TOKENS = 2048
 
 def concrete_memory(cfg, work: Workload, dims: ParallelDims) -> MemoryOptions:
     """work.memory with "auto" tiles and chunks replaced by the counts the planner assumes (see
-    above) for b*s/sp tokens per rank (b*s/(sp*tp) under --sequence-parallel)."""
+    above) for b*s/(sp*cp) tokens per rank (b*s/(sp*cp*tp) under --sequence-parallel)."""
     mem, tp = work.memory, dims.tp
-    T = work.micro_batch * work.seq // dims.sp
+    T = work.micro_batch * work.seq // dims.context
     Ts = T // tp if work.sequence_parallel else T
     H, V = cfg.hidden_size, cfg.padded_vocab_size(tp) // tp
     width = cfg.ffn_hidden_size * (2 if cfg.activation == "swiglu" else 1) // tp
@@ -677,22 +770,34 @@ def _divisors(n):
     return [i for i in range(1, n + 1) if n % i == 0]
 
 
-def layouts(hw: Hardware) -> list[ParallelDims]:
+def layouts(hw: Hardware, ring: bool = False) -> list[ParallelDims]:
     """Every (tp, sp, pp, dp) of hw.num_gpus ranks with tp inside one node, tp then sp then pp
-    ascending (the planner's order, which breaks ties between equal scores)."""
+    ascending (the planner's order, which breaks ties between equal scores); with ring, then
+    every layout with a ring of cp > 1 ranks (tp, sp, cp, pp ascending), after all those without
+    one, so that a tie keeps the layout without a ring first."""
     n = hw.num_gpus
-    return [ParallelDims(n, tp=tp, sp=sp, pp=pp)
-            for tp in _divisors(min(n, hw.gpus_per_node)) if n % tp == 0
-            for sp in _divisors(n // tp)
-            for pp in _divisors(n // (tp * sp))]
+    tps = [tp for tp in _divisors(min(n, hw.gpus_per_node)) if n % tp == 0]
+    plain = [ParallelDims(n, tp=tp, sp=sp, pp=pp)
+             for tp in tps
+             for sp in _divisors(n // tp)
+             for pp in _divisors(n // (tp * sp))]
+    if not ring:
+        return plain
+    return plain + [ParallelDims(n, tp=tp, sp=sp, pp=pp, cp=cp)
+                    for tp in tps
+                    for sp in _divisors(n // tp)
+                    for cp in _divisors(n // (tp * sp)) if cp > 1
+                    for pp in _divisors(n // (tp * sp * cp))]
 
 
 def _admissible(cfg, work: Workload, dims: ParallelDims) -> bool:
     """Whether the batch splits into micro-batches over dp, the layers over pp, the sequence over
-    sp*tp and the heads over tp and sp (cfg.check_parallel, docs/design.md §4)."""
+    sp*tp (with a ring 2*cp*sp*tp: its zigzag chunks, megatron_sp.mesh.sequence_layout_problem)
+    and the heads over tp and Ulysses sp (cfg.check_parallel, docs/design.md §4; the ring splits
+    no heads)."""
     if work.global_batch % (work.micro_batch * dims.dp) or cfg.num_layers % dims.pp:
         return False
-    if work.seq % dims.sequence_shards(sequence_parallel=True):
+    if sequence_layout_problem(work.seq, dims.sp, dims.tp, sequence_parallel=True, cp=dims.cp):
         return False
     try:
         cfg.check_parallel(dims.tp, dims.sp, dims.pp)
@@ -703,11 +808,15 @@ def _admissible(cfg, work: Workload, dims: ParallelDims) -> bool:
 
 def _step_seconds(p: Plan, work: Workload, hw: Hardware, compute_s: float) -> float:
     """Estimated seconds per step: compute (x technique cost, x pipeline bubble) + communication
-    (not overlapped: a pessimistic bound)."""
+    (not overlapped: a pessimistic bound, also for the ring's point-to-point transfers, which
+    the implementation posts before each block's computation). The ring runs at the network's
+    bandwidth once it leaves a node (a ring is as fast as its slowest hop)."""
+    c = p.sp * p.cp                                   # the context ranks (stride tp; the ring tp*sp)
     bw = {"tp": hw.intra_node_gbps,
           "sp": hw.intra_node_gbps if p.tp * p.sp <= hw.gpus_per_node else hw.inter_node_gbps,
-          "pp": hw.inter_node_gbps if p.tp * p.sp * p.dp < hw.num_gpus else hw.intra_node_gbps,
-          "dp": hw.inter_node_gbps if p.tp * p.sp < hw.num_gpus else hw.intra_node_gbps,
+          "cp": hw.intra_node_gbps if p.tp * c <= hw.gpus_per_node else hw.inter_node_gbps,
+          "pp": hw.inter_node_gbps if p.tp * c * p.dp < hw.num_gpus else hw.intra_node_gbps,
+          "dp": hw.inter_node_gbps if p.tp * c < hw.num_gpus else hw.intra_node_gbps,
           "host": hw.pcie_gbps}
     comm_s = sum(gb * GiB / 1e9 / bw[k] for k, gb in p.comm_gb.items())
     bubble = (p.pp - 1) / max(1, work.micro_batches(p.dp)) if p.pp > 1 else 0.0
@@ -715,11 +824,13 @@ def _step_seconds(p: Plan, work: Workload, hw: Hardware, compute_s: float) -> fl
 
 
 def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
-         cpu_offload: bool | None = None) -> list[Plan]:
+         cpu_offload: bool | None = None, ring: bool = False) -> list[Plan]:
     """Feasible (tp, sp, pp, dp) layouts of hw.num_gpus ranks for `work`, with the sharding mode and
     memory settings that fit, best first (one plan per layout: its fastest fitting mode). The
     planner chooses work's memory techniques (TECHNIQUE_LADDER) and --sequence-parallel (on
-    whenever tp > 1); sharding "auto" tries every mode, cpu_offload None with and without.
+    whenever tp > 1); sharding "auto" tries every mode, cpu_offload None with and without. ring:
+    also layouts with a ring of context parallelism (cp > 1, alone or around Ulysses sp), which
+    lets one sequence use more ranks than the head rules allow Ulysses (layouts(hw, ring)).
 
     Device memory per rank = model state on device + peak activations (step_peak_bytes) + a reserve:
     hw.reserve_gb (CUDA context, NCCL and cuBLAS workspaces) + hw.fragmentation x the modelled bytes
@@ -739,7 +850,7 @@ def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
     compute_s = flops_for_config(cfg, work.global_batch, work.seq) / (
         hw.num_gpus * hw.peak_tflops * 1e12 * hw.mfu)
     plans = []
-    for dims in layouts(hw):
+    for dims in layouts(hw, ring):
         if not _admissible(cfg, work, dims):
             continue
         job = replace(work, sequence_parallel=dims.tp > 1)
@@ -758,10 +869,11 @@ def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
 
 
 def _model_state(cfg, dims: ParallelDims, mode: str, offload: bool, e: int) -> tuple[float, float]:
-    """(device, host) bytes of the model state per rank, sharded over n = dp x sp (docs/design.md
-    §11); under bf16 autocast (not FSDP2) + the cast cache's bf16 copy of every weight, which
-    aten::linear saves for backward (docs/design.md §9's 18 bytes/param)."""
-    n = dims.dp * dims.sp
+    """(device, host) bytes of the model state per rank, sharded over n = dp x sp (x cp: the mesh's
+    dp_sp group spans the whole context; docs/design.md §11); under bf16 autocast (not FSDP2) + the
+    cast cache's bf16 copy of every weight, which aten::linear saves for backward (docs/design.md
+    §9's 18 bytes/param)."""
+    n = dims.dp * dims.context
     device = model_state_bytes(cfg, dims.tp, dims.pp, n, mode, offload, bf16=e == 2)["device"]
     if mode != "fsdp" and e == 2:
         device += 2 * params_per_rank(cfg, dims.tp, dims.pp)
@@ -780,7 +892,8 @@ def _fit(cfg, work: Workload, dims: ParallelDims, hw: Hardware, mode: str,
         peak = step_peak_bytes(cfg, work.seq, work.micro_batch, tp=dims.tp, sp=dims.sp,
                                pp=dims.pp, sequence_parallel=work.sequence_parallel, memory=mem,
                                dtype_bytes=e, residual_bytes=r,
-                               in_flight_micro_batches=work.in_flight(dims), device=hw.device)
+                               in_flight_micro_batches=work.in_flight(dims), device=hw.device,
+                               cp=dims.cp)
         modelled = state_device + peak["device"]
         reserve = hw.reserve_gb * GiB + hw.fragmentation * modelled
         host_node = hw.ranks_per_node * (state_host + peak["host"])
@@ -790,23 +903,29 @@ def _fit(cfg, work: Workload, dims: ParallelDims, hw: Hardware, mode: str,
                         state_device_gb=state_device / GiB, state_host_gb=state_host / GiB,
                         activations_gb=peak["device"] / GiB, activations_host_gb=peak["host"] / GiB,
                         reserve_gb=reserve / GiB, total_gb=(modelled + reserve) / GiB,
-                        host_node_gb=host_node / GiB, cost=cost)
+                        host_node_gb=host_node / GiB, cost=cost, cp=dims.cp)
     return None
+
+
+def seq_step(hw: Hardware, ring: bool = False) -> int:
+    """The granularity of max_feasible_seq: lcm(1024, GPUs), with ring lcm(1024, 2 x GPUs) (a ring
+    over every rank cuts the sequence in 2 x GPUs zigzag shards); the same below 1024 GPUs."""
+    return math.lcm(1024, (2 if ring else 1) * hw.num_gpus)
 
 
 def max_feasible_seq(make_cfg, hw: Hardware, work: Workload | None = None, *,
                      step: int | None = None, limit: int = 2 ** 34, sharding: str = "auto",
-                     cpu_offload: bool | None = None) -> tuple[int, Plan | None]:
-    """The longest sequence (a multiple of `step`, default lcm(1024, GPUs)) for which plan()
-    finds a layout, by doubling then bisection; make_cfg(seq) builds the model config for a length,
-    `work` the rest of the job (its seq is replaced; default one sequence per step).
-    Returns (0, None) when not even one step fits."""
-    step = step or math.lcm(1024, hw.num_gpus)
+                     cpu_offload: bool | None = None, ring: bool = False) -> tuple[int, Plan | None]:
+    """The longest sequence (a multiple of `step`, default seq_step(hw, ring): lcm(1024, GPUs))
+    for which plan() finds a layout, by doubling then bisection; make_cfg(seq) builds the model
+    config for a length, `work` the rest of the job (its seq is replaced; default one sequence per
+    step); ring: layouts with a ring too (plan). Returns (0, None) when not even one step fits."""
+    step = step or seq_step(hw, ring)
     work = work or Workload(seq=step)
 
     def best(k):
         plans = plan(make_cfg(k * step), replace(work, seq=k * step), hw, sharding=sharding,
-                     cpu_offload=cpu_offload)
+                     cpu_offload=cpu_offload, ring=ring)
         return plans[0] if plans else None
     if best(1) is None:
         return 0, None

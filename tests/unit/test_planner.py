@@ -317,3 +317,171 @@ def test_step_peak_against_the_h200_measurements(name, seq, measured_gib):
     pred = step_peak_bytes(preset("llama-1b"), seq, 1, memory=mem, dtype_bytes=2,
                            residual_bytes=4)["device"] / 2**30
     assert 0.98 <= pred / measured_gib <= 1.10, (name, seq, pred, measured_gib)
+
+
+# The ring of context parallelism (cp > 1, docs/design.md §14) -----------------------------------
+
+def _context_flags_parse(parser, p):
+    """p's flags through pretrain_gpt's parser and the JobConfig: Megatron's context-parallel flags
+    give back p's Ulysses degree and ring."""
+    argv = ["--model", "llama-8b", "--seq-length", "131072"] + _flag_argv(p)
+    args, unknown = parser.parse_known_args(argv)
+    assert unknown == [], unknown
+    if p.cp > 1:
+        assert args.cp_comm_type == ("p2p" if p.sp == 1 else "a2a+p2p")
+        if p.sp > 1:
+            assert list(args.hierarchical_context_parallel_sizes) == [p.sp, p.cp]
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.micro_batch_size) == (p.tp, p.pp, 1)
+    if p.cp == 1:
+        assert args.sequence_parallel_size == p.sp and "--context-parallel-size" not in argv
+    else:
+        assert args.context_parallel_size == p.sp * p.cp and "--sequence-parallel-size" not in argv
+    assert args.bf16 and args.sequence_parallel == p.sequence_parallel
+    job = job_config(args)
+    assert MemoryOptions.from_config(job.memory) == p.memory
+    assert (job.parallel.sequence_parallel_size, job.parallel.ring_size) == (p.sp, p.cp)
+    return unknown
+
+
+def test_ring_layouts_reach_past_the_head_limit_and_their_flags_parse():
+    """Llama-8B (32 query heads) on 256 GPUs at 64M tokens: Ulysses stops at tp*sp = 32, so
+    without a ring no layout fits (one sequence per step leaves dp = 1: pp would have to take
+    the rest); with the ring there are plans whose sequence spans sp*cp > 32 ranks, ring alone
+    (--cp-comm-type p2p) and around Ulysses (a2a+p2p), and pretrain_gpt's parser takes their
+    flags (the two context-parallel flags it may not know yet aside)."""
+    seq, gpus = 64 * 2 ** 20, 256
+    assert not plan(_llama8b(seq), Workload(seq), Hardware(gpus))
+    plans = plan(_llama8b(seq), Workload(seq), Hardware(gpus), ring=True)
+    assert plans and all(p.tp * p.sp * p.cp * p.pp * p.dp == gpus for p in plans)
+    assert all(p.tp * p.sp <= 32 for p in plans)              # Ulysses still within the heads
+    assert plans[0].sp * plans[0].cp > 32 and plans[0].total_gb <= 80
+    assert plans[0].to_dict()["cp"] == plans[0].cp
+    hybrid = next(p for p in plans if p.sp > 1 and p.cp > 1)
+    alone = next(p for p in plans if p.sp == 1 and p.cp > 1)
+    assert alone.context_flags() == [f"--context-parallel-size {alone.cp}", "--cp-comm-type p2p"]
+    assert hybrid.context_flags() == [f"--context-parallel-size {hybrid.sp * hybrid.cp}",
+                                      "--cp-comm-type a2a+p2p",
+                                      f"--hierarchical-context-parallel-sizes {hybrid.sp} {hybrid.cp}"]
+    parser = build_parser()
+    for p in [hybrid, alone] + plans[:4]:
+        _context_flags_parse(parser, p)
+    assert plans[0].comm_gb["cp"] > 0
+
+
+def _gqa(num_layers=1, hidden=64, heads=8, groups=4, ffn=8):
+    return GPTConfig(num_layers=num_layers, hidden_size=hidden, num_attention_heads=heads,
+                     num_query_groups=groups, ffn_hidden_size=ffn, vocab_size=256,
+                     normalization="RMSNorm", activation="swiglu", position_embedding_type="rope",
+                     add_bias_linear=False, tie_embeddings=False)
+
+
+def test_ring_memory_terms_by_hand():
+    """b = 2, s = 64, h = 8, g = 4, d = 8, bf16 (e = 2). Outside attention a rank holds
+    T = b s/(sp cp) = 32 tokens whether sp = 2, cp = 2 (hybrid) or cp = 4 (ring alone), so every
+    saved term equals Ulysses' with the same T; the ring's saved lse is fp32 [b, h/sp, s/cp] and
+    its out [b, s/cp, h/sp, d] (with sp = 1 the out-proj input itself: not counted twice). One kv
+    block [b, s/cp, max(g, sp)/sp, d] has K = 1024 elements: forward the held and the received
+    block, 2 x 2K x 2 = 8192 bytes; backward + dk, dv accumulating, travelling and received in
+    fp32, 3 x 2K x 4 = 24576 more, and they add to one layer's attention backward exactly."""
+    from megatron_sp.memory.planner import _layer_backward_peak, ring_buffer_bytes
+    cfg = _gqa()
+    b, s = 2, 64
+    for sp, cp in ((2, 2), (1, 4)):
+        T = b * s / (sp * cp)
+        assert T == 32
+        ring = ring_buffer_bytes(cfg, T, tp=1, sp=sp, cp=cp, dtype_bytes=2)
+        K = b * (s // cp) * (max(4, sp) // sp) * 8
+        assert ring == {"forward": 8192, "backward": 32768, "block_elements": K} and K == 1024
+        terms = activation_bytes(cfg, s, b, sp=sp, cp=cp, dtype_bytes=2)["terms"]
+        assert terms == activation_bytes(cfg, s // cp, b, sp=sp, dtype_bytes=2)["terms"]
+        assert terms["sdpa_lse"] == b * (8 // sp) * (s // cp) * 4 == 1024
+        assert terms["sdpa_out"] == (b * (s // cp) * (8 // sp) * 8 * 2 if sp > 1 else 0)
+        assert terms["sdpa_qkv"] == (T * 8 * 8 + 2 * K) * 2 == 8192
+        with_ring, without = (_layer_backward_peak(cfg, T, 1, sp, False, 2, 4, MemoryOptions(),
+                                                   "cuda", c) for c in (cp, 1))
+        assert with_ring - without == 32768
+        peak = step_peak_bytes(cfg, s, b, sp=sp, cp=cp)
+        assert peak["ring"] == ring and peak["layer_backward"] >= ring["backward"]
+    assert ring_buffer_bytes(cfg, 32, sp=4) == {"forward": 0, "backward": 0, "block_elements": 0}
+    # tp = 2 halves the kv heads each ring block carries: g/tp = 2 < sp = 4 replicated to 4
+    assert ring_buffer_bytes(cfg, 32, tp=2, sp=4, cp=2)["block_elements"] == 32 * 4 * 8
+
+
+def test_ring_comm_bytes_equal_the_measured_formulas():
+    """comm_bytes_per_step's ring bytes against tests/distributed/test_ring_attention.py's measured
+    formula (B = 2, S = 32, D = 8, h = 4, g = 2, fp32: forward 2 (cp-1) kv_elems 4, backward that
+    + cp 2 kv_elems 4), and the hybrid's (a = sp = 2, r = cp = 2) against
+    tests/distributed/test_context_parallel_hybrid.py's, all-to-alls included; full and selective
+    recompute run the forward ring twice."""
+    from dataclasses import replace
+    from megatron_sp.mesh import ParallelDims
+    from megatron_sp.memory.planner import comm_bytes_per_step
+    B, S, D, h, g = 2, 32, 8, 4, 2
+    cfg = _gqa(hidden=h * D, heads=h, groups=g)
+    work = Workload(S, global_batch=B, micro_batch=B, dtype_bytes=4)
+    for cp in (2, 4):
+        kv_elems = B * (S // cp) * g * D
+        forward = 2 * (cp - 1) * kv_elems * 4
+        backward = 2 * (cp - 1) * kv_elems * 4 + cp * 2 * kv_elems * 4
+        got = comm_bytes_per_step(cfg, work, ParallelDims(cp, cp=cp))
+        assert got["cp"] == forward + backward and "sp" not in got
+        for rec in ("full", "selective"):
+            mem = MemoryOptions(recompute_granularity=rec)
+            assert comm_bytes_per_step(cfg, replace(work, memory=mem),
+                                       ParallelDims(cp, cp=cp))["cp"] == 2 * forward + backward
+    kv_elems = 2 * 8 * 2 * 8                  # cp = 4: [2, 8, 2, 8]
+    assert comm_bytes_per_step(cfg, work, ParallelDims(4, cp=4))["cp"] == 6144 + 14336 == 20480
+    # the hybrid, a = 2 Ulysses ranks x r = 2 ring ranks, n = S/(a r) = 8 tokens per rank
+    a, r = 2, 2
+    n, g_e = S // (a * r), max(g, a)
+    a2a = ((a - 1) * B * n * D * (h + 2 * g_e) // a + (a - 1) * B * n * D * h // a) * 4
+    ring_fwd = 2 * (r - 1) * B * n * g_e * D * 4
+    ring_bwd = ring_fwd + 2 * r * B * n * g_e * D * 4
+    got = comm_bytes_per_step(cfg, work, ParallelDims(4, sp=a, cp=r))
+    assert (got["sp"], got["cp"]) == (2 * a2a, ring_fwd + ring_bwd) == (6144, 8192)
+    try:
+        from megatron_sp.context_parallel.hybrid import hybrid_comm_bytes
+    except ImportError:
+        return
+    want = hybrid_comm_bytes(B, S, h, g, D, a, r)
+    assert got["sp"] == want["a2a_forward"] + want["a2a_backward"]
+    assert got["cp"] == want["ring_forward"] + want["ring_backward"]
+
+
+def test_ring_layouts_only_add_to_the_answers_without_a_ring():
+    """Every plan without a ring is the same with ring layouts allowed (same numbers, same flags);
+    the ring's come after them in the layout order, so equal scores keep the plain plan first."""
+    from megatron_sp.memory.planner import layouts
+    cfg = _llama8b(131072)
+    for gpus, batch in ((8, 1), (16, 2)):
+        work, hw = Workload(131072, global_batch=batch), Hardware(gpus)
+        plain = [p.to_dict() for p in plan(cfg, work, hw)]
+        ringed = [p.to_dict() for p in plan(cfg, work, hw, ring=True)]
+        assert plain and [p for p in ringed if p["cp"] == 1] == plain
+        assert any(p["cp"] > 1 for p in ringed)
+        order = layouts(hw, ring=True)
+        first_ring = next(i for i, d in enumerate(order) if d.cp > 1)
+        assert order[:first_ring] == layouts(hw) and all(d.cp > 1 for d in order[first_ring:])
+
+
+def test_llama3_70b_preset_and_the_no_ring_flag(capsys):
+    """--model llama3-70b: the published shapes (80 layers, hidden 8192, 64 heads, 8 kv heads, ffn
+    28672, vocab 128256, RoPE theta 5e5); --no-ring gives the plans without cp."""
+    cfg = preset("llama3-70b")
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups,
+            cfg.ffn_hidden_size, cfg.vocab_size, cfg.rotary_base, cfg.tie_embeddings) == \
+        (80, 8192, 64, 8, 28672, 128256, 500000.0, False)
+    main = plan_parallel.main
+    assert main(["--model", "llama3-70b", "--seq-length", "1048576", "--num-gpus", "64", "--json",
+                 "--top", "50"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["parameters"] == 70553706496 and any(p["cp"] > 1 for p in data["plans"])
+    assert main(["--model", "llama3-70b", "--seq-length", "1048576", "--num-gpus", "64", "--json",
+                 "--top", "50", "--no-ring"]) == 0
+    plain = json.loads(capsys.readouterr().out)["plans"]
+    assert plain and all(p["cp"] == 1 for p in plain)
+    assert main(["--model", "llama3-70b", "--seq-length", "1048576", "--num-gpus", "64",
+                 "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 120
