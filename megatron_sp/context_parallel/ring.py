@@ -57,6 +57,23 @@ def step_pairs(rank: int, src: int, c: int, causal: bool,
     return [BlockPair(q, k, diagonal, documents) for q, k, diagonal in pairs]
 
 
+def _meeting(pairs, doc_q, doc_k) -> list[BlockPair]:
+    """With packed documents, the pairs whose query and key tokens share a document in some row;
+    the others are skipped. Each zigzag chunk is contiguous in the row and document indices never
+    decrease along it, so a pair meets iff its document ranges overlap: first_q <= last_k and
+    first_k <= last_q."""
+    if doc_q is None:
+        return pairs
+    kept = []
+    for p in pairs:
+        q, k = doc_q[:, p.q], doc_k[:, p.k]           # [b, len] each, non-decreasing per chunk
+        # a slice may span both chunks (head and tail): use each row's min and max
+        meet = (q.min(1).values <= k.max(1).values) & (k.min(1).values <= q.max(1).values)
+        if bool(meet.any()):
+            kept.append(p)
+    return kept
+
+
 def _travelling(k, v, doc):
     """What travels around the ring: the kv block, and its tokens' document indices if packed."""
     return (k.contiguous(), v.contiguous()) + (() if doc is None else (doc.contiguous(),))
@@ -71,7 +88,8 @@ def _ring_forward(q, k, v, doc, group, causal, scale):
     held = _travelling(k, v, doc)
     for i in range(cp):
         pending = send_next_recv_prev(held, group, KV_TAG) if i < cp - 1 else None  # next block
-        pairs = step_pairs(r, (r - i) % cp, n // 2, causal, doc is not None)
+        pairs = _meeting(step_pairs(r, (r - i) % cp, n // 2, causal, doc is not None), doc,
+                         held[2] if doc is not None else None)
         forward_pairs(q, held[0], held[1], pairs, scale=scale, out=out, lse=lse,
                       doc_q=doc, doc_k=held[2] if doc is not None else None)
         if pending is not None:
@@ -90,7 +108,8 @@ def _ring_backward(q, k, v, doc, out, dout, lse, group, causal, scale):
         pending = send_next_recv_prev(held, group, KV_TAG) if i < cp - 1 else None
         dk = torch.zeros(k.shape, dtype=f32, device=k.device)
         dv = torch.zeros(v.shape, dtype=f32, device=v.device)
-        pairs = step_pairs(r, (r - i) % cp, q.shape[1] // 2, causal, doc is not None)
+        pairs = _meeting(step_pairs(r, (r - i) % cp, q.shape[1] // 2, causal, doc is not None),
+                         doc, held[2] if doc is not None else None)
         backward_pairs(q, held[0], held[1], out, dout, lse, pairs, scale=scale, dq=dq, dk=dk,
                        dv=dv, doc_q=doc, doc_k=held[2] if doc is not None else None)
         if grads is not None:              # the other ranks' share of this block so far
@@ -131,7 +150,8 @@ def ring_attention(q, k, v, group, *, causal: bool = True, scale: float | None =
     rank: plain attention). document_index [b, 2c] int64 (packed documents): each token's document
     index counted over the FULL row (megatron_sp.attention.lse.document_index of the full
     document ids, then zigzag_split), so indices compare across ranks; it travels with the kv
-    blocks and masks every block pair to same-document keys. Returns out [b, 2c, h, d] in q's
+    blocks; a block pair whose documents never meet is skipped, the others masked to
+    same-document keys. Returns out [b, 2c, h, d] in q's
     dtype, in the same layout.
     """
     b, n, h, d = q.shape

@@ -367,3 +367,21 @@ def test_ring_step_pairs_cover_the_causal_triangle_once(cp):
         want = torch.ones(s, s, dtype=torch.int64).tril()[q_pos]
         assert torch.equal(seen[q_pos], want), f"rank {r}"
         assert work[0] == 3 * c * c and work[1:] == [2 * c * c] * (cp - 1)
+
+
+def test_ring_skips_block_pairs_whose_documents_never_meet():
+    """Packed documents under the ring: a pair of zigzag chunks that share no document in any row
+    is skipped (both forward and backward use the same filter), one that shares one in some row is
+    kept; the skipped pairs are exactly those whose [first, last] document ranges do not overlap."""
+    from megatron_sp.context_parallel.ring import _meeting, step_pairs
+    c = 4
+    # rank 1 of cp 2 holds chunks 1 and 2 (of 4); the kv block of rank 0 holds chunks 0 and 3
+    doc_q = torch.tensor([[1, 1, 1, 1, 2, 2, 2, 2]])       # chunk 1: doc 1, chunk 2: doc 2
+    doc_k = torch.tensor([[0, 0, 0, 1, 3, 3, 3, 3]])       # chunk 0: docs 0-1, chunk 3: doc 3
+    pairs = step_pairs(1, 0, c, causal=True, documents=True)    # src < rank: both x head
+    assert len(_meeting(pairs, doc_q, doc_k)) == 1            # chunk 1 meets doc 1 of chunk 0
+    doc_k = torch.tensor([[0, 0, 0, 0, 3, 3, 3, 3]])          # no document in common
+    assert _meeting(pairs, doc_q, doc_k) == []
+    two_rows = torch.stack([doc_k[0], torch.tensor([1, 1, 1, 1, 3, 3, 3, 3])])
+    assert len(_meeting(pairs, torch.cat([doc_q, doc_q]), two_rows)) == 1   # row 1 meets
+    assert _meeting(pairs, None, None) == pairs
