@@ -8,13 +8,8 @@ from megatron_sp.memory import MemoryOptions
 from megatron_sp.testing import run_distributed
 
 from layout_utils import check_layouts
+from test_model_parallel import LLAMA, LLAMA_GQA2   # the same small models as tp and Ulysses
 
-LLAMA = dict(model="llama-tiny", overrides=dict(num_layers=2, hidden_size=64, num_attention_heads=8,
-                                                num_query_groups=4, ffn_hidden_size=128,
-                                                vocab_size=300))
-LLAMA_GQA2 = dict(model="llama-tiny", overrides=dict(num_layers=2, hidden_size=64,
-                                                     num_attention_heads=8, num_query_groups=2,
-                                                     ffn_hidden_size=128, vocab_size=300))
 GPT2 = dict(model="gpt2-tiny", overrides=dict(num_layers=2, hidden_size=64, num_attention_heads=4,
                                               vocab_size=300, max_position_embeddings=64))
 
