@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+import transformers
+import safetensors  # noqa: F401 (test extra)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_sp.testing import load_script  # noqa: E402

@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+import transformers
+import safetensors  # noqa: F401 (test extra)
 
 from megatron_sp.models import GPTConfig, GPTModel, preset   # noqa: E402
 from megatron_sp.models import families                     # noqa: E402

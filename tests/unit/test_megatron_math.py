@@ -75,7 +75,7 @@ def test_rotary_percent_rotates_only_the_first_dims():
     out = apply_rotary(x, *rope(torch.arange(16).expand(2, 16)))
     torch.testing.assert_close(out[..., 8:], x[..., 8:], rtol=0, atol=0)
     assert (out[..., :8] - x[..., :8]).abs().max() > 1e-2
-    rope_utils = pytest.importorskip("megatron.core.models.common.embeddings.rope_utils")
+    from megatron.core.models.common.embeddings import rope_utils
     freqs = torch.arange(16, dtype=torch.float32)[:, None] * rope.inv_freq          # [s, r/2]
     freqs = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]                   # [s, 1, 1, r]
     theirs = rope_utils._apply_rotary_pos_emb_bshd(x.transpose(0, 1), freqs)       # [s, b, h, d]
@@ -288,7 +288,7 @@ def test_megatron_math_flags_parse_with_megatron_defaults():
 def test_layernorm_1p_model_exports_to_hugging_face_as_gamma():
     """A 1p model exports with gamma = 1 + w: transformers' Llama gives the same logits (1e-4);
     --rotary-percent < 1 has no Hugging Face equivalent and is refused in one sentence."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from megatron_sp.models import families
     cfg = tiny(apply_layernorm_1p=True, tie_embeddings=False)
     model = GPTModel(cfg).eval()
