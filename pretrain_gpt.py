@@ -401,8 +401,9 @@ def loaders(job: JobConfig, train_ds, valid_ds, state, mesh, vocab_size: int):
 def say_startup(job: JobConfig, mesh, config, chunks) -> None:
     for note in job.notes:    # mapped and no-op Megatron flags (docs/design.md §10)
         print_rank0(mesh, note)
-    if job.parallel.describe_context():     # how Ulysses and the ring split the context (§14)
-        print_rank0(mesh, job.parallel.describe_context())
+    context = job.parallel.describe_context()   # how Ulysses and the ring split the context (§14)
+    if context:
+        print_rank0(mesh, context)
     print_rank0(mesh, f"> {mesh}\n> model: {config.num_parameters() / 1e6:.2f}M parameters, "
                       f"{config}\n> attention backend: {chunks[0].attention_backend_name}")
 

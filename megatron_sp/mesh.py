@@ -165,7 +165,7 @@ class ParallelDims:
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}.")
         model_parallel = self.tp * self.sp * self.cp * self.pp
-        ring = f"*cp" if self.cp > 1 else ""
+        ring = "*cp" if self.cp > 1 else ""
         if self.world_size % model_parallel != 0:
             sizes = f"tp={self.tp}, sp={self.sp}" + (f", cp={self.cp}" if self.cp > 1 else "")
             raise LayoutError(

@@ -79,27 +79,35 @@ def _travelling(k, v, doc):
     return (k.contiguous(), v.contiguous()) + (() if doc is None else (doc.contiguous(),))
 
 
+def _held_doc(held):
+    """The document index that travels with a held block (None without packed documents)."""
+    return held[2] if len(held) == 3 else None
+
+
 def _ring_forward(q, k, v, doc, group, causal, scale):
-    """(out [b, 2c, h, d] in q's dtype, lse [b, h, 2c] fp32) of this rank's queries."""
+    """(out [b, 2c, h, d] in q's dtype, lse [b, h, 2c] fp32, the block pairs of every step) of this
+    rank's queries; backward reuses the pairs (the document check is not repeated)."""
     cp, r = group_size(group), group_rank(group)
     b, n, h, d = q.shape
     out = torch.zeros(b, n, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device)
-    held = _travelling(k, v, doc)
+    held, plan = _travelling(k, v, doc), []
     for i in range(cp):
         pending = send_next_recv_prev(held, group, KV_TAG) if i < cp - 1 else None  # next block
         pairs = _meeting(step_pairs(r, (r - i) % cp, n // 2, causal, doc is not None), doc,
-                         held[2] if doc is not None else None)
+                         _held_doc(held))
         forward_pairs(q, held[0], held[1], pairs, scale=scale, out=out, lse=lse,
-                      doc_q=doc, doc_k=held[2] if doc is not None else None)
+                      doc_q=doc, doc_k=_held_doc(held))
+        plan.append(pairs)
         if pending is not None:
             held = pending.wait()
-    return out.to(q.dtype), lse
+    return out.to(q.dtype), lse, plan
 
 
-def _ring_backward(q, k, v, doc, out, dout, lse, group, causal, scale):
-    """(dq, dk, dv) of this rank's tokens, fp32: dk, dv of the held block travel with it."""
-    cp, r = group_size(group), group_rank(group)
+def _ring_backward(q, k, v, doc, out, dout, lse, group, plan, scale):
+    """(dq, dk, dv) of this rank's tokens, fp32: dk, dv of the held block travel with it; `plan`:
+    the forward's block pairs of every step."""
+    cp = group_size(group)
     f32 = torch.float32
     dq = torch.zeros(q.shape, dtype=f32, device=q.device)
     held = _travelling(k, v, doc)
@@ -108,10 +116,8 @@ def _ring_backward(q, k, v, doc, out, dout, lse, group, causal, scale):
         pending = send_next_recv_prev(held, group, KV_TAG) if i < cp - 1 else None
         dk = torch.zeros(k.shape, dtype=f32, device=k.device)
         dv = torch.zeros(v.shape, dtype=f32, device=v.device)
-        pairs = _meeting(step_pairs(r, (r - i) % cp, q.shape[1] // 2, causal, doc is not None),
-                         doc, held[2] if doc is not None else None)
-        backward_pairs(q, held[0], held[1], out, dout, lse, pairs, scale=scale, dq=dq, dk=dk,
-                       dv=dv, doc_q=doc, doc_k=held[2] if doc is not None else None)
+        backward_pairs(q, held[0], held[1], out, dout, lse, plan[i], scale=scale, dq=dq, dk=dk,
+                       dv=dv, doc_q=doc, doc_k=_held_doc(held))
         if grads is not None:              # the other ranks' share of this block so far
             dk_in, dv_in = grads.wait()
             dk, dv = dk + dk_in, dv + dv_in
@@ -128,16 +134,16 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, doc, group, causal, scale):
-        out, lse = _ring_forward(q, k, v, doc, group, causal, scale)
+        out, lse, plan = _ring_forward(q, k, v, doc, group, causal, scale)
         ctx.save_for_backward(q, k, v, doc, out, lse)
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        ctx.group, ctx.plan, ctx.scale = group, plan, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, doc, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(q, k, v, doc, out, dout.contiguous(), lse, ctx.group,
-                                    ctx.causal, ctx.scale)
+                                    ctx.plan, ctx.scale)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 

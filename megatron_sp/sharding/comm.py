@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp import comm_stats
-from megatron_sp.tensor_parallel.mappings import group_size
+from megatron_sp.mesh import group_size
 
 
 def reduce_scatter_sum(output: torch.Tensor, buffer: torch.Tensor, group):

@@ -45,7 +45,7 @@ from megatron_sp.grad_sync import clip_grad_norm
 from megatron_sp.training.optimizer import fused_adamw, param_groups
 from megatron_sp.sharding import comm
 from megatron_sp.sharding.state_bytes import model_state_bytes, optimizer_tensors
-from megatron_sp.tensor_parallel.mappings import group_rank, group_size
+from megatron_sp.mesh import group_rank, group_size
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 IN_FLIGHT = 2        # gradient buckets whose reduce-scatter may be pending during backward

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp import comm_stats
-from megatron_sp.mesh import group_rank, group_size  # noqa: F401 (importable from here)
+from megatron_sp.mesh import group_rank, group_size
 from megatron_sp.tensor_parallel.utils import check_divisible
 
 # Newer torch renamed the flat-tensor collectives (the old names still work, with a warning).

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp import comm_stats
-from megatron_sp.mesh import group_rank, group_size  # noqa: F401 (importable from here)
+from megatron_sp.mesh import group_size
 
 COMM_KIND = "sp/all_to_all"
 
