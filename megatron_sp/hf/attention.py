@@ -1,0 +1,241 @@
+"""Ulysses around the attention function a transformers model was loaded with (design.md §4, §15).
+
+transformers routes every attention layer of llama / mistral / qwen2 / qwen3 / gpt2 through
+`ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, query, key, value, attention_mask,
+dropout=, scaling=, **kwargs)` with query [b, h, s, d], key/value [b, g, s, d], returning
+(out [b, s, h, d], weights). `sequence_parallel(model, sp_group)` registers a wrapper under a new
+name, "megatron_sp_ulysses_<inner>", and sets the config to it; the wrapper runs, per layer,
+
+    q, k, v [b, heads, s/sp, d] -> [b, s/sp, heads, d]       (this rank's sequence chunk)
+    k, v: kv heads replicated when g < sp (our rule, megatron_sp.ulysses.expand_kv_heads)
+    seq->head all-to-all (q, k, v in one)  -> [b, s, heads/sp, d]
+    the ORIGINAL function (sdpa / flash_attention_2) on the whole sequence for heads/sp heads
+    head->seq all-to-all                   -> [b, s/sp, h, d]
+
+so the model's own code (projections, RoPE with the global position_ids shard_batch gives, norms,
+MLP) runs unchanged on [b, s/sp, H]. The new name is not a mask implementation, so the model
+builds no [s/sp, s/sp] mask (transformers skips mask creation for such names); the wrapper makes
+the mask itself from the whole sequence's position_ids (all-gathered once per step):
+- no document restarts: causal, no mask (is_causal), sdpa's fused kernels;
+- packed documents (position_ids restarting at 0): under sdpa, our SDPA backend
+  (megatron_sp.attention.SDPAAttention) with document ids: a block-diagonal causal bool mask up to
+  its MASK_TOKENS, blockwise attention (no s x s tensor) beyond on CPU; under flash_attention_2,
+  transformers' varlen kwargs cu_seq_lens_q/k and max_length_q/k over the flattened b*s tokens
+  (written against transformers' documented kwargs; flash-attn is not installed here, so that
+  path has NOT been run).
+A padding attention_mask is not used by the attention under sp > 1: shard_batch gives padding
+tokens position 0 (each its own document), which makes the same mask.
+
+sp_group None or of size 1: the model is checked and returned unchanged (its own attention).
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from megatron_sp.attention.backends import SDPAAttention
+from megatron_sp.attention.documents import cu_seqlens_from_document_ids
+from megatron_sp.hf.batch import SequenceParallelError, document_ids, has_documents
+from megatron_sp.hf.comm import gather_sequence
+from megatron_sp.mesh import group_size, head_layout_problem
+from megatron_sp.ulysses.attention import expand_kv_heads
+from megatron_sp.ulysses.comm import head_to_seq_all_to_all, seq_to_head_qkv_all_to_all
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+INNER = ("sdpa", "flash_attention_2")
+PREFIX = "megatron_sp_ulysses_"
+_STATE = "_megatron_sp_ulysses"          # the attribute each attention module carries
+
+
+class _Documents:
+    """The whole sequence's document ids, from the local position_ids chunk every layer passes:
+    all-gathered once per step (the same tensor object reaches every layer; keyed on it and its
+    version, like megatron_sp.attention.backends' cu_seqlens cache)."""
+
+    def __init__(self, group):
+        self.group = group
+        self._key = None
+        self._value = None
+
+    def __call__(self, position_ids, batch: int):
+        """(global position_ids [b, s], document ids [b, s] or None when no row restarts)."""
+        if position_ids is None:
+            return None, None
+        key = (position_ids, position_ids._version)
+        if self._key is None or self._key[0] is not key[0] or self._key[1] != key[1]:
+            full = gather_sequence(position_ids.expand(batch, -1), self.group)    # [b, s]
+            self._key = key
+            self._value = (full, document_ids(full) if has_documents(full) else None)
+        return self._value
+
+
+class _State:
+    def __init__(self, group, inner: str):
+        self.group = group
+        self.sp = group_size(group)
+        self.inner = inner
+        self.documents = _Documents(group)
+        self.sdpa = SDPAAttention()
+
+
+class _InnerView:
+    """The attention module as the inner function must see it: config._attn_implementation the
+    original name (flash_attention_2 looks its kernels up by it) and num_key_value_groups the
+    query/key-value head ratio of THIS rank's heads after the all-to-all."""
+
+    def __init__(self, module, inner: str, kv_groups: int):
+        self._module = module
+        self.config = _ConfigView(module.config, inner)
+        self.num_key_value_groups = kv_groups
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+class _ConfigView:
+    def __init__(self, config, inner: str):
+        self._config = config
+        self._attn_implementation = inner
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
+def _original(name: str):
+    from transformers import AttentionInterface
+    return AttentionInterface._global_mapping[name]
+
+
+def _check_window(kwargs, s: int):
+    window = kwargs.get("sliding_window")
+    if window is not None and window < s:
+        raise SequenceParallelError(
+            f"megatron_sp.hf: this model's sliding-window attention (window {window}) is shorter "
+            f"than the sequence ({s} tokens), which the Ulysses wrapper does not mask; use a "
+            f"sequence of at most {window} tokens or a config without sliding windows.")
+
+
+def ulysses_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                      scaling=None, **kwargs):
+    """The registered attention function (signature of transformers' attention interface):
+    query [b, h, s/sp, d], key/value [b, g, s/sp, d] -> (out [b, s/sp, h, d], None)."""
+    state: _State = getattr(module, _STATE)
+    sp, group = state.sp, state.group
+    b = query.shape[0]
+    # [b, heads, s/sp, d] -> [b, s/sp, heads, d] views
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    k, v = expand_kv_heads(k, sp), expand_kv_heads(v, sp)        # [b, s/sp, max(g, sp), d]
+    q, k, v = seq_to_head_qkv_all_to_all(q, k, v, group)         # [b, s, h/sp | max(g,sp)/sp, d]
+    s = q.shape[1]
+    _check_window(kwargs, s)
+    positions, documents = state.documents(kwargs.pop("position_ids", None), b)
+    if documents is not None and state.inner == "sdpa":
+        out = state.sdpa(q, k, v, causal=True, softmax_scale=scaling, document_ids=documents,
+                         dropout_p=dropout)                       # [b, s, h/sp, d]
+    else:
+        if positions is not None:
+            kwargs["position_ids"] = positions                    # global, [b, s]
+        if documents is not None:                                # flash_attention_2 varlen
+            cu_seqlens, max_seqlen = cu_seqlens_from_document_ids(documents)
+            kwargs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
+                          max_length_q=max_seqlen, max_length_k=max_seqlen)
+        view = _InnerView(module, state.inner, q.shape[2] // k.shape[2])
+        out, _ = _original(state.inner)(
+            view, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),   # [b, heads, s, d]
+            None, dropout=dropout, scaling=scaling, **kwargs)    # -> [b, s, h/sp, d]
+    return head_to_seq_all_to_all(out.contiguous(), group), None  # [b, s/sp, h, d]
+
+
+def _heads(config) -> tuple[int, int]:
+    h = config.num_attention_heads
+    return h, getattr(config, "num_key_value_heads", None) or h
+
+
+def _refusal(config, sp: int) -> str | None:
+    """Why `config` cannot run under Ulysses sp, or None."""
+    family = getattr(config, "model_type", None)
+    impl = config._attn_implementation
+    if family not in FAMILIES:
+        return (f"megatron_sp.hf.sequence_parallel knows the model families "
+                f"{', '.join(FAMILIES)}, not '{family}'; convert the checkpoint to one of them "
+                f"or train it with pretrain_gpt.py.")
+    if impl is not None and impl.startswith(PREFIX):
+        return "megatron_sp.hf.sequence_parallel: this model is already sequence-parallel."
+    if impl == "eager":
+        return ("megatron_sp.hf.sequence_parallel: eager attention needs the model's [s, s] mask, "
+                "which a sequence-parallel model does not build; load the model with "
+                "attn_implementation='sdpa' (or 'flash_attention_2').")
+    if impl not in INNER:
+        return (f"megatron_sp.hf.sequence_parallel wraps the attention implementations "
+                f"{' and '.join(INNER)}, not '{impl}'; load the model with "
+                f"attn_implementation='sdpa'.")
+    h, g = _heads(config)
+    problem = head_layout_problem(h, g, tp=1, sp=sp)
+    if problem:
+        return (f"megatron_sp.hf.sequence_parallel ({family}, sp = {sp}): {problem.rstrip('.')}; "
+                f"use an sp group size that fits the model's {h} query and {g} key/value heads.")
+    return None
+
+
+def _register(name: str) -> None:
+    from transformers import AttentionInterface
+    if AttentionInterface._global_mapping.get(name) is not ulysses_attention:
+        AttentionInterface.register(name, ulysses_attention)
+
+
+def sequence_parallel(model, sp_group):
+    """Make a transformers causal LM sequence-parallel (DeepSpeed-Ulysses) over `sp_group`.
+
+    The model's attention layers (config._attn_implementation sdpa or flash_attention_2) then
+    expect this rank's sequence chunk from megatron_sp.hf.shard_batch (input_ids, global
+    position_ids) and run the all-to-alls around the original attention function (module
+    docstring). Query heads must be divisible by sp; key/value heads g either divisible by sp or
+    dividing it (then each is replicated sp/g times, its gradient summed back). Refuses
+    (SequenceParallelError, one sentence) an unknown model family, eager or another attention
+    implementation, and heads sp cannot split. Returns the model (changed in place). With
+    sp_group None or of size 1 the checks run and the model is returned unchanged.
+    """
+    config = model.config
+    sp = group_size(sp_group)
+    problem = _refusal(config, sp)
+    if problem:
+        raise SequenceParallelError(problem)
+    if sp == 1:
+        return model
+    inner = config._attn_implementation
+    name = PREFIX + inner
+    _register(name)
+    state = _State(sp_group, inner)
+    for module in model.modules():               # the attention layers (their config is shared)
+        if getattr(module, "config", None) is config and hasattr(module, "is_causal"):
+            object.__setattr__(module, _STATE, state)
+    config._attn_implementation = name
+    _require_position_ids(model)
+    return model
+
+
+def _require_position_ids(model) -> None:
+    """Refuse a forward without position_ids: the model would make local positions 0..s/sp-1 on
+    every rank (wrong RoPE / learned positions, and restarts the wrapper would take for document
+    starts). Hooked on the model and its base model (which tiled_loss users call)."""
+    modules = [model]
+    base = getattr(model, "base_model", None)
+    if isinstance(base, torch.nn.Module) and base is not model:
+        modules.append(base)
+    for module in modules:
+        signature = inspect.signature(module.forward)
+
+        def check(mod, args, kwargs, signature=signature):
+            try:
+                bound = signature.bind_partial(*args, **kwargs).arguments
+            except TypeError:         # a call the model itself will refuse
+                return
+            if bound.get("position_ids") is None and bound.get("kwargs", {}).get(
+                    "position_ids") is None:
+                raise SequenceParallelError(
+                    f"megatron_sp.hf: the sequence-parallel {type(mod).__name__} was called "
+                    f"without position_ids; pass the position_ids of megatron_sp.hf.shard_batch "
+                    f"(global positions of this rank's chunk).")
+
+        module.register_forward_pre_hook(check, with_kwargs=True)

@@ -1,0 +1,174 @@
+"""A Hugging Face causal-LM batch cut into Ulysses sequence chunks (docs/design.md §15).
+
+    shard_batch(batch, sp_group)    the batch every sp rank holds -> this rank's chunk
+
+Order of work, all on the FULL sequence before any cut (every sp rank holds the same full batch):
+1. labels shifted over the whole sequence: shift_labels[:, i] = labels[:, i+1], -100 at the end
+   of every row, at every packed document's last token (documents start where position_ids are
+   0), and where attention_mask marks position i or i+1 as padding;
+2. position_ids made when absent: global positions 0..s-1 (a padding attention_mask: the
+   positions count the real tokens, cumsum(mask) - 1, and every padding token gets position 0,
+   a one-token document of its own, so that no real token attends to it even with left padding);
+3. a length that sp does not divide is padded at the end (pad=True) with pad_token_id tokens
+   (0 when None), shift_labels -100 (the loss ignores them), attention_mask 0, positions
+   continuing the row (causal attention: no real token attends to a later pad), or refused
+   (pad=False);
+4. rank r of sp keeps its contiguous chunk [r*s/sp, (r+1)*s/sp) of input_ids, shift_labels,
+   position_ids and attention_mask (when given).
+
+`labels` is never returned, so that a model's built-in loss (which would average per rank, the
+sp-size over-scaling bug) cannot be used by mistake: use megatron_sp.hf.loss. Other keys of the
+batch are dropped. Steps 1-4 are pure (rank, size) arithmetic (`shard_for_rank`), unit-tested
+without processes.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_sp.errors import UserError
+from megatron_sp.mesh import group_rank, group_size
+
+IGNORE_INDEX = -100
+KEYS = ("input_ids", "shift_labels", "position_ids", "attention_mask")
+
+
+class SequenceParallelError(UserError, ValueError):
+    """A model, batch or group that megatron_sp.hf cannot run sequence-parallel as given."""
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] positions -> [b, s] int64 document index per row: a document starts at every
+    position 0 (and at each row's first token)."""
+    starts = position_ids == 0
+    starts[:, 0] = True
+    return starts.long().cumsum(dim=1)
+
+
+def has_documents(position_ids: torch.Tensor) -> bool:
+    """True when some row restarts its positions after its first token (packed documents)."""
+    return bool((position_ids[:, 1:] == 0).any())
+
+
+def make_position_ids(input_ids: torch.Tensor, attention_mask=None) -> torch.Tensor:
+    """[b, s] global positions; with a padding mask, real tokens count 0.. and pads are 0."""
+    b, s = input_ids.shape
+    if attention_mask is None or bool(attention_mask.all()):
+        return torch.arange(s, device=input_ids.device).expand(b, s).clone()   # [b, s]
+    real = attention_mask.bool()
+    positions = real.long().cumsum(dim=1) - 1                                   # [b, s]
+    return positions.masked_fill(~real, 0)
+
+
+def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
+                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """HF labels [b, s] (unshifted) -> shift_labels [b, s]: the target of token i is labels[i+1];
+    ignore_index at each row's end, at every document's last token and around padding."""
+    shifted = torch.full_like(labels, ignore_index)
+    shifted[:, :-1] = labels[:, 1:]
+    document_end = torch.zeros_like(labels, dtype=torch.bool)
+    document_end[:, :-1] = position_ids[:, 1:] == 0          # token i ends a document
+    shifted = shifted.masked_fill(document_end, ignore_index)
+    if attention_mask is not None:
+        pad = ~attention_mask.bool()
+        next_pad = torch.zeros_like(pad)
+        next_pad[:, :-1] = pad[:, 1:]
+        shifted = shifted.masked_fill(pad | next_pad, ignore_index)
+    return shifted
+
+
+def _check(batch: dict) -> tuple[int, int]:
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise SequenceParallelError(
+            f"shard_batch: batch['input_ids'] must be a [batch, seq] tensor, got {got}; pass the "
+            f"collator's output before any sharding.")
+    b, s = ids.shape
+    if batch.get("labels") is None and batch.get("shift_labels") is None:
+        raise SequenceParallelError(
+            "shard_batch: the batch has neither 'labels' nor 'shift_labels'; give the collator's "
+            "labels (unshifted, -100 ignored) so that the targets are shifted before the cut.")
+    for key in ("labels", "shift_labels", "attention_mask"):
+        t = batch.get(key)
+        if t is not None and tuple(t.shape) != (b, s):
+            raise SequenceParallelError(
+                f"shard_batch: batch['{key}'] has shape {tuple(t.shape)} but input_ids is "
+                f"{(b, s)}; give every per-token field the same [batch, seq] shape.")
+    pos = batch.get("position_ids")
+    if pos is not None and (pos.dim() != 2 or pos.shape[1] != s or pos.shape[0] not in (1, b)):
+        raise SequenceParallelError(
+            f"shard_batch: batch['position_ids'] has shape {tuple(pos.shape)}; it must be "
+            f"[{b}, {s}] or [1, {s}] like input_ids {(b, s)}.")
+    return b, s
+
+
+def prepare_full(batch: dict, sp: int, *, pad_token_id=None, pad: bool = True) -> dict:
+    """Steps 1-3 of the module docstring on the full batch: input_ids, shift_labels,
+    position_ids (and attention_mask when given), each [b, s'] with s' a multiple of sp."""
+    b, s = _check(batch)
+    ids = batch["input_ids"]
+    mask = batch.get("attention_mask")
+    pos = batch.get("position_ids")
+    pos = make_position_ids(ids, mask) if pos is None else pos.expand(b, s)
+    if batch.get("shift_labels") is not None:     # already shifted by the caller: kept as given
+        targets = batch["shift_labels"]
+    else:
+        targets = shift_labels(batch["labels"], pos, mask)
+    full = {"input_ids": ids, "shift_labels": targets, "position_ids": pos}
+    if mask is not None:
+        full["attention_mask"] = mask
+    extra = (-s) % sp
+    if extra == 0:
+        return full
+    if not pad:
+        raise SequenceParallelError(
+            f"shard_batch: sequence length {s} is not divisible by sp = {sp} and pad=False; "
+            f"pass pad=True (pads {extra} ignored tokens at the end) or make the collator pad to "
+            f"a multiple of {sp} (pad_to_multiple_of={sp}).")
+    return _pad_end(full, extra, 0 if pad_token_id is None else pad_token_id)
+
+
+def _pad_end(full: dict, extra: int, pad_token_id: int) -> dict:
+    """Append `extra` pad tokens to every row: [b, s] -> [b, s + extra]."""
+    def cat(t, tail):
+        return torch.cat([t, tail.to(t.dtype)], dim=1)
+
+    ids, pos = full["input_ids"], full["position_ids"]
+    b = ids.shape[0]
+    tail = torch.arange(1, extra + 1, device=ids.device).expand(b, extra)       # [b, extra]
+    out = {"input_ids": cat(ids, torch.full((b, extra), pad_token_id, device=ids.device)),
+           "shift_labels": cat(full["shift_labels"],
+                               torch.full((b, extra), IGNORE_INDEX, device=ids.device)),
+           "position_ids": cat(pos, pos[:, -1:] + tail)}                         # continuing
+    if "attention_mask" in full:
+        out["attention_mask"] = cat(full["attention_mask"],
+                                    torch.zeros(b, extra, device=ids.device))
+    return out
+
+
+def take_chunk(full: dict, rank: int, sp: int) -> dict:
+    """Rank `rank`'s contiguous chunk [r*s/sp, (r+1)*s/sp) of every [b, s] field."""
+    s = full["input_ids"].shape[1]
+    chunk = s // sp
+    cut = slice(rank * chunk, (rank + 1) * chunk)
+    return {key: full[key][:, cut].contiguous() for key in KEYS if key in full}  # [b, s/sp]
+
+
+def shard_for_rank(batch: dict, rank: int, sp: int, *, pad_token_id=None, pad: bool = True) -> dict:
+    """shard_batch as pure arithmetic: rank `rank` of `sp` (no process group)."""
+    return take_chunk(prepare_full(batch, sp, pad_token_id=pad_token_id, pad=pad), rank, sp)
+
+
+def shard_batch(batch: dict, sp_group, *, pad_token_id=None, pad: bool = True) -> dict:
+    """This sp rank's chunk of a causal-LM batch (the module docstring says exactly what).
+
+    batch: input_ids [b, s] and labels [b, s] (HF convention: unshifted, -100 ignored; or
+    shift_labels already shifted), optional position_ids ([b, s] or [1, s]; restarting at 0 per
+    packed document) and attention_mask [b, s] (1 real, 0 padding). Every sp rank passes the same
+    full batch. Returns input_ids, shift_labels, position_ids and attention_mask (when given), each
+    [b, s/sp] (s rounded up to a multiple of sp when pad=True), and never `labels`: give the
+    model input_ids, position_ids (and attention_mask) and compute megatron_sp.hf.loss(logits,
+    shard, sp_group). sp_group None or of size 1 returns the whole (shifted) batch.
+    """
+    return shard_for_rank(batch, group_rank(sp_group), group_size(sp_group),
+                          pad_token_id=pad_token_id, pad=pad)

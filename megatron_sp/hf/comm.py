@@ -1,0 +1,73 @@
+"""The collectives of megatron_sp.hf beyond Ulysses' all-to-alls (megatron_sp/ulysses/comm.py).
+
+    sum_over_groups(x, groups)       differentiable all-reduce sum; backward all-reduces the grad
+    count_over_groups(x, groups)     all-reduce sum without autograd (token counts)
+    gather_sequence(x, group)        all-gather [b, s/sp] along the sequence -> [b, s] (no autograd)
+
+Why the backward of sum_over_groups is an all-reduce sum (not the identity): the loss
+L = (sum_r S_r) / N is computed on every rank of the group, each rank seeds its own backward with
+dL = 1, and every rank's local sum S_r feeds every rank's copy of L. The gradient that reaches S_r
+is therefore the sum of the n seeds, n * (1/N): the autograd of the replicated value sum_r L_r.
+Averaging the parameter gradients over the n ranks (DDP / FSDP2's default) then gives exactly
+dL/dtheta (docs/design.md §15, megatron_sp/hf/loss.py).
+
+A group that is None or of size 1 makes every function the identity without touching
+torch.distributed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_sp.mesh import group_size
+
+
+def _live(groups):
+    return [g for g in groups if group_size(g) > 1]
+
+
+def _all_reduce(x: torch.Tensor, groups) -> torch.Tensor:
+    out = x.clone()
+    for group in groups:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+class _SumOverGroups(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, groups):
+        ctx.groups = groups
+        return _all_reduce(x, groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.contiguous(), ctx.groups), None
+
+
+def sum_over_groups(x: torch.Tensor, groups) -> torch.Tensor:
+    """All-reduce sum of x over each group in turn (e.g. sp, then dp); backward is the same
+    all-reduce of the incoming gradient (see the module docstring)."""
+    live = _live(groups)
+    if not live:
+        return x
+    return _SumOverGroups.apply(x, tuple(live))
+
+
+@torch.no_grad()
+def count_over_groups(x: torch.Tensor, groups) -> torch.Tensor:
+    """All-reduce sum of x over each group in turn, without autograd (a count of tokens)."""
+    live = _live(groups)
+    return _all_reduce(x, live) if live else x
+
+
+@torch.no_grad()
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """[b, s/sp] on every rank -> [b, s], the chunks in rank order (equal chunks, as gloo's
+    all_gather needs). No autograd: for position ids."""
+    sp = group_size(group)
+    if sp == 1:
+        return x
+    x = x.contiguous()
+    chunks = [torch.empty_like(x) for _ in range(sp)]
+    dist.all_gather(chunks, x, group=group)
+    return torch.cat(chunks, dim=1)                       # sp x [b, s/sp] -> [b, s]

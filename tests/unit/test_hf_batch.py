@@ -1,0 +1,137 @@
+"""megatron_sp.hf.batch as pure (rank, size) arithmetic, and the sp = 1 path of the package
+(no process group): shifted labels with document ends and padding masked, positions made when
+absent, padding to a multiple of sp or the refusal, contiguous chunks that rebuild the batch,
+no `labels` key; sequence_parallel(model, None) is a no-op whose loss is transformers' own."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_sp.hf import SequenceParallelError, loss, sequence_parallel, shard_batch, tiled_loss
+from megatron_sp.hf.batch import document_ids, prepare_full, shard_for_rank, take_chunk
+
+IGNORE = -100
+
+
+def _batch(seed, b=2, s=12, vocab=50):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, s), generator=gen)
+    labels = ids.clone()
+    labels[torch.rand(b, s, generator=gen) < 0.2] = IGNORE
+    return {"input_ids": ids, "labels": labels}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_shift_and_chunks_rebuild_the_shifted_batch(seed):
+    batch = _batch(seed)
+    for sp in (1, 2, 3, 4):
+        shards = [shard_for_rank(batch, r, sp) for r in range(sp)]
+        for shard in shards:
+            assert set(shard) == {"input_ids", "shift_labels", "position_ids"}
+            assert shard["input_ids"].shape == (2, 12 // sp)
+        ids = torch.cat([s["input_ids"] for s in shards], dim=1)
+        shifted = torch.cat([s["shift_labels"] for s in shards], dim=1)
+        positions = torch.cat([s["position_ids"] for s in shards], dim=1)
+        assert torch.equal(ids, batch["input_ids"])
+        assert torch.equal(shifted[:, :-1], batch["labels"][:, 1:])
+        assert (shifted[:, -1] == IGNORE).all()
+        assert torch.equal(positions, torch.arange(12).expand(2, 12))
+
+
+def test_packed_documents_mask_each_document_end():
+    batch = _batch(2, b=1, s=10)
+    batch["labels"] = batch["input_ids"].clone()
+    batch["position_ids"] = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4]])
+    full = prepare_full(batch, 2)
+    ends = [2, 4, 9]                                   # last token of each document
+    for i in range(10):
+        expected = IGNORE if i in ends else int(batch["labels"][0, i + 1])
+        assert int(full["shift_labels"][0, i]) == expected, i
+    assert torch.equal(full["position_ids"], batch["position_ids"])    # kept as given
+    assert document_ids(full["position_ids"]).tolist() == [[1, 1, 1, 2, 2, 3, 3, 3, 3, 3]]
+
+
+def test_padding_mask_makes_positions_and_masks_targets():
+    batch = _batch(3, b=2, s=6)
+    batch["labels"] = batch["input_ids"].clone()
+    batch["attention_mask"] = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    full = prepare_full(batch, 2)
+    assert full["position_ids"].tolist() == [[0, 0, 0, 1, 2, 3], [0, 1, 2, 3, 0, 0]]
+    shifted = full["shift_labels"]
+    assert shifted[0, :2].tolist() == [IGNORE, IGNORE]           # pads predict nothing
+    assert shifted[0, 2:5].tolist() == batch["labels"][0, 3:6].tolist()
+    assert shifted[1, :3].tolist() == batch["labels"][1, 1:4].tolist()
+    assert shifted[1, 3:].tolist() == [IGNORE] * 3               # next is a pad / pads
+    shard = shard_for_rank(batch, 1, 2)
+    assert torch.equal(shard["attention_mask"], batch["attention_mask"][:, 3:])
+
+
+def test_length_not_divisible_is_padded_or_refused():
+    batch = _batch(4, b=2, s=10)
+    shards = [shard_for_rank(batch, r, 4, pad_token_id=7) for r in range(4)]   # 10 -> 12
+    ids = torch.cat([s["input_ids"] for s in shards], dim=1)
+    shifted = torch.cat([s["shift_labels"] for s in shards], dim=1)
+    positions = torch.cat([s["position_ids"] for s in shards], dim=1)
+    assert ids.shape == (2, 12) and (ids[:, 10:] == 7).all()
+    assert (shifted[:, 9:] == IGNORE).all()                       # the end and both pads
+    assert torch.equal(positions, torch.arange(12).expand(2, 12))  # pads continue the row
+    with pytest.raises(SequenceParallelError, match=r"10 is not divisible by sp = 4.*pad=True"):
+        shard_for_rank(batch, 0, 4, pad=False)
+
+
+def test_bad_batches_are_refused_in_one_sentence():
+    with pytest.raises(SequenceParallelError, match="neither 'labels' nor 'shift_labels'"):
+        shard_for_rank({"input_ids": torch.zeros(1, 4, dtype=torch.long)}, 0, 2)
+    with pytest.raises(SequenceParallelError, match=r"position_ids.*\[1, 4\]"):
+        shard_for_rank({"input_ids": torch.zeros(1, 4, dtype=torch.long),
+                        "labels": torch.zeros(1, 4, dtype=torch.long),
+                        "position_ids": torch.zeros(1, 3, dtype=torch.long)}, 0, 2)
+
+
+def test_take_chunk_is_contiguous_rank_arithmetic():
+    full = {"input_ids": torch.arange(16).view(2, 8), "shift_labels": torch.arange(16).view(2, 8),
+            "position_ids": torch.arange(16).view(2, 8)}
+    assert take_chunk(full, 2, 4)["input_ids"].tolist() == [[4, 5], [12, 13]]
+
+
+def _tiny_llama(seed=0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=50, loss_type="ForCausalLM")
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def test_sp_group_of_one_is_a_no_op_with_the_exact_loss():
+    """No group: the model keeps its attention; loss and tiled_loss equal transformers' loss."""
+    model = _tiny_llama()
+    assert sequence_parallel(model, None) is model
+    assert model.config._attn_implementation == "sdpa"
+    batch = _batch(5, b=2, s=12)
+    reference = model(**batch).loss
+    shard = shard_batch(batch, None)
+    assert "labels" not in shard
+    hidden = model.model(input_ids=shard["input_ids"],
+                         position_ids=shard["position_ids"]).last_hidden_state
+    value = loss(model.lm_head(hidden), shard, None)
+    tiled = tiled_loss(hidden, model.lm_head.weight, shard, None, tiles=3)
+    torch.testing.assert_close(value, reference, rtol=1e-6, atol=0)
+    torch.testing.assert_close(tiled, reference, rtol=1e-6, atol=0)
+    empty = shard_batch(dict(batch, labels=torch.full_like(batch["labels"], IGNORE)), None)
+    zero = loss(model(input_ids=empty["input_ids"]).logits, empty, None)
+    zero.backward()
+    assert zero.item() == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_unknown_family_and_eager_refused_without_processes():
+    from transformers import AutoConfig, AutoModelForCausalLM
+    model = _tiny_llama()
+    model.config._attn_implementation = "eager"
+    with pytest.raises(SequenceParallelError, match="eager attention.*attn_implementation='sdpa'"):
+        sequence_parallel(model, None)
+    config = AutoConfig.for_model("gpt_neox", hidden_size=32, num_attention_heads=4,
+                                  num_hidden_layers=1, intermediate_size=64, vocab_size=50)
+    with pytest.raises(SequenceParallelError, match="not 'gpt_neox'"):
+        sequence_parallel(AutoModelForCausalLM.from_config(config), None)
