@@ -1,12 +1,15 @@
 """build_gpt_datasets: Megatron's --data-path / --split / sample counts to (train, valid, test)."""
+import contextlib
+import errno
 import math
+import os
 import re
 
 import numpy as np
 
 from .blended_dataset import BlendedDataset, normalize
 from .gpt_dataset import GPTDataset, GPTDatasetConfig
-from .indexed_dataset import DataError, IndexedDataset
+from .indexed_dataset import DataError, DataFileError, IndexedDataset
 
 SPLIT_NAMES = ("train", "valid", "test")
 BLEND_SURPLUS = 0.005   # megatron-core's mid_level_dataset_surplus
@@ -159,3 +162,31 @@ def build_gpt_datasets(data_path, split, seq_length, seed, num_samples, eod_id, 
             raise ValueError("several ranks need a shared cache_dir for the dataset indices")
         result = _build_all(prefixes, weights, matrix, sizes, config, build=False)
     return tuple(result)
+
+
+@contextlib.contextmanager
+def os_errors_named(cache_dir=None):
+    """An OS error while opening the data files or reading/writing the index cache (a file or
+    folder without permission, chmod 000; a read-only or full cache) becomes one DataError that
+    names the file and what to do."""
+    try:
+        yield
+    except OSError as err:
+        raise _os_error(err, cache_dir) from err
+
+
+def _os_error(err: OSError, cache_dir):
+    """The sentence of `err`: in the cache folder (permissions, space) or a data file."""
+    path = err.filename or "a data file"
+    reason = err.strerror or str(err)
+    cache = os.path.abspath(cache_dir) if cache_dir else None
+    if cache and (os.path.abspath(path) + os.sep).startswith(cache + os.sep):
+        where = f"{path}: {reason} (the data cache, --data-cache-path {cache_dir})"
+        if err.errno == errno.ENOSPC:
+            return DataError(f"{where}; free space there or pass another --data-cache-path.")
+        return DataError(f"{where}; make that folder readable and writable by this user (chmod "
+                         f"-R u+rwX {cache_dir}) or pass another --data-cache-path.")
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return DataFileError(f"{path}: {reason}; make the data files readable by this user "
+                             f"(chmod u+r {path}) or check --data-path.")
+    return DataFileError(f"{path}: {reason}; check the file, its disk and --data-path.")

@@ -82,10 +82,14 @@ def build_default_corpus(cache_dir, vocab_size=2048):
     docs = default_documents()
     jsonl = os.path.join(cache_dir, "stdlib_docs.jsonl")
     tmp = f"{jsonl}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for d in docs:
-            f.write(json.dumps({"text": d}) + "\n")
-    os.replace(tmp, jsonl)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for d in docs:
+                f.write(json.dumps({"text": d}) + "\n")
+        os.replace(tmp, jsonl)
+    finally:                        # an error or Ctrl-C leaves no partial file
+        if os.path.exists(tmp):
+            os.remove(tmp)
     if not os.path.isfile(model):
         train_sentencepiece(docs, model_prefix, vocab_size)
     preprocess(jsonl, out_prefix, "GPTSentencePieceTokenizer", model, append_eod=True,

@@ -175,19 +175,28 @@ class IndexedDatasetBuilder:
 
     The .bin is written under a temporary name; finalize(idx_path) writes the .idx, also under a
     temporary name, and renames both when complete, so a failed run leaves no partial file.
+    `tmp_dir`: where the temporary files are (default: next to the outputs, `{name}.tmp{pid}`);
+    on the outputs' file system.
     """
 
-    def __init__(self, bin_path, dtype=np.int32):
+    def __init__(self, bin_path, dtype=np.int32, tmp_dir=None):
         self.bin_path = bin_path
+        self._tmp_dir = tmp_dir
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODES:
             raise ValueError(f"{bin_path}: dtype {self.dtype} has no MMIDIDX code; use one of "
                              f"{[np.dtype(d).name for d in DTYPES.values()]}.")
-        self._tmp_bin = f"{bin_path}.tmp{os.getpid()}"
+        self._tmp_bin = self._tmp_name(bin_path)
+        self._tmp_idx = None
         self._file = open(self._tmp_bin, "wb")
         self._lengths = []            # list of int32 arrays
         self._num_sequences = 0
         self._documents = [np.zeros(1, np.int64)]
+
+    def _tmp_name(self, path):
+        if self._tmp_dir is None:
+            return f"{path}.tmp{os.getpid()}"
+        return os.path.join(self._tmp_dir, os.path.basename(path))
 
     def _as_tokens(self, tokens):
         arr = np.asarray(tokens)
@@ -271,13 +280,18 @@ class IndexedDatasetBuilder:
         """Write the .idx and move both files to their final names."""
         self._file.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
-        tmp_idx = f"{idx_path}.tmp{os.getpid()}"
-        write_index(tmp_idx, self.dtype, lengths, np.concatenate(self._documents))
+        self._tmp_idx = self._tmp_name(idx_path)
+        write_index(self._tmp_idx, self.dtype, lengths, np.concatenate(self._documents))
         os.replace(self._tmp_bin, self.bin_path)
-        os.replace(tmp_idx, idx_path)
+        os.replace(self._tmp_idx, idx_path)
 
     def abort(self):
-        """Drop everything written so far (no file is left under the final names)."""
-        self._file.close()
-        if os.path.exists(self._tmp_bin):
-            os.remove(self._tmp_bin)
+        """Drop everything written so far (no file is left under the final names, no temporary
+        file either, even when closing fails: a full disk)."""
+        try:
+            self._file.close()
+        except OSError:
+            pass
+        for tmp in (self._tmp_bin, self._tmp_idx):
+            if tmp is not None and os.path.exists(tmp):
+                os.remove(tmp)

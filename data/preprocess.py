@@ -1,16 +1,19 @@
 """jsonl -> Megatron .bin/.idx, the core of tools/preprocess_data.py (importable without tools/)."""
 import collections
+import errno
 import json
 import multiprocessing as mp
 import os
 import shutil
 import sys
-import tempfile
 import time
 from itertools import chain
 
 import numpy as np
 
+from megatron_sp.errors import reraise_as
+
+from . import preprocess_io as files
 from .indexed_dataset import DataError, IndexedDatasetBuilder, optimal_dtype
 from .tokenizers import build_tokenizer
 
@@ -20,16 +23,27 @@ POOL_AHEAD_PER_WORKER = 2          # tasks given to the pool ahead of its result
 IN_FLIGHT_PER_WORKER = 4           # results held before they are written, per worker
 SPILL_FILE_BYTES = 1 << 28         # a pool worker starts a new spill file after this many bytes
 PROGRESS_DELAY_S = 3.0             # the progress bar appears once a run has taken this long
+# The longest line (one document) read, in bytes. A line is held whole while it is decoded and
+# tokenized: up to ~30x its size in memory at the peak (its bytes, the str, the Python ints of its
+# tokens, the array; 27x measured on a 100 MB line, 12x with NullTokenizer's short ids), so a
+# 32 MiB line takes up to ~1 GB per worker. A longer one is refused with
+# its file:line and --max-line-bytes (raise it when the memory is there); no line is ever read
+# past the bound, so a file without newlines cannot exhaust the memory either.
+MAX_LINE_BYTES = 32 << 20
 DTYPES = {"uint16": np.uint16, "int32": np.int32}
 _worker = {}
 
 
-def _init_worker(tokenizer, json_keys, append_eod, path, dtype=None, spill=None):
+def _init_worker(tokenizer, json_keys, append_eod, path, dtype=None, spill=None, name=None,
+                 max_line_bytes=MAX_LINE_BYTES):
     """The per-process state of encode_range. Called in the parent before the pool forks, so the
     workers inherit the tokenizer instead of each loading it again. `spill`: the folder where
-    pool workers write their tokens (the parent then copies bytes instead of unpickling arrays)."""
+    pool workers write their tokens (the parent then copies bytes instead of unpickling arrays).
+    `path` is the file read, `name` the input as the messages name it (a decompressed copy is
+    read under the name of the compressed file)."""
     _worker.update(tok=tokenizer, keys=json_keys, eod=append_eod, path=path, fd=None,
-                   dtype=None if dtype is None else np.dtype(dtype), spill=spill, out={})
+                   dtype=None if dtype is None else np.dtype(dtype), spill=spill, out={},
+                   name=name or path, max_line=max_line_bytes or None)
 
 
 def _tokenize_all(tok, texts, lines, path):
@@ -76,9 +90,12 @@ def encode_lines(task):
     """
     first, block = task
     n_bytes, lines = len(block), block.split(b"\n")
-    tok, keys, path = _worker["tok"], _worker["keys"], _worker["path"]
+    tok, keys, path = _worker["tok"], _worker["keys"], _worker["name"]
     texts, numbers, problem = [], [], None
     for n, raw in enumerate(lines, first):
+        if _worker["max_line"] is not None and len(raw) > _worker["max_line"]:
+            problem = _too_long(n, len(raw))
+            break
         if not raw.strip():
             continue
         try:
@@ -119,12 +136,15 @@ def _ranges(size, block_bytes):
     return [(start, min(start + block_bytes, size)) for start in range(0, size, block_bytes)]
 
 
-def _line_start(pos):
-    """The first offset >= pos at which a line begins (0, or just after a newline), or the size."""
+def _line_start(pos, limit=None):
+    """The first offset >= pos at which a line begins (0, or just after a newline), or the size;
+    None when none does within `limit` bytes of pos (a line longer than that covers pos)."""
     if pos == 0:
         return 0
     at, chunk = pos - 1, 1 << 13
     while True:
+        if limit is not None and at - pos > limit:
+            return None
         data = _read_block(at, chunk)
         if not data:
             return at
@@ -134,9 +154,29 @@ def _line_start(pos):
         at += len(data)
 
 
+def _too_long(line, size=None):
+    """The error of a line over the bound (`size` when it was read)."""
+    bound, what = _worker["max_line"], "" if size is None else f"{size} bytes, "
+    return DataError(f"{_worker['name']}:{line}: the line is {what}longer than the bound of "
+                     f"{bound} bytes (--max-line-bytes); split that document or raise "
+                     f"--max-line-bytes (a line takes ~30x its size in memory while tokenized).")
+
+
 def _aligned_block(start, stop):
-    """(offset, bytes) of the whole lines that begin in [start, stop) of the input."""
-    begin, end = _line_start(start), _line_start(stop)
+    """(offset, bytes) of the whole lines that begin in [start, stop) of the input.
+
+    Never reads a line longer than the bound (`max_line`): a range inside such a line has no
+    line of its own (begins and ends are searched no further than the bound plus the range), and
+    the range the line begins in raises its file:line."""
+    limit = None if _worker["max_line"] is None else _worker["max_line"] + (stop - start)
+    begin = _line_start(start, limit)
+    if begin is None:                   # inside a too-long line that began before start
+        return start, b""
+    end = _line_start(stop, limit)
+    if end is None:                     # the last line beginning here is too long
+        head = _read_block(begin, stop - begin)
+        last = begin + head.rfind(b"\n") + 1
+        raise _too_long(_line_number(last))
     return begin, (_read_block(begin, end - begin) if begin < end else b"")
 
 
@@ -240,7 +280,8 @@ def _output_dtype(dtype, vocab_size):
 
 def preprocess(input, output_prefix, tokenizer_type, tokenizer_model=None, json_keys=("text",),
                append_eod=False, workers=1, log_interval=10000, vocab_size=None, log=sys.stderr,
-               dtype=None, vocab_file=None, merge_file=None):
+               dtype=None, vocab_file=None, merge_file=None, max_line_bytes=MAX_LINE_BYTES,
+               trust_remote_code=False):
     """Tokenise a jsonl file into {output_prefix}_{key}_document.bin/.idx; returns the prefixes.
 
     `workers` processes tokenize: this one and a pool of workers - 1 (forked, so they inherit the
@@ -248,36 +289,78 @@ def preprocess(input, output_prefix, tokenizer_type, tokenizer_model=None, json_
     the oldest pool result is not ready yet, so with 2 workers no core waits on the other.
 
     Nothing appears under the final names unless the whole file was processed; ids outside the
-    vocabulary are refused. Ends with one line: documents, tokens and MB/s (when log_interval).
+    vocabulary, lines over `max_line_bytes` (MAX_LINE_BYTES; 0: no bound) and an input without a
+    document are refused. A compressed input (gzip, bzip2, xz; zstd with the zstandard package)
+    is decompressed into the temporary folder first. Every temporary file is removed on an error,
+    on SIGTERM (then a DataError) and on Ctrl-C (KeyboardInterrupt), and the leftovers of a killed
+    earlier run with this output prefix by the next run (preprocess_io.py). Ends with one line:
+    documents, tokens and MB/s (when log_interval).
     """
     start = time.time()
+    if max_line_bytes is not None and max_line_bytes < 0:
+        raise DataError(f"--max-line-bytes {max_line_bytes} is negative; pass a number of bytes "
+                        f"(0: no bound).")
     if not os.path.isfile(input):
         raise DataError(f"{input}: input file not found; pass --input with a jsonl file.")
     folder = os.path.dirname(os.path.abspath(output_prefix))
     if not os.path.isdir(folder):
         raise DataError(f"the output folder {folder} does not exist; create it (mkdir -p) or pass "
                         f"another --output-prefix.")
-    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size, vocab_file, merge_file)
+    with reraise_as(DataError, ValueError):
+        tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size, vocab_file,
+                                    merge_file, trust_remote_code=trust_remote_code)
     dtype = _output_dtype(dtype, tokenizer.vocab_size)
     prefixes = {k: f"{output_prefix}_{k}_document" for k in json_keys}
-    builders = {k: IndexedDatasetBuilder(p + ".bin", dtype) for k, p in prefixes.items()}
-    spill = tempfile.mkdtemp(prefix=".preprocess-", dir=folder) if workers > 1 else None
-    _init_worker(tokenizer, tuple(json_keys), append_eod, input, dtype, spill)   # inherited
-    pool = mp.get_context("fork").Pool(workers - 1) if workers > 1 else None
+    nothing = f"nothing was written under {output_prefix}_* and the temporary files were removed"
+    try:
+        with files.stop_on_signals():
+            files.remove_leftovers(output_prefix, json_keys, log)
+            temp = files.temp_folder_name(output_prefix)
+            try:
+                files.make_temp_folder(temp)
+                docs, tokens, nbytes = _preprocess_in(temp, input, prefixes, tokenizer, dtype,
+                                                      append_eod, workers, log_interval, log,
+                                                      max_line_bytes)
+            finally:
+                with files.signals_held():
+                    shutil.rmtree(temp, ignore_errors=True)
+    except files.Stopped as stop:
+        raise DataError(f"preprocessing of {input} was {stop}; {nothing}.") from None
+    except OSError as err:
+        raise _os_error(err, output_prefix, nothing) from err
+    if log_interval:
+        dt = max(time.time() - start, 1e-9)
+        print(f"done: {docs} documents, {tokens} tokens, {nbytes / 1e6:.1f} MB in {dt:.1f} s "
+              f"({nbytes / dt / 1e6:.2f} MB/s, {workers} worker(s))", file=log, flush=True)
+    return prefixes
+
+
+def _preprocess_in(temp, input, prefixes, tokenizer, dtype, append_eod, workers, log_interval,
+                   log, max_line_bytes):
+    """preprocess with every file it writes in the folder `temp`; (documents, tokens, bytes)."""
+    path = files.readable_input(input, temp, log)
+    builders = {k: IndexedDatasetBuilder(p + ".bin", dtype, tmp_dir=temp)
+                for k, p in prefixes.items()}
+    _init_worker(tokenizer, tuple(prefixes), append_eod, path, dtype,
+                 temp if workers > 1 else None, input, max_line_bytes)     # inherited
+    pool = (mp.get_context("fork").Pool(workers - 1, initializer=files.quiet_worker)
+            if workers > 1 else None)
     interrupted = False
     try:
-        size = os.path.getsize(input)
+        size = os.path.getsize(path)
         tasks = _ranges(size, _block_bytes(size, workers))
         results = (map(encode_range, tasks) if pool is None else
                    _in_order(pool, tasks, POOL_AHEAD_PER_WORKER * (workers - 1),
                              IN_FLIGHT_PER_WORKER * workers))
         docs, tokens, nbytes = _consume(results, builders, log_interval, log, size)
+        _check_not_empty(input, docs, tokens, tuple(prefixes))
         for k, b in builders.items():
             b.finalize(prefixes[k] + ".idx")
     except BaseException as err:
         interrupted = not isinstance(err, Exception)
-        for b in builders.values():
-            b.abort()
+        with files.signals_held():
+            for b in builders.values():
+                b.abort()
         raise
     finally:
         if pool is not None:    # waits for the few tasks in flight: terminating a worker while it
@@ -289,13 +372,31 @@ def preprocess(input, output_prefix, tokenizer_type, tokenizer_model=None, json_
         if _worker.get("fd") is not None:
             os.close(_worker["fd"])
         _worker.clear()
-        if spill is not None:
-            shutil.rmtree(spill, ignore_errors=True)
-    if log_interval:
-        dt = max(time.time() - start, 1e-9)
-        print(f"done: {docs} documents, {tokens} tokens, {nbytes / 1e6:.1f} MB in {dt:.1f} s "
-              f"({nbytes / dt / 1e6:.2f} MB/s, {workers} worker(s))", file=log, flush=True)
-    return prefixes
+    return docs, tokens, nbytes
+
+
+def _check_not_empty(input, docs, tokens, keys):
+    """Refuse an input that gives no document (empty, or blank lines only) or only empty ones."""
+    if docs == 0:
+        raise DataError(f"{input} holds no document (the file is empty or every line is blank); "
+                        f"pass a jsonl file with one JSON object per line.")
+    if tokens == 0:
+        raise DataError(f"{input}: all {docs} documents are empty (no text under --json-keys "
+                        f"{' '.join(keys)}); check --json-keys or the file.")
+
+
+def _os_error(err: OSError, output_prefix, nothing):
+    """One sentence for an OS error while preprocessing: the file, the reason, what to do."""
+    folder = os.path.dirname(os.path.abspath(output_prefix))
+    where = err.filename or folder
+    if err.errno == errno.ENOSPC:
+        todo = (f"free space there ({shutil.disk_usage(folder).free / 1e6:.1f} MB free now) or "
+                f"pass another --output-prefix")
+    elif err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        todo = "check its permissions (or the file system's) or pass other paths"
+    else:
+        todo = "check the file and its disk"
+    return DataError(f"{where}: {err.strerror or err}; {nothing}; {todo}.")
 
 
 def _in_order(pool, tasks, pool_ahead, in_flight):

@@ -10,6 +10,8 @@ Modules (as torchtitan keeps format, staging and manager apart):
 - `io`: DCP save / load (synchronous or background), atomic publish, the tracker file;
 - `pretrained`: one-process access (full tensors, `load_pretrained`, safetensors export);
 - `manager`: `CheckpointManager` (--save / --load / exit flags) and `SignalHandler`;
+- `lock`: one run per --save folder (`SaveLock`, the refusal of a fresh run into another's);
+- `preflight`: start-up checks of the folders a run writes (writable, free space);
 - `comm`: the few collectives (barrier, broadcast, `any_rank_flag`).
 
 This package is part of the core: it does not import the models (except `pretrained`, lazily);

@@ -6,8 +6,12 @@ import signal
 import sys
 import time
 
-from megatron_sp.checkpointing.comm import _rank, any_rank_flag
-from megatron_sp.checkpointing.io import finalize_async_save, load_checkpoint, save_checkpoint
+from megatron_sp.checkpointing.comm import _rank, agree_on_error, any_rank_flag
+from megatron_sp.checkpointing.format import CheckpointError
+from megatron_sp.checkpointing.io import (async_save_failed, async_save_in_flight,
+                                          finalize_async_save, load_checkpoint, save_checkpoint)
+from megatron_sp.checkpointing.lock import SaveLock, fresh_run_problem, track
+from megatron_sp.checkpointing.preflight import checkpoint_bytes, startup_problems
 
 
 # Pre-emption ---------------------------------------------------------------------------------------
@@ -39,17 +43,20 @@ class CheckpointManager:
     """Megatron's checkpoint and exit flags around a `Trainer` (one per run, every rank).
 
         manager = CheckpointManager(job, trainer, model_config)
+        manager.start()                      # the --save lock, start-up checks (collective)
         manager.load()                       # --load (--no-load-optim, --no-load-rng, --finetune,
                                              #   --ckpt-step, --no-verify-checkpoint, schedule flags)
         while ...: trainer.train_step(...); if manager.after_step(): break
-        manager.finish()                     # final save, async saves published, handlers released
+        manager.finish()                     # final save, async saves published, handlers and
+                                             #   the lock released (release() on any other exit)
 
     `job`: the run's megatron_sp.config.JobConfig; its checkpoint section holds the flags, and its
     flat record (`job.flags()`, with the iteration training stops at) is stored with every save as
     the checkpoint's "args". After each iteration the ranks agree (one all-reduce of two flags,
     `any_rank_flag`) on whether a signal arrived (--exit-signal-handler) or --exit-duration-in-mins
     is spent; together with --exit-interval and --save-interval that decides to save (when --save is
-    given) and to stop.
+    given) and to stop. While an asynchronous save is in flight the same all-reduce carries a third
+    flag, its failure on any rank: the run stops at that step with the save's one sentence.
     """
 
     def __init__(self, job, trainer, config=None):
@@ -60,6 +67,53 @@ class CheckpointManager:
         self.exit_reason = None
         self.end_iteration = job.training.end_iteration()
         self.signals = SignalHandler() if self.options.exit_signal_handler else None
+        self.lock = None
+
+    def start(self) -> None:
+        """Before the first step (collective): rank 0 takes the --save lock and refuses a fresh run
+        into another run's checkpoints (lock.py); every rank checks the folders it writes
+        (preflight.py). The ranks agree: all raise the same CheckpointError, none waits."""
+        o, job = self.options, self.job
+        problem, lock_error = None, None
+        if _rank() == 0 and o.save:
+            try:
+                lock = SaveLock(o.save, force=o.force_unlock)
+                note = lock.acquire()
+                self.lock = track(lock)
+                if note:
+                    print(note, flush=True)
+                problem = fresh_run_problem(o.save, o.load, o.overwrite_save)
+            except CheckpointError as err:
+                problem = str(err)
+            except OSError as err:      # an unwritable --save: the start-up checks say why
+                lock_error = (f"cannot take the lock of --save {o.save} ({err.strerror or err}); "
+                              f"check the folder.")
+        if problem is None:
+            problems = startup_problems(
+                _rank(), o.save, self._checkpoint_size(), skip_free_space=o.skip_free_space_check,
+                tensorboard_dir=job.logging.tensorboard_dir, metrics_jsonl=job.logging.metrics_jsonl,
+                data_cache_path=None if job.data.mock_data else job.data.data_cache_path)
+            problem = problems[0] if problems else lock_error
+        problem = agree_on_error(problem)
+        if problem is not None:
+            self.release()
+            raise CheckpointError(problem)
+
+    def _checkpoint_size(self) -> int | None:
+        """About the bytes of one checkpoint of this run (preflight.checkpoint_bytes)."""
+        if self.config is None:
+            return None
+        t = self.job.training
+        first = next(self.trainer.chunks[0].parameters(), None)
+        moments = 0 if self.options.no_save_optim else (
+            2 if t.optimizer == "adam" else 1 if t.sgd_momentum else 0)
+        return checkpoint_bytes(self.config.num_parameters(),
+                                first.element_size() if first is not None else 4, moments)
+
+    def release(self) -> None:
+        """Release the --save lock (rank 0; idempotent): at the end, and on any other exit."""
+        if self.lock is not None:
+            self.lock.release()
 
     def _rng_tracker(self):
         return getattr(self.trainer.chunks[0], "rng_tracker", None)
@@ -106,10 +160,13 @@ class CheckpointManager:
         o, it = self.options, self.trainer.state.iteration
         duration = o.exit_duration_in_mins
         signal_flag, time_flag = False, False
-        if self.signals is not None or duration:
+        if self.signals is not None or duration or async_save_in_flight():
             local_time = bool(duration) and (time.time() - self.start_time) / 60.0 > duration
             local_signal = self.signals is not None and self.signals.received is not None
-            signal_flag, time_flag = any_rank_flag([local_signal, local_time])
+            signal_flag, time_flag, save_failed = any_rank_flag([local_signal, local_time,
+                                                                 async_save_failed()])
+            if save_failed:   # said now, not at the next save: every rank raises its sentence
+                finalize_async_save()
         interval = o.exit_interval
         if signal_flag:
             self.exit_reason = "a signal (SIGTERM/SIGUSR1)"
@@ -130,3 +187,4 @@ class CheckpointManager:
         finalize_async_save()
         if self.signals is not None:
             self.signals.release()
+        self.release()

@@ -1,0 +1,231 @@
+"""One run per save folder: an exclusive advisory lock on --save, and the refusal of a fresh run
+into a folder that holds another run's checkpoints.
+
+The lock is the file <save>/.megatron_sp.lock, taken by rank 0 before the first step and removed
+at exit. Rank 0 holds an exclusive `fcntl.flock` on it for the whole run (the kernel drops it when
+the process dies, even by SIGKILL) and writes the holder's record into it: host, pid, job id
+(SLURM_JOB_ID or TORCHELASTIC_RUN_ID) and start time. A second run finds the flock taken and is
+refused with the record. A lock file left behind by a process that died is recognised as stale
+and taken over with one note when its record names this host and the flock is free (or, on a file
+system without flock, when its pid is not running). A record of another host is trusted (its flock
+may not be visible from here, e.g. Lustre without -o flock) unless the operator passes
+--force-unlock.
+
+A fresh run (no --load, or --load another folder) into a --save that already holds complete
+checkpoints would mix two runs' iterations under one tracker: it is refused unless
+--overwrite-save says so; `--load <save>` resumes the run there (Megatron's way to continue).
+"""
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import os
+import socket
+import time
+
+from megatron_sp.checkpointing.format import TRACKER_FILENAME, CheckpointError
+
+LOCK_FILENAME = ".megatron_sp.lock"
+
+
+class SaveLockError(CheckpointError):
+    """--save is in use by another run (or holds another run's checkpoints)."""
+
+
+def job_id(environ=os.environ) -> str | None:
+    """The launcher's job id: SLURM_JOB_ID, else TORCHELASTIC_RUN_ID (torchrun), else None."""
+    run = environ.get("TORCHELASTIC_RUN_ID")
+    return environ.get("SLURM_JOB_ID") or (run if run and run != "none" else None)
+
+
+def holder_record(environ=os.environ) -> dict:
+    """This process as a lock holder: host, pid, job id, start time."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(environ),
+            "since": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def describe(record: dict | None) -> str:
+    """'host H, pid P, job J, since T' of a lock record (what is known of it)."""
+    if not record:
+        return "a process that has not written its record yet"
+    parts = [f"host {record.get('host', '?')}", f"pid {record.get('pid', '?')}"]
+    if record.get("job"):
+        parts.append(f"job {record['job']}")
+    parts.append(f"since {record.get('since', '?')}")
+    return ", ".join(parts)
+
+
+def _pid_running(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return True        # another user's process (or an unreadable pid): assume it runs
+    return True
+
+
+def _read_record(fd: int) -> dict | None:
+    os.lseek(fd, 0, os.SEEK_SET)
+    raw = b""
+    while chunk := os.read(fd, 65536):
+        raw += chunk
+    try:
+        record = json.loads(raw.decode("utf-8")) if raw.strip() else None
+    except (UnicodeDecodeError, ValueError):
+        return {"host": "?", "pid": "?", "since": "? (unreadable lock record)"}
+    return record if isinstance(record, dict) else None
+
+
+class SaveLock:
+    """The exclusive lock of a save folder (see the module docstring). Rank 0 only:
+
+        lock = SaveLock(save, force=job.checkpoint.force_unlock)
+        note = lock.acquire()     # SaveLockError naming the holder; a note when it took over
+        ...
+        lock.release()            # at exit (normal, error, signal); idempotent
+    """
+
+    def __init__(self, folder: str, force: bool = False):
+        self.folder, self.force = folder, force
+        self.path = os.path.join(folder, LOCK_FILENAME)
+        self.fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """Take the lock; returns a one-line note when a stale or forced lock was taken over."""
+        os.makedirs(self.folder, exist_ok=True)
+        for _ in range(5):     # the holder may remove the file between our open and our flock
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                note = self._lock(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            if self._same_file(fd):
+                self.fd = fd
+                self._write_record()
+                return note
+            os.close(fd)       # we locked a file that was unlinked meanwhile: again
+        raise SaveLockError(f"cannot take the lock {self.path}: it keeps being replaced; is "
+                            f"another run starting into --save {self.folder}?")
+
+    def _same_file(self, fd: int) -> bool:
+        try:
+            return os.fstat(fd).st_ino == os.stat(self.path).st_ino
+        except FileNotFoundError:
+            return False
+
+    def _lock(self, fd: int) -> str | None:
+        """flock `fd` (or judge the record where flock is unsupported); the takeover note."""
+        import fcntl
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            flocked = True
+        except BlockingIOError:
+            record = self._wait_for_record(fd)
+            if not self.force:
+                raise SaveLockError(self._refusal(record)) from None
+            return (f"> --force-unlock: taking over the lock {self.path} held by "
+                    f"{describe(record)}; that run must not save any more.")
+        except OSError as err:
+            if err.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            flocked = False   # no flock on this file system: the record alone decides
+        record = _read_record(fd)
+        if record is None or (record.get("host") == socket.gethostname()
+                              and record.get("pid") == os.getpid()):
+            return None
+        if record.get("host") != socket.gethostname():
+            if not self.force:
+                raise SaveLockError(self._refusal(record, other_host=True))
+            return (f"> --force-unlock: taking over the lock {self.path} of {describe(record)}.")
+        if not flocked and _pid_running(record.get("pid")) and not self.force:
+            raise SaveLockError(self._refusal(record))
+        return (f"> taking over the stale lock {self.path} of {describe(record)}: that process "
+                f"is no longer running.")
+
+    def _wait_for_record(self, fd: int, wait_s: float = 2.0) -> dict | None:
+        """The holder's record; a holder that has just flocked writes it within moments."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            record = _read_record(fd)
+            if record or time.monotonic() > deadline:
+                return record
+            time.sleep(0.05)
+
+    def _refusal(self, record: dict | None, other_host: bool = False) -> str:
+        what = (f"--save {self.folder} is locked by another run ({describe(record)}; lock file "
+                f"{self.path})")
+        if other_host:
+            return (what + ": wait for that run to end or choose another --save; if it is "
+                           "certainly gone, pass --force-unlock.")
+        return what + ": wait for that run to end or choose another --save."
+
+    def _write_record(self) -> None:
+        data = json.dumps(holder_record()).encode()
+        os.ftruncate(self.fd, 0)
+        os.lseek(self.fd, 0, os.SEEK_SET)
+        os.write(self.fd, data)
+        os.fsync(self.fd)
+
+    def release(self) -> None:
+        """Remove the lock file (still holding the flock, so no one takes the dying inode)."""
+        if self.fd is None:
+            return
+        fd, self.fd = self.fd, None
+        try:
+            if self._same_file(fd):
+                os.unlink(self.path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+_held: list[SaveLock] = []     # the locks this process took (release_save_locks frees them)
+
+
+def track(lock: SaveLock) -> SaveLock:
+    """Register a taken lock for `release_save_locks` (an error or Ctrl-C skips finish())."""
+    _held.append(lock)
+    return lock
+
+
+def release_save_locks(main):
+    """Decorator of an entry point (pretrain_gpt.main): every lock taken during the call is
+    released when it returns or raises (a run that stops with an error, Ctrl-C, or a test that
+    calls main() again in the same process). A killed process leaves the lock file behind; the next
+    run on this host takes it over as stale (its flock died with the process)."""
+    import functools
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        finally:
+            while _held:
+                _held.pop().release()
+    return wrapper
+
+
+def has_checkpoints(folder: str) -> bool:
+    """True when `folder` holds a tracker file or a complete iteration folder."""
+    from megatron_sp.checkpointing.io import complete_iterations
+    return os.path.isfile(os.path.join(folder, TRACKER_FILENAME)) or bool(complete_iterations(folder))
+
+
+def fresh_run_problem(save: str | None, load: str | None, overwrite: bool) -> str | None:
+    """The sentence refusing a run that does not resume --save although --save holds
+    checkpoints (another run's), or None. `overwrite`: --overwrite-save."""
+    if not save or overwrite or not os.path.isdir(save) or not has_checkpoints(save):
+        return None
+    if load and os.path.realpath(load) == os.path.realpath(save):
+        return None
+    from megatron_sp.checkpointing.io import complete_iterations
+    have = complete_iterations(save)
+    newest = f"iteration {have[-1]}" if have else TRACKER_FILENAME
+    loading = f"--load {load} is another folder" if load else "there is no --load"
+    return (f"--save {save} already holds checkpoints of another run (newest: {newest}) and "
+            f"{loading}: pass --load {save} to resume that run (Megatron's way), choose an "
+            f"empty --save, or pass --overwrite-save to save a new run over them.")
