@@ -17,7 +17,11 @@ fragmentation + 4 GB reserve within its memory). The activation peak is also che
 the first step's peak up to the end of backward, less the weights present before it and autocast's
 bf16 copies (2 bytes per parameter; gradients accumulated by the peak are left in, a few GB at most
 early in backward), against the planner's step_peak_bytes (device="cuda": torch's fused RMSNorm).
-Prints one table; --json writes the rows.
+Prints one table; --json writes the rows; every run also writes bench/results/gpu_long_context_<gpu>.json
+(docs/performance.md's schema: longest sequence per technique beside the planner's, MFU at 8K/32K).
+
+    python bench/gpu_long_context.py --techniques all --attention flex --documents --start-seq 32768
+        # the longest llama-1b sequence with packed documents through FlexAttention (no s x s mask)
 """
 from __future__ import annotations
 
@@ -43,8 +47,8 @@ TECHNIQUES = {name: ALL_TECHNIQUES[name] for name in (
     "plain", "chunked loss", "tiled mlp", "selective", "full recompute", "all", "all+offload")}
 
 
-def build(cfg, mem, device):
-    model = GPTModel(cfg, memory=MemoryOptions(**mem), attention_backend="sdpa").to(device)
+def build(cfg, mem, device, attention="sdpa"):
+    model = GPTModel(cfg, memory=MemoryOptions(**mem), attention_backend=attention).to(device)
     with torch.no_grad():                       # speed: plain init is fine for a benchmark
         for p in model.parameters():
             p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
@@ -52,14 +56,23 @@ def build(cfg, mem, device):
     return model, opt
 
 
-def step(model, opt, seq, vocab, device, account=False):
+def document_ids(seq, device, mean_tokens=4096, seed=0):
+    """[1, seq] int64 packed documents of random lengths (about `mean_tokens` each)."""
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.rand(seq, generator=gen) < 1.0 / mean_tokens
+    starts[0] = True
+    return (torch.cumsum(starts.long(), 0) - 1)[None].to(device)
+
+
+def step(model, opt, seq, vocab, device, account=False, documents=False):
     """One forward+backward+AdamW step; with account, (the saved-tensor report, the peak bytes
     allocated up to the end of backward, before the optimizer allocates its state)."""
     ids = torch.randint(0, vocab, (1, seq), device=device)
+    docs = document_ids(seq, device) if documents else None
     acct = SavedTensorAccountant().attach(model) if account else None
     ctx = acct.recording() if acct else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     with ctx, torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = model(input_ids=ids, labels=ids.roll(-1, 1)).float().mean()
+        loss = model(input_ids=ids, labels=ids.roll(-1, 1), document_ids=docs).float().mean()
         loss.backward()
         backward_peak = torch.cuda.max_memory_allocated()   # autocast's bf16 copies still cached
     opt.step()
@@ -70,21 +83,22 @@ def step(model, opt, seq, vocab, device, account=False):
     return None
 
 
-def try_seq(cfg, mem, seq, device, timed_steps):
+def try_seq(cfg, mem, seq, device, timed_steps, attention="sdpa", documents=False):
     """(fits, seconds per step, peak GB, saved GB, activation peak GB) for one sequence length."""
     model = opt = None
     try:
         torch.cuda.empty_cache()
-        model, opt = build(cfg, mem, device)
+        model, opt = build(cfg, mem, device, attention)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()                  # the fp32 weights (and buffers)
-        rep, backward_peak = step(model, opt, seq, cfg.vocab_size, device, account=True)
+        rep, backward_peak = step(model, opt, seq, cfg.vocab_size, device, account=True,
+                                  documents=documents)
         act_gb = (backward_peak - before - 2 * cfg.num_parameters()) / 2**30
         torch.cuda.synchronize()
         t0 = time.time()
         for _ in range(timed_steps):
-            step(model, opt, seq, cfg.vocab_size, device)
+            step(model, opt, seq, cfg.vocab_size, device, documents=documents)
         torch.cuda.synchronize()
         dt = (time.time() - t0) / max(timed_steps, 1)
         return (True, dt, torch.cuda.max_memory_allocated() / 2**30, rep["device_bytes"] / 2**30,
@@ -142,7 +156,8 @@ def run_technique(cfg, name, args, device, peak, t_end):
         if time.time() + 10 + (1 + timed) * step_seconds(cfg, mem, seq, peak) > t_end:  # 10 s: build
             stopped = "time"            # the next try would run past this technique's time box
             break
-        ok, dt, peak_gb, saved_gb, act_gb = try_seq(cfg, mem, seq, device, timed)
+        ok, dt, peak_gb, saved_gb, act_gb = try_seq(cfg, mem, seq, device, timed, args.attention,
+                                                    args.documents)
         if not ok:
             stopped = "oom"
             break
@@ -156,7 +171,8 @@ def run_technique(cfg, name, args, device, peak, t_end):
               f"saved {saved_gb:6.2f} GB" + (f", {dt * 1e3:.0f} ms/step" if timed else ""), flush=True)
         seq *= 2
     device_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
-    return dict(technique=name, max_seq=best[0] if best else None, peak_gb=best[1] if best else None,
+    return dict(technique=name, attention=args.attention, documents=args.documents,
+                max_seq=best[0] if best else None, peak_gb=best[1] if best else None,
                 planner_peak_gb=best[3] if best else None,
                 activations_gb=best[4] if best else None,
                 planner_activations_gb=best[5] if best else None,
@@ -198,6 +214,13 @@ def main():
     p.add_argument("--timed-steps", type=int, default=2)
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--attention", default="sdpa", help="--attention-backend of the model (sdpa, flex)")
+    p.add_argument("--documents", action="store_true",
+                   help="packed documents (about 4K tokens each) through the attention backend")
+    p.add_argument("--results", default="gpu_long_context_{gpu}",
+                   help="bench/results/NAME.json in docs/performance.md's schema; '' writes nothing")
+    p.add_argument("--results-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                         "results"))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)      # one technique, then exit
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -223,6 +246,8 @@ def main():
         if args.json:                   # after every technique: a run cut short keeps its rows
             with open(args.json, "w") as fh:
                 json.dump(rows, fh, indent=1)
+        if args.results:
+            results_path = write_schema_rows(rows, args, cfg, peak)
     print(f"\n{'technique':>15} {'longest seq':>12} {'peak GB':>8} {'planner GB':>10} "
           f"{'act GB':>7} {'planner':>7} {'ratio':>6} {'planner longest':>15} {'MFU 8K':>7} "
           f"{'MFU 32K':>8}")
@@ -238,7 +263,39 @@ def main():
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
+    if args.results:
+        print(f"wrote {results_path}")
     return 0
+
+
+RESULT_COLUMNS = [("model", "model"), ("technique", "technique"), ("attention", "attention"),
+                  ("documents", "documents"), ("longest_seq", "longest seq"),
+                  ("planner_seq", "planner longest"), ("peak_memory_gib", "peak GiB"),
+                  ("planner_peak_gib", "planner GiB"), ("mfu_8k", "MFU 8K"),
+                  ("mfu_32k", "MFU 32K"), ("stopped", "stopped")]
+
+
+def write_schema_rows(rows, args, cfg, peak) -> str:
+    """bench/results/gpu_long_context_<gpu>[_flex][_documents].json (bench/performance_table.py)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from performance_table import device_info, write_results
+    out = [{"model": args.model, "technique": r["technique"], "attention": r.get("attention"),
+            "documents": r.get("documents"), "longest_seq": r["max_seq"],
+            "planner_seq": r["planner_max_seq"], "peak_memory_gib": r["peak_gb"],
+            "planner_peak_gib": r["planner_peak_gb"], "mfu_8k": r["mfu_8k"],
+            "mfu_32k": r["mfu_32k"], "stopped": r["stopped"]} for r in rows]
+    gpu = torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else "cpu"
+    name = args.results.format(gpu=gpu) + ("" if args.attention == "sdpa" else f"_{args.attention}") \
+        + ("_documents" if args.documents else "")
+    return write_results(
+        name, "gpu_long_context", out, columns=RESULT_COLUMNS,
+        title=f"longest trainable sequence per technique, {args.model}"
+              + (", packed documents" if args.documents else "") + f", {args.attention}",
+        device=device_info(peak, "bf16 dense, megatron_sp.training.flops.PEAK_TFLOPS"),
+        folder=args.results_dir,
+        notes=[f"{cfg.num_parameters() / 1e9:.2f}B parameters, batch 1, bf16 autocast over fp32 "
+               f"weights, fused AdamW; the sequence doubles from {args.start_seq}; planner longest: "
+               f"modelled bytes + 10% + 4 GB reserve within the device"])
 
 
 if __name__ == "__main__":

@@ -89,7 +89,7 @@ def hf_model(family: str, cfg: GPTConfig, attention: str = "sdpa"):
                          max_position_embeddings=cfg.max_position_embeddings,
                          rms_norm_eps=cfg.norm_epsilon,
                          rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base},
-                         tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+                         tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
                          attention_dropout=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
                          pad_token_id=None, attn_implementation=HF_ATTENTION[attention])
     return LlamaForCausalLM(hf_cfg)
@@ -132,8 +132,9 @@ def copy_into_hf(ours: GPTModel, hf, family: str, cfg: GPTConfig) -> None:
                 (block.mlp.c_proj.bias, sd[p + "mlp.fc2.bias"])]
     else:
         m = hf.model
-        pairs += [(m.embed_tokens.weight, emb), (m.norm.weight, sd["final_norm.weight"]),
-                  (hf.lm_head.weight, sd["output_layer.weight"][:V])]
+        pairs += [(m.embed_tokens.weight, emb), (m.norm.weight, sd["final_norm.weight"])]
+        if not cfg.tie_embeddings:                  # tied (llama-1b): lm_head is embed_tokens
+            pairs.append((hf.lm_head.weight, sd["output_layer.weight"][:V]))
         for i, layer in enumerate(m.layers):
             p = f"layers.{i}."
             q, k, v = _split_qkv(sd[p + "attention.qkv.weight"], cfg)
@@ -247,6 +248,47 @@ def bench_row(family, dtype, args) -> dict:
     return row
 
 
+# Results (bench/performance_table.py's schema) -----------------------------------------------------
+
+RESULT_COLUMNS = [("model", "model"), ("dtype", "dtype"), ("layers", "layers"), ("hidden", "hidden"),
+                  ("seq", "seq"), ("batch", "batch"), ("layout", "layout"),
+                  ("attention", "attention"), ("impl", "impl"), ("params", "params"),
+                  ("tokens_per_s", "tokens/s"), ("tflops", "TFLOP/s"), ("mfu", "MFU vs GEMM"),
+                  ("vs_hf", "ours/HF"), ("cpu_time_ratio", "CPU-time ratio"),
+                  ("first_loss", "first-step loss")]
+
+
+def result_rows(rows, args) -> list[dict]:
+    """One schema row per (model, dtype, implementation): ours and HF side by side."""
+    out = []
+    for r in rows:
+        for impl in ("ours", "hf"):
+            out.append({"model": r["model"], "dtype": r["dtype"], "layers": args.layers,
+                        "hidden": args.hidden, "seq": args.seq, "batch": args.batch,
+                        "layout": "1 rank", "attention": args.attention if impl == "ours"
+                        else HF_ATTENTION[args.attention], "impl": impl, "params": r["params"],
+                        "tokens_per_s": r[f"tps_{impl}"], "tflops": r[f"flops_{impl}"] / 1e12,
+                        "mfu": r[f"flops_{impl}"] / r["gemm"],
+                        "vs_hf": r["ratio"] if impl == "ours" else None,
+                        "cpu_time_ratio": r["cpu_ratio"] if impl == "ours" else None,
+                        "first_loss": r[f"loss_{impl}"]})
+    return out
+
+
+def write_rows(rows, args) -> str:
+    from performance_table import device_info, write_results
+    device = device_info(peak_note="CPU: MFU against the 2048-square GEMM rate of the row's dtype, "
+                                   "timed between the steps")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return write_results(
+        args.results.format(device=device["kind"]), "train_step", result_rows(rows, args),
+        title="single-rank training step, ours vs Hugging Face", columns=RESULT_COLUMNS,
+        device=device,
+        notes=[f"{args.warmup} warm-up + {args.steps} timed steps, interleaved; "
+               f"{torch.get_num_threads()} threads; load average {load:.1f} at the end",
+               "MFU here: model FLOP/s / the measured GEMM rate of the same dtype (a CPU ratio)"])
+
+
 # The machine's limit ------------------------------------------------------------------------------
 
 class Gemm:
@@ -330,6 +372,9 @@ def parse_args(argv=None):
     p.add_argument("--attention", choices=tuple(HF_ATTENTION), default="sdpa",
                    help="sdpa: SDPA in both (flash kernels); unfused: our unfused backend and HF's "
                         "eager attention (matmul, softmax, matmul)")
+    p.add_argument("--results", default="train_step_{device}",
+                   help="write the rows to bench/results/NAME.json (docs/performance.md's schema; "
+                        "'{device}' becomes cpu or gpu); '' writes nothing")
     p.add_argument("--default-malloc", action="store_true",
                    help="leave glibc's malloc settings as they are (default: keep freed memory, "
                         "megatron_sp.memory.cpu_allocator, as pretrain_gpt.py on CPU; both models)")
@@ -385,6 +430,8 @@ def main(argv=None):
           "kernels: share of one profiled step's CPU time in the matrix products and SDPA attention "
           "kernels (the same kernels and shapes in both models); ceiling: 1 / HF's share, the "
           "ours/HF a model\nwould reach if everything else it does took no time")
+    if args.results:
+        print("wrote " + write_rows(rows, args))
     worst = min(r["ratio"] for r in rows)
     met = all(r["ratio"] >= GOAL for r in rows)
     print(f"\ngoal: ours/HF >= {GOAL}x on every row -> {'MET' if met else 'NOT MET'} "

@@ -101,6 +101,7 @@ def timing_table(args):
     header = (f"{'sp':>3} {'s':>6} | {'exchange fused ms':>17} {'separate ms':>11} {'sep/fused':>9} | "
               f"{'layer fused ms':>14} {'separate ms':>11} {'sep/fused':>9}")
     print(header + "\n" + "-" * len(header))
+    rows = []
     for sp in args.time_sp:
         for s in args.time_seq:
             t = run_distributed(_time_layer, sp, s, args.heads, kv, args.head_dim, args.batch,
@@ -108,8 +109,12 @@ def timing_table(args):
             ex, lay = (t[("exchange", True)], t[("exchange", False)]), (t[("layer", True)], t[("layer", False)])
             print(f"{sp:>3} {s:>6} | {1e3 * ex[0]:>17.2f} {1e3 * ex[1]:>11.2f} {ex[1] / ex[0]:>8.2f}x | "
                   f"{1e3 * lay[0]:>14.2f} {1e3 * lay[1]:>11.2f} {lay[1] / lay[0]:>8.2f}x", flush=True)
+            rows.append({"sp": sp, "seq": s, "exchange_fused_ms": 1e3 * ex[0],
+                         "exchange_separate_ms": 1e3 * ex[1], "layer_fused_ms": 1e3 * lay[0],
+                         "layer_separate_ms": 1e3 * lay[1]})
     print("exchange: seq->head of q, k, v (one packed all-to-all, or three) and head->seq of the "
           "output, forward and backward (2 vs 4 all-to-alls each way); layer: the same around SDPA.")
+    return rows
 
 
 def formulas(sp: int, s: int, hidden: int, batch: int) -> dict[str, float]:
@@ -133,11 +138,43 @@ def main():
     parser.add_argument("--time-seq", type=int, nargs="+", default=[1024])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--no-bytes", action="store_true", help="only the timing table")
+    parser.add_argument("--results", default="ulysses_comm_cpu",
+                        help="write the rows to bench/results/NAME.json (docs/performance.md's "
+                             "schema); '' writes nothing")
     args = parser.parse_args()
+    rows = []
     if not args.no_bytes:
-        bytes_table(args)
+        rows += bytes_table(args)
     if args.time_sp:
-        timing_table(args)
+        rows += timing_table(args)
+    if args.results:
+        print("wrote " + write_rows(rows, args))
+
+
+RESULT_COLUMNS = [("sp", "sp"), ("seq", "s"), ("measured_bytes", "measured B"),
+                  ("ulysses_elements", "Ulysses exact el"), ("design_elements", "4sH/sp el"),
+                  ("megatron_sp_elements", "Megatron SP t=sp el"),
+                  ("megatron_over_ulysses", "Meg/Uly"), ("a2a_calls", "a2a calls"),
+                  ("exchange_fused_ms", "exchange fused ms"),
+                  ("exchange_separate_ms", "exchange separate ms"),
+                  ("layer_fused_ms", "layer fused ms"), ("layer_separate_ms", "layer separate ms")]
+
+
+def write_rows(rows, args) -> str:
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from performance_table import write_results
+    kv = args.kv_heads or args.heads
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return write_results(
+        args.results, "ulysses_comm", rows, columns=RESULT_COLUMNS,
+        title="Ulysses all-to-all bytes and time per attention layer and rank (gloo)",
+        notes=[f"b={args.batch}, h={args.heads}, d={args.head_dim}, fp32, MHA, tp=1; bytes: forward, "
+               f"every rank equal, equal to the exact formula (asserted)",
+               f"times: forward + backward, kv heads {kv}, median of {args.reps} interleaved "
+               f"repetitions, max over ranks; fused = q, k, v in one all-to-all; load average "
+               f"{load:.1f} at the end (above the core count: times disturbed, bytes exact)"])
 
 
 def bytes_table(args):
@@ -148,6 +185,7 @@ def bytes_table(args):
               f"{'4sH/sp':>9} | {'Megatron SP t=sp':>16} {'Meg/Uly':>7} | {'a2a calls':>9}")
     print(header)
     print("-" * len(header))
+    rows = []
     for sp in args.sp:
         start = time.perf_counter()
         per_rank = run_distributed(_measure, sp, args.seq, args.heads, args.head_dim, args.batch)
@@ -159,9 +197,15 @@ def bytes_table(args):
             print(f"{sp:>3} {s:>6} | {measured:>11,} {measured // 4:>11,} | {f['ulysses']:>13,.0f} "
                   f"{f['design']:>9,.0f} | {f['megatron_sp']:>16,.0f} "
                   f"{f['megatron_sp'] / f['ulysses']:>7.2f} | {calls:>9}")
+            rows.append({"sp": sp, "seq": s, "measured_bytes": measured,
+                         "ulysses_elements": f["ulysses"], "design_elements": f["design"],
+                         "megatron_sp_elements": f["megatron_sp"],
+                         "megatron_over_ulysses": f["megatron_sp"] / f["ulysses"],
+                         "a2a_calls": calls})
         print(f"    (sp={sp}: {time.perf_counter() - start:.1f} s with spawn)")
     print("Measured = counter 'sp/all_to_all' of every rank (all equal), which equals the Ulysses "
           "exact formula; Megatron SP is a formula (all-gather + reduce-scatter per attention block).")
+    return rows
 
 
 if __name__ == "__main__":

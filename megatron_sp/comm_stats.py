@@ -7,10 +7,13 @@ host-side sizes, so it costs nothing on the device.
 """
 from collections import defaultdict
 
+import torch
+
 _counters: dict[str, int] = defaultdict(int)
 _calls: dict[str, int] = defaultdict(int)
 
 
+@torch.compiler.disable   # --torch-compile: a host-side count, never traced (no guard on the counts)
 def record(kind: str, nbytes: int) -> None:
     """Add `nbytes` sent by this rank to the counter `kind` (e.g. "tp/all_reduce")."""
     _counters[kind] += int(nbytes)

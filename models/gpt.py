@@ -98,6 +98,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     d/2]): x1 cos - x2 sin | x2 cos + x1 sin (x * cos + rotate_half(x) * sin), written straight
     into the output's halves in x's dtype; the products are taken in fp32 when cos and sin are."""
     x1, x2 = x.chunk(2, dim=-1)                         # each [b, s_l, heads, d/2] (views)
+    if torch.compiler.is_compiling():
+        # --torch-compile: out= into views of one buffer is mistraced (torch 2.13 AOTAutograd gives
+        # the second rotation in a graph wrong values); the compiler fuses the functional form.
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
     out = torch.empty_like(x)
     o1, o2 = out.chunk(2, dim=-1)
     torch.mul(x1, cos, out=o1)

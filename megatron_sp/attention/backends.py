@@ -11,25 +11,33 @@ in evaluation.
 Backends, in `auto` order: Transformer Engine DotProductAttention (fused), flash-attn
 (flash_attn_func / flash_attn_varlen_func), PyTorch scaled_dot_product_attention. Not in `auto`:
 `unfused`, Megatron's unfused dot-product attention (two batched matrix products around an fp32
-softmax; keeps the s x s probabilities, for short sequences). The optional
-packages are imported only when their backend is built. Without document_ids no backend builds an
-s x s mask; with them SDPA builds a [b, 1, s, s] bool mask up to MASK_TOKENS tokens (fine for
-tests and short sequences) and, on CPU past that, runs blockwise attention instead (attention/lse.py:
-block pairs no document crosses skipped, the rest merged through their log-sum-exp, no s x s
-tensor); on CUDA long packed sequences want TE or flash-attn, which take cu_seqlens.
+softmax; keeps the s x s probabilities, for short sequences), and `flex`, FlexAttention
+(attention/flex.py). The optional packages are imported only when their backend is built.
+
+Without document_ids no backend builds an s x s mask; with them SDPA builds a [b, 1, s, s] bool
+mask up to MASK_TOKENS tokens (fine for tests and short sequences) and past that never: it runs
+blockwise attention (attention/lse.py: block pairs no document crosses skipped, the rest merged
+through their log-sum-exp, no s x s tensor; trains everywhere), or under `auto` on CUDA
+FlexAttention's block masks (attention/flex.py). TE and flash-attn take cu_seqlens instead.
+On CUDA SDPA's kernel is chosen on purpose (attention/kernels.py: cuDNN, flash, memory-efficient;
+the math kernel never silently at long context).
 """
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
+from megatron_sp.attention import kernels
 from megatron_sp.attention.documents import cu_seqlens_from_document_ids, document_causal_mask
 from megatron_sp.attention.lse import blockwise_attention
+from megatron_sp.errors import ConfigError
 
-BACKEND_NAMES = ("auto", "te", "flash", "sdpa", "unfused")
+BACKEND_NAMES = ("auto", "te", "flash", "sdpa", "unfused", "flex")
 MASK_TOKENS = 4096   # SDPA with packed documents: an s x s mask up to this length, blockwise beyond
 
 _INSTALL_HINTS = {
@@ -40,8 +48,9 @@ _INSTALL_HINTS = {
 }
 
 
-class AttentionBackendUnavailable(ImportError):
-    """An explicitly requested attention backend whose package cannot be imported."""
+class AttentionBackendUnavailable(ImportError, ConfigError):
+    """An explicitly requested attention backend whose package cannot be imported (a user error:
+    pretrain_gpt.py says it in one line)."""
 
 
 def _import_optional(module_name: str, backend: str):
@@ -50,10 +59,11 @@ def _import_optional(module_name: str, backend: str):
         return importlib.import_module(module_name)
     except ImportError as err:
         package, hint = _INSTALL_HINTS[module_name]
+        flag = {"flash": "flash-attn"}.get(backend, backend)      # the --attention-backend value
         raise AttentionBackendUnavailable(
-            f"attention backend '{backend}' needs the {package} package ({module_name}), which "
-            f"cannot be imported here ({err}); install it with: {hint}, or choose "
-            f"--attention-backend sdpa.") from err
+            f"attention backend '{backend}' (--attention-backend {flag}) needs the {package} "
+            f"package ({module_name}), which cannot be imported here ({err}); install it with: "
+            f"{hint}, or choose --attention-backend sdpa.") from err
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids):
@@ -96,21 +106,41 @@ class AttentionBackend(nn.Module):
         return f"name={self.name}"
 
 
+def long_documents_error(s: int) -> ConfigError:
+    return ConfigError(
+        f"packed documents (--reset-attention-mask) at {s} tokens with attention dropout would "
+        f"need an s x s mask (the blockwise and FlexAttention paths have no dropout): pass "
+        f"--attention-dropout 0, or --attention-backend te / flash-attn, which take cu_seqlens.")
+
+
 class SDPAAttention(AttentionBackend):
     """torch.nn.functional.scaled_dot_product_attention.
 
-    Unpacked: is_causal=True and no mask, so PyTorch picks a fused kernel (flash on CPU and CUDA).
-    GQA uses enable_gqa=True (no copy of the key/value heads) except with a mask on CUDA, where the
-    mask-capable kernel needs equal head counts and the key/value heads are repeated instead.
+    Unpacked: is_causal=True and no mask, so PyTorch picks a fused kernel; on CUDA the kernels
+    are chosen on purpose (kernels.sdpa_kernel_plan), with one warning if only math is left at
+    long context. GQA uses enable_gqa=True (no copy of the key/value heads) except with a mask on
+    CUDA, where the mask-capable kernel needs equal head counts and the key/value heads are
+    repeated instead. Packed documents past MASK_TOKENS: `long_documents` "blockwise"
+    (attention/lse.py, any device) or "flex" (FlexAttention, CUDA; what `auto` picks there).
     """
 
     name = "sdpa"
 
+    def __init__(self, long_documents: str = "blockwise"):
+        super().__init__()
+        if long_documents not in ("blockwise", "flex"):
+            raise ValueError(f"long_documents must be 'blockwise' or 'flex', got "
+                             f"{long_documents!r}.")
+        self.long_documents = long_documents
+        self._warned = set()
+        if long_documents == "flex":
+            from megatron_sp.attention.flex import FlexAttention
+            self._flex = FlexAttention()
+
     def forward(self, q, k, v, *, causal=True, softmax_scale=None, document_ids=None, dropout_p=0.0):
         _check_shapes(q, k, v, document_ids)
-        if self._blockwise(q, document_ids, dropout_p):
-            return blockwise_attention(q, k, v, causal=causal, scale=softmax_scale,
-                                       document_ids=document_ids)
+        if document_ids is not None and q.shape[1] > MASK_TOKENS:
+            return self._long_documents(q, k, v, causal, softmax_scale, document_ids, dropout_p)
         h, g = q.shape[2], k.shape[2]
         mask = None
         if document_ids is not None:
@@ -119,19 +149,54 @@ class SDPAAttention(AttentionBackend):
         if g != h and not use_gqa:
             # [b, s, g, d] -> [b, s, h, d]: key/value head j serves query heads j*h/g .. (j+1)*h/g-1
             k, v = (t.repeat_interleave(h // g, dim=2) for t in (k, v))
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [b, heads, s, d] views
-            attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None,
-            scale=softmax_scale, enable_gqa=use_gqa)
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, n, s, d] views
+        call = dict(attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None,
+                    scale=softmax_scale, enable_gqa=use_gqa)
+        if q.is_cuda:
+            out = self._cuda_sdpa(qt, kt, vt, call)
+        else:
+            if dropout_p and q.shape[1] >= kernels.LONG_CONTEXT:   # CPU: math is the only choice
+                self._warn_once("attention runs SDPA's " + kernels.sdpa_kernel_plan(
+                    None, q.dtype, mask is not None, dropout_p, q.shape[1])[1] + ".")
+            out = F.scaled_dot_product_attention(qt, kt, vt, **call)
         return out.transpose(1, 2).contiguous()                       # [b, h, s, d] -> [b, s, h, d]
 
-    @staticmethod
-    def _blockwise(q, document_ids, dropout_p) -> bool:
-        """Packed documents past MASK_TOKENS on CPU (without dropout, which blockwise lacks): the
-        blockwise path instead of a [b, 1, s, s] mask. Its CUDA kernels have not run on a GPU yet,
-        so CUDA keeps the mask (and TE / flash-attn, cu_seqlens) for now."""
-        return (document_ids is not None and q.shape[1] > MASK_TOKENS and not q.is_cuda
-                and not dropout_p)
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(message, stacklevel=3)
+
+    def _cuda_sdpa(self, qt, kt, vt, call):
+        """SDPA on CUDA inside sdpa_kernel(plan): the planned kernels in priority order; if none of
+        them takes the call (a head size they decline), math with one warning saying so."""
+        s = qt.shape[2]
+        plan, reason = kernels.cuda_plan(qt.device.index, qt.dtype, call["attn_mask"] is not None,
+                                         bool(call["dropout_p"]))
+        if kernels.warns_at(plan, s):
+            self._warn_once(f"attention runs SDPA's {reason} at {s} tokens.")
+        if torch.compiler.is_compiling():   # no try/except in a traced graph: math ranks last
+            with sdpa_kernel(list(plan) + [kernels.MATH], set_priority=True):
+                return F.scaled_dot_product_attention(qt, kt, vt, **call)
+        try:
+            with sdpa_kernel(list(plan), set_priority=True):
+                return F.scaled_dot_product_attention(qt, kt, vt, **call)
+        except RuntimeError as err:
+            if kernels.MATH in plan:
+                raise
+            self._warn_once(f"SDPA's planned kernels ({reason}) decline this call (head size "
+                            f"{qt.shape[-1]}, {qt.dtype}: {str(err).splitlines()[0]}); the math "
+                            f"kernel runs instead.")
+            with sdpa_kernel([kernels.MATH]):
+                return F.scaled_dot_product_attention(qt, kt, vt, **call)
+
+    def _long_documents(self, q, k, v, causal, scale, document_ids, dropout_p):
+        """Packed documents past MASK_TOKENS: blockwise or FlexAttention, never an s x s mask."""
+        if dropout_p:
+            raise long_documents_error(q.shape[1])
+        if self.long_documents == "flex" and q.is_cuda:
+            return self._flex(q, k, v, causal=causal, softmax_scale=scale,
+                              document_ids=document_ids)
+        return blockwise_attention(q, k, v, causal=causal, scale=scale, document_ids=document_ids)
 
 
 class UnfusedAttention(AttentionBackend):
@@ -272,15 +337,19 @@ _BACKENDS = {"te": TEAttention, "flash": FlashAttention, "sdpa": SDPAAttention,
 
 
 def get_attention_backend(name: str = "auto") -> AttentionBackend:
-    """Build the attention backend `name` ("auto" | "te" | "flash" | "sdpa" | "unfused").
+    """Build the attention backend `name` ("auto" | "te" | "flash" | "sdpa" | "unfused" | "flex").
 
     auto: Transformer Engine, then flash-attn, then SDPA; the first two only when CUDA is
-    available (they have no CPU kernels). An explicit "te" or "flash" whose package is missing
-    raises AttentionBackendUnavailable naming the package and how to install it.
+    available (they have no CPU kernels). Under auto, SDPA on CUDA attends packed documents past
+    MASK_TOKENS through FlexAttention (blockwise elsewhere). An explicit "te" or "flash" whose
+    package is missing raises AttentionBackendUnavailable naming the package and how to install it.
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}: choose one of "
                          f"{', '.join(BACKEND_NAMES)}.")
+    if name == "flex":
+        from megatron_sp.attention.flex import FlexAttention
+        return FlexAttention()
     if name != "auto":
         return _BACKENDS[name]()
     if torch.cuda.is_available():
@@ -289,4 +358,6 @@ def get_attention_backend(name: str = "auto") -> AttentionBackend:
                 return _BACKENDS[candidate]()
             except AttentionBackendUnavailable:
                 continue
+        from megatron_sp.attention.flex import flex_available
+        return SDPAAttention(long_documents="flex" if flex_available() else "blockwise")
     return SDPAAttention()

@@ -28,9 +28,10 @@ never building an s x s tensor, and skips the pairs nothing in which attends:
 Shapes: q [b, sq, h, d], k, v [b, sk, g, d] with h % g == 0 (grouped-query attention: query head
 i uses key/value head i // (h/g), the repeat_interleave layout of megatron_sp/ulysses/attention.py).
 Kernels: on CPU the fused `aten._scaled_dot_product_flash_attention_for_cpu` and its backward
-serve the unmasked blocks (they take GQA as is and return / accept the lse); on CUDA the
-memory-efficient SDPA kernel serves the unmasked forward; everything else (masks, and the
-reference the tests use) is the plain fp32 math path here.
+serve every block (they take GQA as is and return / accept the lse; a block's document or window
+mask goes in as an additive 0 / -inf mask of block size); on CUDA SDPA's flash op (fp16/bf16)
+or memory-efficient op serves the unmasked forward; everything else (masked blocks and the
+backward on CUDA, and the reference the tests use) is the plain fp32 math path here.
 """
 from __future__ import annotations
 
@@ -103,31 +104,52 @@ def _forward_math(q, k, v, causal, scale, mask):
     return out.reshape(b, sq, h, d).to(q.dtype), lse.reshape(b, h, sq).float()  # (g, h/g) -> h
 
 
-def _forward_fused_cpu(q, k, v, causal, scale):
-    """aten's CPU flash kernel: takes [b, heads, s, d] (GQA as is), returns out, lse [b, h, sq]."""
+def _additive(allowed, dtype):
+    """[b or 1, sq, sk] bool (True = attend) -> [b or 1, 1, sq, sk] additive mask, 0 / -inf, in
+    `dtype` (the CPU kernel takes a float mask of the query's dtype)."""
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return bias.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
+
+
+def _forward_fused_cpu(q, k, v, causal, scale, mask=None):
+    """aten's CPU flash kernel: takes [b, heads, s, d] (GQA as is), returns out, lse [b, h, sq].
+
+    With a mask (causal folded into it) the kernel gives a row that sees no key out = 0 but
+    lse = 0: such rows are set to lse = -inf here, as the merge expects."""
+    allowed = None if mask is None else _allowed(causal, mask, q.shape[1], k.shape[1], q.device)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),     # [b, s, n, d] -> [b, n, s, d]
-        0.0, causal, scale=scale)
+        0.0, causal and allowed is None, scale=scale,
+        attn_mask=None if allowed is None else _additive(allowed, q.dtype))
     # out [b, h, sq, d] (laid out as [b, sq, h, d]) -> [b, sq, h, d]; lse [b, h, sq] (as [b, sq, h])
-    return out.transpose(1, 2), lse.float().contiguous()
+    lse = lse.float().contiguous()
+    if allowed is not None:
+        lse = lse.masked_fill(~allowed.any(-1).unsqueeze(1), float("-inf"))   # [b|1, 1, sq]
+    return out.transpose(1, 2), lse
 
 
 def _forward_fused_cuda(q, k, v, causal, scale):
-    """SDPA's memory-efficient CUDA kernel (any float dtype; no GQA: key/value heads expanded).
-
-    Its log_sumexp is [b, h, sq rounded up to 32]: the first sq columns are the lse.
-    """
+    """SDPA's CUDA kernels with their log-sum-exp: flash for fp16 / bf16 (lse [b, h, sq]), else the
+    memory-efficient kernel (any float dtype; its log_sumexp is [b, h, sq rounded up to 32]: the
+    first sq columns are the lse). Neither takes GQA: the key/value heads are expanded."""
     r = q.shape[2] // k.shape[2]
     k, v = (t.repeat_interleave(r, dim=2) for t in (k, v))       # [b, sk, g, d] -> [b, sk, h, d]
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))          # [b, s, h, d] -> [b, h, s, d]
+    if q.dtype in (torch.float16, torch.bfloat16):
+        try:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+                qt, kt, vt, 0.0, causal, scale=scale)[:2]
+            return out.transpose(1, 2), lse[:, :, :q.shape[1]].float()
+        except RuntimeError:     # head dim / architecture flash does not take: efficient
+            pass
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),     # [b, s, h, d] -> [b, h, s, d]
-        None, True, 0.0, causal, scale=scale)[:2]
+        qt, kt, vt, None, True, 0.0, causal, scale=scale)[:2]
     return out.transpose(1, 2), lse[:, :, :q.shape[1]].float()   # [b, sq, h, d], [b, h, sq]
 
 
 def _use_fused_cpu(q, k, mask) -> bool:
     # The CPU kernel dies with SIGFPE on an empty query or key block (torch 2.13): never pass one.
-    return (q.device.type == "cpu" and mask is None and q.dtype in _FUSED_CPU_DTYPES
+    return (q.device.type == "cpu" and q.dtype in _FUSED_CPU_DTYPES
             and q.shape[1] > 0 and k.shape[1] > 0)
 
 
@@ -142,7 +164,7 @@ def attention_with_lse(q, k, v, *, causal: bool, scale: float | None = None, mas
     _heads(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if _use_fused_cpu(q, k, mask):
-        return _forward_fused_cpu(q, k, v, causal, scale)
+        return _forward_fused_cpu(q, k, v, causal, scale, mask)
     if q.device.type == "cuda" and mask is None and q.shape[1] > 0 and k.shape[1] > 0:
         try:
             return _forward_fused_cuda(q, k, v, causal, scale)
@@ -171,12 +193,17 @@ def _backward_math(q, k, v, out, dout, lse, causal, scale, mask):
     return dq.reshape(b, sq, h, d), dk, dv                               # dk, dv [b, sk, g, d]
 
 
-def _backward_fused_cpu(q, k, v, out, dout, lse, causal, scale):
-    """aten's CPU flash backward, run in fp32; it takes the lse it is given (GQA reduced inside)."""
+def _backward_fused_cpu(q, k, v, out, dout, lse, causal, scale, mask=None):
+    """aten's CPU flash backward, run in fp32; it takes the lse it is given (GQA reduced inside)
+    and recomputes p = exp(s - lse): a row with lse = -inf (no key seen anywhere) is given +inf,
+    so that its p, and its gradients, are 0. A mask goes in as an additive one, causal folded in."""
     f = _compute_dtype(q.dtype)
+    allowed = None if mask is None else _allowed(causal, mask, q.shape[1], k.shape[1], q.device)
+    lse = lse.to(f).masked_fill(lse == float("-inf"), float("inf"))
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         *(t.to(f).transpose(1, 2) for t in (dout, q, k, v, out)),     # [b, s, n, d] -> [b, n, s, d]
-        lse.to(f), 0.0, causal, scale=scale)
+        lse, 0.0, causal and allowed is None, scale=scale,
+        attn_mask=None if allowed is None else _additive(allowed, f))
     return tuple(t.transpose(1, 2) for t in (dq, dk, dv))                # -> [b, s, n, d]
 
 
@@ -192,8 +219,8 @@ def attention_backward_with_lse(q, k, v, out, dout, lse, *, causal: bool,
     """
     _heads(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if _use_fused_cpu(q, k, mask) and bool(torch.isfinite(lse).all()):
-        return _backward_fused_cpu(q, k, v, out, dout, lse, causal, scale)
+    if _use_fused_cpu(q, k, mask):
+        return _backward_fused_cpu(q, k, v, out, dout, lse, causal, scale, mask)
     return _backward_math(q, k, v, out, dout, lse, causal, scale, mask)
 
 
@@ -220,19 +247,30 @@ class BlockPair:
     """Queries at positions q (a slice) against keys at positions k (a slice).
 
     causal: the diagonal block (query i sees keys j <= i, both counted from the slices' starts);
-    documents: some rows of the pair cross a document boundary, so a document mask is needed.
+    documents: some rows of the pair cross a document boundary, so a document mask is needed;
+    window: a sliding window some (query, key) of the pair falls outside: query position i sees
+    key position j only when i - j < window (Mistral's), the slices being global positions (the
+    blockwise path; the ring's zigzag slices are local and never carry a window).
     """
     q: slice
     k: slice
     causal: bool
     documents: bool = False
+    window: int | None = None
 
 
-def _pair_mask(pair: BlockPair, doc_q, doc_k):
-    """[b, bq, bk] bool: same document (document indices [b, s] of the queries and the keys)."""
-    if not pair.documents:
-        return None
-    return doc_q[:, pair.q, None] == doc_k[:, None, pair.k]
+def _pair_mask(pair: BlockPair, doc_q, doc_k, device):
+    """[b or 1, bq, bk] bool, True = attend: same document (document indices [b, s] of the queries
+    and the keys) and inside the window; None when the pair needs neither."""
+    mask = None
+    if pair.documents:
+        mask = doc_q[:, pair.q, None] == doc_k[:, None, pair.k]          # [b, bq, bk]
+    if pair.window is not None:
+        qpos = torch.arange(pair.q.start, pair.q.stop, device=device)
+        kpos = torch.arange(pair.k.start, pair.k.stop, device=device)
+        near = (qpos[:, None] - kpos[None, :] < pair.window).unsqueeze(0)  # [1, bq, bk]
+        mask = near if mask is None else mask & near
+    return mask
 
 
 def forward_pairs(q, k, v, pairs, *, scale, out, lse, doc_q=None, doc_k=None) -> None:
@@ -240,7 +278,7 @@ def forward_pairs(q, k, v, pairs, *, scale, out, lse, doc_q=None, doc_k=None) ->
     (fp32, updated in place through merge_partials)."""
     for p in pairs:
         o, l = attention_with_lse(q[:, p.q], k[:, p.k], v[:, p.k], causal=p.causal, scale=scale,
-                                  mask=_pair_mask(p, doc_q, doc_k))
+                                  mask=_pair_mask(p, doc_q, doc_k, q.device))
         out[:, p.q], lse[:, :, p.q] = merge_partials(out[:, p.q], lse[:, :, p.q], o, l)
 
 
@@ -250,7 +288,7 @@ def backward_pairs(q, k, v, out, dout, lse, pairs, *, scale, dq, dk, dv,
     for p in pairs:
         gq, gk, gv = attention_backward_with_lse(
             q[:, p.q], k[:, p.k], v[:, p.k], out[:, p.q], dout[:, p.q], lse[:, :, p.q],
-            causal=p.causal, scale=scale, mask=_pair_mask(p, doc_q, doc_k))
+            causal=p.causal, scale=scale, mask=_pair_mask(p, doc_q, doc_k, q.device))
         dq[:, p.q] += gq
         dk[:, p.k] += gk
         dv[:, p.k] += gv
@@ -264,12 +302,15 @@ def document_index(document_ids: torch.Tensor) -> torch.Tensor:
     return document_starts(document_ids).cumsum(dim=1)
 
 
-def blockwise_pairs(s: int, block: int, causal: bool, doc=None) -> list[BlockPair]:
+def blockwise_pairs(s: int, block: int, causal: bool, doc=None,
+                    window: int | None = None) -> list[BlockPair]:
     """The block pairs of a length-s sequence that attend anything, query block by query block.
 
     doc: the [b, s] document index (document_index) or None. A pair is skipped when it lies above
-    the causal diagonal or when, in every row, its query and key blocks share no document; it
-    needs a document mask unless both blocks hold one and the same document in every row.
+    the causal diagonal, when, in every row, its query and key blocks share no document, or when
+    its nearest (query, key) distance is at least the sliding window; it needs a document mask
+    unless both blocks hold one and the same document in every row, and a window mask when its
+    farthest distance reaches the window.
     """
     starts = list(range(0, s, block))
     slices = [slice(i, min(i + block, s)) for i in starts]
@@ -287,15 +328,19 @@ def blockwise_pairs(s: int, block: int, causal: bool, doc=None) -> list[BlockPai
         for j, ks in enumerate(slices):
             if (causal and j > i) or (doc is not None and not meet[i][j]):
                 continue
-            pairs.append(BlockPair(qs, ks, causal and i == j, doc is not None and not single[i][j]))
+            if window is not None and qs.start - (ks.stop - 1) >= window:
+                continue                                                 # wholly out of window
+            far = window is not None and (qs.stop - 1) - ks.start >= window
+            pairs.append(BlockPair(qs, ks, causal and i == j, doc is not None and not single[i][j],
+                                   window if far else None))
     return pairs
 
 
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, block, document_ids):
+    def forward(ctx, q, k, v, causal, scale, block, document_ids, window):
         doc = None if document_ids is None else document_index(document_ids)
-        pairs = blockwise_pairs(q.shape[1], block, causal, doc)
+        pairs = blockwise_pairs(q.shape[1], block, causal, doc, window)
         b, s, h, d = q.shape
         out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
@@ -313,18 +358,19 @@ class _BlockwiseAttention(torch.autograd.Function):
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         backward_pairs(q, k, v, out, dout, lse, ctx.pairs, scale=ctx.scale, dq=dq, dk=dk, dv=dv,
                        doc_q=doc, doc_k=doc)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def blockwise_attention(q, k, v, *, causal: bool, scale: float | None = None,
-                        block: int | None = None, document_ids=None):
+                        block: int | None = None, document_ids=None, window: int | None = None):
     """Attention over the whole sequence, block pair by block pair, merged in fp32.
 
     q [b, s, h, d], k, v [b, s, g, d] -> out [b, s, h, d] in q's dtype. block: tokens per query /
     key block (default min(s, DEFAULT_BLOCK)); no tensor of s x s elements is built when
     block < s, and backward recomputes each pair from the saved global out and lse.
     document_ids [b, s]: packed documents (tokens of different documents never attend each other),
-    pairs no document crosses are skipped.
+    pairs no document crosses are skipped. window: Mistral's sliding window (causal only): query
+    i sees keys j with i - window < j <= i; pairs wholly outside it are skipped.
     """
     _heads(q, k, v)
     if k.shape[1] != q.shape[1]:
@@ -334,4 +380,7 @@ def blockwise_attention(q, k, v, *, causal: bool, scale: float | None = None,
     block = min(q.shape[1], DEFAULT_BLOCK) if block is None else block
     if block < 1:
         raise ValueError(f"blockwise attention needs a block of at least one token, got {block}.")
-    return _BlockwiseAttention.apply(q, k, v, causal, scale, block, document_ids)
+    if window is not None and (not causal or window < 1):
+        raise ValueError(f"a sliding window needs causal attention and at least one token, got "
+                         f"window={window}, causal={causal}.")
+    return _BlockwiseAttention.apply(q, k, v, causal, scale, block, document_ids, window)

@@ -15,13 +15,20 @@ Items, in order (each a subprocess with its own time limit, cut to what the time
                  8K, bf16, 6 iterations; its loss, ms/iter, MFU and peak memory are the unsharded row
   long context   bench/gpu_long_context.py: MFU of llama-1b at 8K and 32K, the longest trainable
                  sequence per memory technique, the planner's prediction beside each measured peak
+  throughput     bench/gpu_throughput.py: llama-1b and a Llama-3-8B-shaped model (as many layers as
+                 fit) at 8K and 32K: eager vs compiled, SDPA vs flex (with and without documents),
+                 ours vs Hugging Face LlamaForCausalLM on the same weights; MFU per row
+  documents      bench/gpu_long_context.py --attention flex --documents: the longest llama-1b
+                 sequence with packed documents through FlexAttention, beside the planner
   sharded        the same run with --use-torch-fsdp2, --use-distributed-optimizer, and each with
                  --optimizer-cpu-offload ("not available" when pretrain_gpt.py lacks the flag)
 
 Subprocesses run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set (long
 sequences: fewer unusable split blocks). Without CUDA every GPU item is skipped with one line, and
 the run exits 0 (the CPU rehearsal, tests/gpu/test_rehearsal.py). A failed or timed-out item
-makes the exit status 1. Results: $OUT/gpu_checks.json (rewritten after every item; OUT defaults to runs/gpu_checks) and a table.
+makes the exit status 1. Results: $OUT/gpu_checks.json (rewritten after every item; OUT defaults to runs/gpu_checks) and a table;
+the benches also write their rows under bench/results/ (docs/performance.md's schema: regenerate the
+page with `python bench/performance_table.py` and commit both).
 This file imports nothing from the project: it must start before the project is importable.
 """
 from __future__ import annotations
@@ -76,12 +83,14 @@ out["megatron_sp"] = os.path.dirname(megatron_sp.__file__)
 from megatron_sp.cli.arguments import build_parser
 known = build_parser()._option_string_actions
 out["flags"] = {f: f in known for f in sys.argv[2].split(",")}
-try:                                                  # the bench's imports resolve
-    spec = importlib.util.spec_from_file_location("gpu_long_context", sys.argv[3])
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))
-    out["bench_import"] = "ok"
-except Exception as err:
-    out["bench_import"] = f"{type(err).__name__}: {err}"[:200]
+for key, path in (("bench_import", sys.argv[3]), ("throughput_import", sys.argv[4])):
+    try:                                              # the benches' imports resolve
+        sys.path.insert(0, os.path.dirname(path))
+        spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        out[key] = "ok"
+    except Exception as err:
+        out[key] = f"{type(err).__name__}: {err}"[:200]
 print("PROBE " + json.dumps(out))
 """
 
@@ -157,7 +166,8 @@ def probe(c: Checks) -> dict | None:
     flags = sorted({f for _, fl in SHARDED for f in fl})
     with tempfile.TemporaryDirectory() as cwd:              # outside the checkout: proves the install
         status, dt, text = c.run([PY, "-c", PROBE, ",".join(OPTIONAL), ",".join(flags),
-                                  os.path.join(ROOT, "bench", "gpu_long_context.py")],
+                                  os.path.join(ROOT, "bench", "gpu_long_context.py"),
+                                  os.path.join(ROOT, "bench", "gpu_throughput.py")],
                                  120, log="probe", cwd=cwd)
     line = next((ln for ln in text.splitlines() if ln.startswith("PROBE ")), None)
     if status != "ok" or line is None:
@@ -299,10 +309,87 @@ def long_context(c: Checks, info: dict) -> None:
     print(_bench_table(text))
 
 
+def throughput(c: Checks, info: dict) -> None:
+    """bench/gpu_throughput.py in what the time box allows (rows it does not reach: "no time")."""
+    name = "throughput (compile, flex, vs HF)"
+    if info.get("throughput_import") != "ok":
+        c.add(name, "FAILED", f"bench import: {info.get('throughput_import')}")
+        return
+    if not info["cuda"]:
+        c.add(name, "skipped", "no CUDA device")
+        return
+    budget = max(60.0, min(240.0, c.left() - 3 * 60))
+    status, dt, text = c.run([PY, "bench/gpu_throughput.py", "--budget-s", f"{budget:.0f}"],
+                             budget + 120, log="throughput")
+    rows = [ln for ln in text.splitlines() if "tok/s" in ln or "not available" in ln]
+    ok = [ln for ln in rows if ln.rstrip().endswith(" ok")]
+    c.add(name, {"ok": "ok", "failed": "FAILED"}.get(status, status),
+          f"{len(ok)} of {len(rows)} rows measured" if rows else _failure(text), dt)
+    print("\n".join(rows))
+
+
+def documents_longest(c: Checks, info: dict) -> None:
+    """The longest llama-1b sequence with packed documents through flex, beside the planner."""
+    name = "longest with documents (flex)"
+    if not info["cuda"]:
+        c.add(name, "skipped", "no CUDA device")
+        return
+    budget = max(60.0, min(120.0, c.left() - 2 * 60))
+    status, dt, text = c.run([PY, "bench/gpu_long_context.py", "--techniques", "all",
+                              "--attention", "flex", "--documents", "--start-seq", "32768",
+                              "--budget-s", f"{budget:.0f}"], budget + 90, log="documents")
+    c.add(name, {"ok": "ok", "failed": "FAILED"}.get(status, status),
+          _tail(_bench_table(text), 1) or _failure(text), dt)
+
+
 def _bench_table(text: str) -> str:
     lines = text.splitlines()
     start = next((i for i, ln in enumerate(lines) if ln.strip().startswith("technique")), None)
     return "\n".join(lines[start:]) if start is not None else ""
+
+
+def pretrain_results(c: Checks, info: dict) -> None:
+    """The pretrain_gpt.py rows (NCCL smoke, sharded modes) as bench/results/gpu_pretrain_<gpu>.json
+    in docs/performance.md's schema (written here without importing the project)."""
+    rows = [r for r in c.extra.get("sharded", []) if r.get("status") == "ok"]
+    if not info or not info.get("cuda") or not rows:
+        return
+    name = info.get("device", "gpu").split(",")[0]
+    record = {"schema": 1, "bench": "gpu_pretrain", "title": "pretrain_gpt.py, llama-1b at 8K, "
+              "world of 1 over NCCL: unsharded and sharded model state",
+              "device": {"kind": "gpu", "name": name, "peak_tflops": None,
+                         "peak_note": "MFU from the training log line (flops.PEAK_TFLOPS)"},
+              "torch": info["versions"].get("torch"), "command": "bash tests/gpu/run_gpu_checks.sh",
+              "date": time.strftime("%Y-%m-%d"),
+              "columns": [["model", "model"], ["seq", "seq"], ["layout", "layout"],
+                          ["lm_loss", "lm loss"], ["ms_per_iter", "ms/iter"],
+                          ["tokens_per_s", "tokens/s"], ["mfu", "MFU"],
+                          ["peak_memory_gib", "peak GiB"]],
+              "rows": [{"model": "llama-1b", "seq": 8192, "layout": r["mode"],
+                        "lm_loss": r["lm_loss"], "ms_per_iter": r["ms_per_iter"],
+                        "tokens_per_s": 8192 / (r["ms_per_iter"] / 1e3) if r["ms_per_iter"] else None,
+                        "mfu": r["mfu"], "peak_memory_gib": r["mem_peak_gb"]} for r in rows],
+              "notes": ["bf16, micro-batch 1, 6 iterations, the last logged record"]}
+    gpu = name.split()[-1].lower() if name else "gpu"
+    path = os.path.join(ROOT, "bench", "results", f"gpu_pretrain_{gpu}.json")
+    with open(path + ".tmp", "w") as fh:
+        json.dump(record, fh, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def copy_results(c: Checks) -> None:
+    """bench/results/*.json written during this run, copied to $OUT/results (what comes back)."""
+    folder = os.path.join(ROOT, "bench", "results")
+    fresh = [f for f in os.listdir(folder) if f.endswith(".json")
+             and os.path.getmtime(os.path.join(folder, f)) >= c.start] if os.path.isdir(folder) else []
+    if fresh:
+        os.makedirs(os.path.join(c.out_dir, "results"), exist_ok=True)
+        for f in fresh:
+            with open(os.path.join(folder, f)) as src, \
+                    open(os.path.join(c.out_dir, "results", f), "w") as dst:
+                dst.write(src.read())
+        print(f"results: {', '.join(sorted(fresh))} -> {c.out_dir}/results (regenerate "
+              f"docs/performance.md: python bench/performance_table.py)")
 
 
 def table(c: Checks) -> str:
@@ -389,7 +476,11 @@ def main(argv=None) -> int:
         fused_backends(c, info, results)
         nccl_and_sharded(c, info, first=True)
         long_context(c, info)
+        throughput(c, info)
+        documents_longest(c, info)
         nccl_and_sharded(c, info, first=False)
+        pretrain_results(c, info)
+    copy_results(c)
     c.extra["seconds"] = round(time.time() - start, 1)
     c.save()
     print("\n" + table(c))

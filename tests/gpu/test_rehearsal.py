@@ -20,7 +20,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WANTED = ["torch", "numpy", "pytest", "sentencepiece", "tqdm"]
-GPU_ITEMS = ["cuda tests", "nccl smoke (llama-1b 8K, world of 1)", "long context (MFU, longest seq)"]
+GPU_ITEMS = ["cuda tests", "nccl smoke (llama-1b 8K, world of 1)", "long context (MFU, longest seq)",
+             "throughput (compile, flex, vs HF)", "longest with documents (flex)"]
 
 
 def _closure(names):
@@ -84,8 +85,9 @@ def _path_without_python(folder, python3):
 
 
 def _clean_checkout(dst):
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True,
-                           text=True).stdout.split("\0")
+    # tracked files and the new ones git would track (not ignored): the checkout as it will be committed
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           cwd=ROOT, capture_output=True, check=True, text=True).stdout.split("\0")
     for rel in filter(None, files):
         src = os.path.join(ROOT, rel)
         if not os.path.isfile(src):

@@ -1,0 +1,121 @@
+"""Which kernel scaled_dot_product_attention runs, chosen on purpose and said at start-up
+(docs/design.md §5).
+
+PyTorch's SDPA dispatches among fused kernels and a math fallback (the s x s scores in memory,
+several times slower). Left to itself it falls back to math silently whenever the fused kernels
+decline a call. Here the choice is made up front by `sdpa_kernel_plan` (a pure function of the
+device, dtype, mask and dropout, unit-tested without a GPU) and applied with
+torch.nn.attention.sdpa_kernel, in priority order:
+
+    CUDA   cuDNN attention      sm90+ (Hopper) where torch enables it; fp16/bf16, no mask or dropout
+           flash (FA2)          sm80+, fp16/bf16, no mask (dropout fine)
+           memory-efficient     fp16/bf16/fp32, masks, dropout
+           math                 only when none of the above can take the call (fp64; an old GPU)
+    CPU    flash (CPU kernel)   any float dtype, masks; no dropout
+           math                 with dropout
+
+The math kernel is never chosen silently at long context (LONG_CONTEXT tokens and up): the caller
+warns once, naming why (dropout, a mask, a dtype).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.nn.attention import SDPBackend
+
+LONG_CONTEXT = 2048          # tokens from which falling back to the math kernel is warned about
+
+CUDNN, FLASH, EFFICIENT, MATH = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                 SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+KERNEL_NAMES = {CUDNN: "cuDNN attention", FLASH: "flash", EFFICIENT: "memory-efficient",
+                MATH: "math"}
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "").replace("float32", "fp32").replace("float64", "fp64")
+
+
+def sdpa_kernel_plan(device_capability, dtype: torch.dtype, has_mask: bool, dropout: float,
+                     seq_len: int, *, cudnn: bool = True) -> tuple[tuple[SDPBackend, ...], str]:
+    """(kernels in priority order, reason) for one SDPA call.
+
+    device_capability: None on CPU, else the CUDA (major, minor); cudnn: torch enables cuDNN
+    attention (torch.backends.cuda.cudnn_sdp_enabled()). The reason says what runs and, where a
+    faster kernel is declined, why (dropout, a mask, a dtype); when only math is left at
+    seq_len >= LONG_CONTEXT the reason starts with "math kernel" and the caller warns with it.
+    """
+    name = _dtype_name(dtype)
+    at = f" at {seq_len} tokens" if seq_len >= LONG_CONTEXT else ""
+    if device_capability is None:
+        if dropout:
+            return (MATH,), (f"math kernel (s x s scores in memory{at}): dropout, which the CPU "
+                             f"flash kernel does not have")
+        return (FLASH,), f"flash kernel ({name}{', with a mask' if has_mask else ''})"
+    major = device_capability[0]
+    kernels, declined = [], []
+    if dtype == torch.float32:
+        declined.append("fp32: flash and cuDNN attention take fp16/bf16 only")
+    elif dtype not in _HALF:
+        declined.append(f"{name}: the fused kernels take fp16, bf16 or fp32 only")
+    if has_mask:
+        declined.append("a mask: flash and cuDNN attention take none")
+    if dropout and dtype in _HALF and not has_mask:
+        declined.append("dropout: cuDNN attention skipped")
+    if major < 8 and dtype in _HALF and not has_mask:
+        declined.append(f"sm{major}{device_capability[1]}: flash needs sm80+")
+    if cudnn and major >= 9 and dtype in _HALF and not has_mask and not dropout:
+        kernels.append(CUDNN)
+    if major >= 8 and dtype in _HALF and not has_mask:
+        kernels.append(FLASH)
+    if major >= 5 and dtype in _HALF + (torch.float32,):
+        kernels.append(EFFICIENT)
+    if not kernels:
+        why = "; ".join(declined) or f"sm{major}{device_capability[1]} has no fused kernel"
+        return (MATH,), f"math kernel (s x s scores in memory{at}): {why}"
+    chosen = ", else ".join(KERNEL_NAMES[k] for k in kernels)
+    return tuple(kernels), chosen + (f" ({'; '.join(declined)})" if declined else "")
+
+
+def warns_at(kernels, seq_len: int) -> bool:
+    """The math kernel alone at long context: say so (once)."""
+    return tuple(kernels) == (MATH,) and seq_len >= LONG_CONTEXT
+
+
+@functools.lru_cache(maxsize=64)
+def cuda_plan(device_index, dtype, has_mask: bool, dropout: bool):
+    """sdpa_kernel_plan for this CUDA device (its capability and torch's cuDNN switch), once per
+    (device, dtype, mask, dropout): the plan does not depend on the length."""
+    return sdpa_kernel_plan(torch.cuda.get_device_capability(device_index), dtype, has_mask,
+                            float(dropout), 0, cudnn=torch.backends.cuda.cudnn_sdp_enabled())
+
+
+def describe_attention(backend: str, *, requested: str, device: torch.device, dtype,
+                       seq_len: int | None, packed: bool, dropout: float) -> str:
+    """What attention runs, for the start-up log: the backend, the SDPA kernel and how packed
+    documents are attended. backend: the model's backend name; requested: --attention-backend."""
+    from megatron_sp.attention.backends import MASK_TOKENS
+    s = seq_len or 0
+    cuda = device.type == "cuda"
+    if backend == "sdpa":
+        capability = torch.cuda.get_device_capability(device) if cuda else None
+        cudnn = torch.backends.cuda.cudnn_sdp_enabled() if cuda else False
+        _, reason = sdpa_kernel_plan(capability, dtype, False, dropout, s, cudnn=cudnn)
+        text = f"SDPA {'on ' + torch.cuda.get_device_name(device) if cuda else 'on CPU'}: {reason}"
+        if packed:
+            from megatron_sp.attention.flex import flex_available
+            long_path = ("FlexAttention block masks" if cuda and requested == "auto"
+                         and flex_available() else "blockwise attention (attention/lse.py)")
+            text += (f"; packed documents: a [b, 1, s, s] mask up to {MASK_TOKENS} tokens, "
+                     f"{long_path} beyond (no s x s tensor)")
+        return text
+    if backend == "flex":
+        return ("FlexAttention: " + ("compiled (Triton), block masks built once per step"
+                                     if cuda else "eager, forward only on CPU"))
+    if backend in ("te", "flash"):
+        return (("Transformer Engine" if backend == "te" else "flash-attn")
+                + " fused attention" + ("; packed documents through cu_seqlens" if packed else ""))
+    if backend == "unfused":
+        return "Megatron's unfused attention ([b, h, s, s] scores kept: short sequences)"
+    return backend
