@@ -4,6 +4,7 @@ HuggingFaceTokenizer, GPT2BPETokenizer, NullTokenizer.
 Each exposes .vocab_size (unpadded), .eod, .pad (-1 when the tokenizer has none), .tokenize(text)
 and .detokenize(ids).
 """
+import json
 import os
 
 EOD_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
@@ -106,15 +107,46 @@ class SentencePieceTokenizer(GPTSentencePieceTokenizer):
         return text + self.sp.decode(ids[last:])
 
 
+REMOTE_CODE_FILES = ("tokenizer_config.json", "config.json")
+
+
+def remote_code_file(folder):
+    """The file of a Hugging Face folder that asks to run the folder's own Python code (an
+    `auto_map` entry in tokenizer_config.json or config.json), or None."""
+    for name in REMOTE_CODE_FILES:
+        path = os.path.join(folder, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError):      # absent or unreadable: transformers says so itself
+            continue
+        if isinstance(config, dict) and config.get("auto_map"):
+            return path
+    return None
+
+
+def load_auto_tokenizer(folder, trust_remote_code=False):
+    """transformers.AutoTokenizer of a local folder; never asks a question: custom code in the
+    folder (auto_map) runs only with trust_remote_code (--trust-remote-code), else a ValueError
+    names the file that asks for it."""
+    asking = remote_code_file(folder)
+    if asking is not None and not trust_remote_code:
+        raise ValueError(f"{asking} has an auto_map entry: loading this tokenizer would run Python "
+                         f"code from {folder}; read that code and pass --trust-remote-code to "
+                         f"allow it, or use a tokenizer folder without custom code.")
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=bool(trust_remote_code))
+
+
 class HuggingFaceTokenizer:
     """Megatron's HuggingFaceTokenizer: a Hugging Face tokenizer folder through
     transformers.AutoTokenizer (eod = its eos_token_id; text encoded with its special tokens, e.g.
-    Llama's BOS, as Megatron does), or a bare `tokenizers` JSON file (eod found by name)."""
+    Llama's BOS, as Megatron does), or a bare `tokenizers` JSON file (eod found by name). A folder
+    with custom code (auto_map) is refused unless trust_remote_code (`load_auto_tokenizer`)."""
 
-    def __init__(self, path):
+    def __init__(self, path, trust_remote_code=False):
         if path and os.path.isdir(path):
-            from transformers import AutoTokenizer
-            self._tok = AutoTokenizer.from_pretrained(path)
+            self._tok = load_auto_tokenizer(path, trust_remote_code)
             self._encode = lambda text: self._tok(text).input_ids
             vocab = self._tok.get_vocab()
             self.vocab_size = len(self._tok)
@@ -179,9 +211,9 @@ class GPT2BPETokenizer:
 
 
 def build_tokenizer(tokenizer_type, tokenizer_model=None, vocab_size=None, vocab_file=None,
-                    merge_file=None):
+                    merge_file=None, trust_remote_code=False):
     """Megatron's --tokenizer-type / --tokenizer-model / --vocab-size / --vocab-file / --merge-file
-    to a tokenizer object."""
+    (and --trust-remote-code, HuggingFaceTokenizer only) to a tokenizer object."""
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     if tokenizer_type == "GPT2BPETokenizer":
@@ -191,40 +223,72 @@ def build_tokenizer(tokenizer_type, tokenizer_model=None, vocab_size=None, vocab
     if tokenizer_type == "GPTSentencePieceTokenizer":
         return GPTSentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(tokenizer_model)
+        return HuggingFaceTokenizer(tokenizer_model, trust_remote_code)
     raise ValueError(f"unknown tokenizer type {tokenizer_type!r}; use SentencePieceTokenizer, "
                      f"GPTSentencePieceTokenizer, HuggingFaceTokenizer, GPT2BPETokenizer or "
                      f"NullTokenizer.")
 
 
-def _text_iterator(texts_or_files):
-    """Lines of text from a list of strings and/or paths of text files."""
+MAX_SENTENCE_BYTES = 16384     # sentencepiece's max_sentence_length here: longer inputs are cut
+NORMALIZATIONS = ("identity", "nmt_nfkc", "nfkc")
+
+
+def _text_iterator(texts_or_files, keep_whitespace: bool = True):
+    """Training inputs from a list of strings and/or paths of text files.
+
+    keep_whitespace: each text in pieces of whole lines, newlines kept, at most MAX_SENTENCE_BYTES
+    each (sentencepiece skips longer inputs), so the model learns "\n" and indentation; else one
+    input per non-blank line (sentencepiece's classic line-per-sentence input)."""
     items = [texts_or_files] if isinstance(texts_or_files, str) else texts_or_files
     for item in items:
         if isinstance(item, str) and len(item) < 4096 and os.path.isfile(item):
             with open(item, encoding="utf-8") as f:
-                for line in f:
-                    if line.strip():
-                        yield line.rstrip("\n")
+                text = f.read()
         else:
-            for line in str(item).splitlines():
-                if line.strip():
-                    yield line
+            text = str(item)
+        if not keep_whitespace:
+            yield from (line for line in text.splitlines() if line.strip())
+            continue
+        chunk, size = [], 0
+        for line in text.splitlines(keepends=True):
+            n = len(line.encode("utf-8"))
+            if chunk and size + n > MAX_SENTENCE_BYTES:
+                yield "".join(chunk)
+                chunk, size = [], 0
+            chunk.append(line[:MAX_SENTENCE_BYTES // 4] if n > MAX_SENTENCE_BYTES else line)
+            size += min(n, MAX_SENTENCE_BYTES)
+        if chunk and "".join(chunk).strip():
+            yield "".join(chunk)
 
 
-def train_sentencepiece(texts_or_files, model_prefix, vocab_size, model_type="unigram"):
-    """Train a small sentencepiece model (unk 0, bos 1, eos 2 = eod, pad 3, byte fallback).
+def train_sentencepiece(texts_or_files, model_prefix, vocab_size, model_type="unigram",
+                        normalization="identity"):
+    """Train a sentencepiece model (unk 0, bos 1, eos 2 = eod, pad 3, byte fallback).
 
+    normalization "identity" (default) keeps the text as it is: no Unicode normalisation, runs of
+    spaces, tabs and newlines kept ("\n" is a piece of its own, pieces of spaces alone allowed:
+    code and man pages keep their lines and indentation); "nmt_nfkc" / "nfkc" are sentencepiece's
+    rules (NFKC, whitespace collapsed, newlines become spaces). The vocabulary is a soft limit
+    (hard_vocab_limit=False): a small corpus gives fewer pieces than asked. A unigram model's
+    scores are rounded (data/sentencepiece_hf.py) so a Hugging Face export has the same ids.
     Written under a temporary prefix and renamed; returns the path of the .model file.
     """
     import sentencepiece as spm
+    from .sentencepiece_hf import round_unigram_scores
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"unknown normalization {normalization!r}; use one of {NORMALIZATIONS}.")
+    keep = normalization == "identity"
+    whitespace = dict(remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
+                      user_defined_symbols=["\n"], split_digits=False) if keep else {}
     tmp = f"{model_prefix}.tmp{os.getpid()}"
     spm.SentencePieceTrainer.train(
-        sentence_iterator=_text_iterator(texts_or_files), model_prefix=tmp,
+        sentence_iterator=iter(_text_iterator(texts_or_files, keep)), model_prefix=tmp,
         vocab_size=vocab_size, model_type=model_type, character_coverage=0.9995,
         byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=3, hard_vocab_limit=False,
+        normalization_rule_name=normalization, max_sentence_length=MAX_SENTENCE_BYTES,
         input_sentence_size=200000, shuffle_input_sentence=True, num_threads=os.cpu_count() or 1,
-        minloglevel=2)
+        minloglevel=2, **whitespace)
+    round_unigram_scores(tmp + ".model")
     os.replace(tmp + ".vocab", model_prefix + ".vocab")
     os.replace(tmp + ".model", model_prefix + ".model")
     return model_prefix + ".model"

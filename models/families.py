@@ -62,33 +62,27 @@ def read_hf_folder(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     with open(cfg_path) as f:
         config = json.load(f)
     _refuse_unsupported(config, {})     # before reading gigabytes of weights
-    state: dict[str, torch.Tensor] = {}
-    index = os.path.join(path, "model.safetensors.index.json")
-    single = os.path.join(path, "model.safetensors")
-    if os.path.isfile(single) or os.path.isfile(index):
-        from safetensors.torch import load_file
-        if os.path.isfile(single):
-            files = [single]
-        else:
-            with open(index) as f:
-                files = sorted({os.path.join(path, n) for n in json.load(f)["weight_map"].values()})
-        for file in files:
-            state.update(load_file(file))
-    elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
-        state = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu",
-                           weights_only=True)
-    else:
+    if not any(os.path.isfile(os.path.join(path, n)) for n in
+               ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")):
         raise ConversionError(f"{path} has neither model.safetensors(.index.json) nor pytorch_model.bin.")
-    return config, state
+    from megatron_sp.checkpointing.pretrained import read_hf_weights   # each file's failure named
+    return config, read_hf_weights(path)
 
 
 def write_hf_folder(path: str, config: dict, state: dict[str, torch.Tensor]) -> None:
+    """config.json and model.safetensors, each written to a temporary name, given the user's umask
+    and renamed (megatron_sp.fileutil)."""
     from safetensors.torch import save_file
+    from megatron_sp.fileutil import publish, temporary_name
     os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
+    weights = os.path.join(path, "model.safetensors")
+    tmp = temporary_name(weights)
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp, metadata={"format": "pt"})
+    publish(tmp, weights)
+    cfg = os.path.join(path, "config.json")
+    with open(temporary_name(cfg), "w") as f:
         json.dump(config, f, indent=2)
-    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(path, "model.safetensors"),
-              metadata={"format": "pt"})
+    publish(temporary_name(cfg), cfg)
 
 
 def _get(state, key):

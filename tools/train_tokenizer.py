@@ -7,7 +7,16 @@ writes tok.model (and tok.vocab), then prints the preprocessing command that use
 Megatron-friendly defaults: byte fallback (no <unk> for unseen characters), ids unk 0, bos 1,
 eos 2 (the end-of-document token of GPTSentencePieceTokenizer), pad 3. SentencePieceTokenizer
 appends Megatron's <CLS> <SEP> <EOD> <MASK> when it loads the model, as Megatron-LM does, so the same
-.model serves both types. The vocabulary may come out smaller than asked on a small corpus.
+.model serves both types.
+
+Whitespace is kept by default (--normalization identity): no Unicode normalisation, no collapsing
+of spaces, "\n" a piece of its own, pieces of spaces alone allowed, so a model trained on code or
+man pages sees and writes line breaks and indentation. --normalization nmt_nfkc is sentencepiece's
+default (NFKC, runs of whitespace and newlines become one space).
+
+The vocabulary is a soft limit: on a small corpus sentencepiece finds fewer pieces than asked
+(its unigram trainer prunes from the corpus's frequent substrings, and a small corpus has fewer of
+them; BPE stops when no pair occurs twice), says how many and why, and keeps what it found.
 """
 import argparse
 import json
@@ -15,10 +24,10 @@ import os
 import sys
 
 try:
-    from megatron_sp.data.tokenizers import train_sentencepiece
+    from megatron_sp.data.tokenizers import NORMALIZATIONS, train_sentencepiece
 except ImportError:  # running from a checkout that is not installed
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from data.tokenizers import train_sentencepiece
+    from data.tokenizers import NORMALIZATIONS, train_sentencepiece
 
 TYPES = ("GPTSentencePieceTokenizer", "SentencePieceTokenizer")
 
@@ -32,6 +41,9 @@ def get_args(argv=None):
     p.add_argument("--vocab-size", type=int, default=32000, help="pieces in the vocabulary")
     p.add_argument("--model-type", choices=["unigram", "bpe"], default="unigram",
                    help="sentencepiece algorithm")
+    p.add_argument("--normalization", choices=NORMALIZATIONS, default="identity",
+                   help="identity keeps the text as it is (newlines, tabs, runs of spaces); "
+                        "nmt_nfkc / nfkc: sentencepiece's NFKC rules, whitespace collapsed")
     p.add_argument("--tokenizer-type", choices=TYPES, default="GPTSentencePieceTokenizer",
                    help="the --tokenizer-type you will preprocess and train with")
     return p.parse_args(argv)
@@ -68,15 +80,23 @@ def main(argv=None):
               file=sys.stderr)
         return 1
     try:
-        documents = sum(1 for _ in jsonl_texts(args.input, args.json_keys))   # validates every line
+        documents = chars = 0
+        for text in jsonl_texts(args.input, args.json_keys):   # validates every line
+            documents, chars = documents + 1, chars + len(text)
         model = train_sentencepiece(jsonl_texts(args.input, args.json_keys), args.output_prefix,
-                                    args.vocab_size, model_type=args.model_type)
+                                    args.vocab_size, model_type=args.model_type,
+                                    normalization=args.normalization)
     except (ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     import sentencepiece as spm
     size = spm.SentencePieceProcessor(model_file=model).get_piece_size()
-    print(f"wrote {model} ({size} pieces, trained on {documents} texts)")
+    print(f"wrote {model} ({size} pieces, trained on {documents} texts, {chars:,} characters, "
+          f"normalization {args.normalization})")
+    if size < args.vocab_size:    # sentencepiece's "Vocabulary size is smaller than required"
+        print(f"note: {size} pieces, not the {args.vocab_size} asked: the corpus ({chars:,} "
+              f"characters) is too small to hold more distinct {args.model_type} pieces; "
+              f"sentencepiece keeps those it found (hard_vocab_limit=False). More text gives more.")
     corpus = os.path.splitext(args.input[0])[0]
     print("next: python tools/preprocess_data.py --input " + " ".join(args.input)
           + f" --output-prefix {corpus} --json-keys {' '.join(args.json_keys)} "

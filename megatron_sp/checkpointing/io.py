@@ -13,9 +13,12 @@ with code. Tensors and RNG bytes are read with torch.load(weights_only=True).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -114,7 +117,14 @@ def read_tracker(root: str) -> int | str | None:
     path = os.path.join(root, TRACKER_FILENAME)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is not a text file (its {len(raw)} bytes are not UTF-8); it "
+                              f"should hold an iteration number or 'release': write the iteration "
+                              f"to resume from into it, or pass --ckpt-step N.") from None
     if text == RELEASE:
         return RELEASE
     try:
@@ -217,9 +227,9 @@ class _PendingSave:
     A helper thread waits for the write and checksums this rank's files in the background too, so
     that publishing (at the next save or at exit) does not stop training for the checksums."""
 
-    def __init__(self, future, root, iteration, tmp, final, meta):
+    def __init__(self, future, root, iteration, tmp, final, meta, sizes):
         self.future, self.root, self.iteration = future, root, iteration
-        self.tmp, self.final, self.meta = tmp, final, meta
+        self.tmp, self.final, self.meta, self.sizes = tmp, final, meta, sizes
         self.checksums, self.error = None, None
         self.thread = threading.Thread(target=self._checksum, name="checkpoint-crc", daemon=True)
         self.thread.start()
@@ -228,14 +238,19 @@ class _PendingSave:
         try:
             self.future.result()              # this rank's files and (DCP's finish) .metadata
             self.checksums = _own_checksums(self.tmp)
-        except BaseException as err:          # re-raised by finalize() on the main thread
+        except BaseException as err:          # said by finalize() on the main thread
             self.error = err
+
+    def failed(self) -> bool:
+        """True once the background write has ended in an error on this rank (no wait)."""
+        return not self.thread.is_alive() and self.error is not None
 
     def finalize(self):
         self.thread.join()
-        if self.error is not None:
-            raise self.error
-        _publish(self.root, self.iteration, self.tmp, self.final, self.meta, self.checksums)
+        _agree_on_save(self.error, self.root, self.iteration, self.tmp, self.final, self.sizes,
+                       background=True)
+        _publish(self.root, self.iteration, self.tmp, self.final, self.meta, self.checksums,
+                 self.sizes)
 
 
 _pending: _PendingSave | None = None
@@ -257,33 +272,165 @@ def _record_checksums(tmp: str, meta: dict, mine: dict | None = None) -> None:
                          "files": dict(sorted(files.items()))}           # ranks' installs differ
 
 
-def _publish(root, iteration, tmp, final, meta, checksums=None):
+def _publish(root, iteration, tmp, final, meta, checksums=None, sizes=None):
     """Every rank has written its files: they are checksummed (`checksums`: this rank's, already
     computed), rank 0 writes the metadata (with every rank's checksums) under a temporary name,
-    renames the folder, then replaces the tracker."""
+    renames the folder, then replaces the tracker. The ranks agree on rank 0's outcome (a full
+    disk, a vanished folder): all raise the same CheckpointError, the half save removed."""
     _barrier()
     _record_checksums(tmp, meta, checksums)
+    error = None
     if _rank() == 0:
-        _write_text_atomic(os.path.join(tmp, META_FILENAME), json.dumps(meta, indent=1))
-        if os.path.exists(final):           # saving an iteration again: move the old one away
-            old = final + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(root)
-        _write_text_atomic(os.path.join(root, TRACKER_FILENAME), str(iteration))
-    _barrier()
+        try:
+            _write_text_atomic(os.path.join(tmp, META_FILENAME), json.dumps(meta, indent=1))
+            if os.path.exists(final):           # saving an iteration again: move the old one away
+                old = final + ".old"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            _fsync_dir(root)
+            _write_text_atomic(os.path.join(root, TRACKER_FILENAME), str(iteration))
+        except (OSError, KeyboardInterrupt) as err:
+            error = err
+    _agree_on_save(error, root, iteration, tmp, final, sizes or {})
+
+
+# Save failures: one sentence, the half save removed -----------------------------------------------
+
+def _state_sizes(state: dict) -> dict[str, int]:
+    """{key: bytes of the full stored tensor} of a state dict (Shards at their global shape)."""
+    sizes = {}
+    for key, value in state.items():
+        if isinstance(value, Shard):
+            sizes[key] = math.prod(value.global_shape) * value.local.element_size()
+        elif torch.is_tensor(value):
+            sizes[key] = value.numel() * value.element_size()
+    return sizes
+
+
+def _causes(err: BaseException):
+    """`err`, DCP's per-rank failures inside it, and their causes and contexts (each once)."""
+    todo, seen = [err], set()
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        for f in (getattr(e, "failures", None) or {}).values():   # DCP's CheckpointException
+            todo.append(f[0] if isinstance(f, tuple) else f)
+        todo += [e.__cause__, e.__context__]
+
+
+def _save_error_kind(err: BaseException) -> dict:
+    """What went wrong while saving, as plain data the ranks can exchange."""
+    causes = list(_causes(err))
+    if any(isinstance(e, KeyboardInterrupt) for e in causes):
+        return {"kind": "interrupted"}
+    for e in causes:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return {"kind": "no space"}
+    for e in causes:
+        if isinstance(e, CheckpointError):
+            return {"kind": "ours", "text": str(e)}
+    for e in causes:
+        if isinstance(e, OSError):
+            where = f": {e.filename}" if e.filename else ""
+            return {"kind": "os", "text": f"{e.strerror or e}{where}"}
+    first = (str(err).strip().splitlines() or [""])[0][:160]
+    return {"kind": "other", "text": f"{type(err).__name__}{': ' + first if first else ''}"}
+
+
+def _remove_half_save(root: str, tmp: str, final: str, published: bool) -> None:
+    """Rank 0: the temporary folder and files of a failed save (and its folder when it was renamed
+    but the tracker could not name it)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    if published:
+        shutil.rmtree(final, ignore_errors=True)
+    for leftover in (os.path.join(root, TRACKER_FILENAME + ".tmp"),):
+        with contextlib.suppress(OSError):
+            os.unlink(leftover)
+
+
+def _previous(root: str) -> str:
+    """'the previous checkpoint X is intact (still the latest)' or that there is none."""
+    try:
+        it = read_tracker(root)
+    except CheckpointError:
+        it = None
+    if it is None:
+        return f"{root} holds no earlier checkpoint"
+    return f"the previous checkpoint {os.path.join(root, iteration_dirname(it))} is intact (still " \
+           f"the latest)"
+
+
+def _save_failure(kind: dict, root: str, final: str, tmp: str, needed: int, free: int,
+                  background: bool = False) -> str:
+    from megatron_sp.checkpointing.preflight import format_bytes
+    removed = f"{tmp} was removed and {_previous(root)}"
+    if kind["kind"] == "interrupted":
+        return f"interrupted (Ctrl-C) while saving checkpoint {final}: {removed}."
+    saving = f"saving checkpoint {final}{' in the background' if background else ''}"
+    if kind["kind"] == "no space" or (kind["kind"] == "os" and free < needed):
+        return (f"{saving} failed: no space left on the file system of {root} "
+                f"(the checkpoint needs about {format_bytes(needed)}, {format_bytes(free)} are "
+                f"free); {removed}; free space or choose another --save, then resume with --load {root}.")
+    if kind["kind"] == "ours":
+        return f"{kind['text'].rstrip('.')}; {removed}."
+    return (f"{saving} failed ({kind['text']}); {removed}; check the folder and its file "
+            f"system, then resume with --load {root}.")
+
+
+def _agree_on_save(error, root, iteration, tmp, final, sizes: dict,
+                   background: bool = False) -> None:
+    """After a save step every rank calls this (collective): when any rank failed, rank 0 removes
+    the half save and every rank raises the same CheckpointError (the first failing rank's cause,
+    the bytes the checkpoint needs and the bytes free). A Ctrl-C is said without a collective:
+    the other ranks are being interrupted too."""
+    def published() -> bool:   # renamed, but the tracker could not name it
+        return os.path.isdir(final) and not os.path.isdir(tmp) and read_tracker(root) != iteration
+
+    if isinstance(error, KeyboardInterrupt) or (error is not None and
+                                                _save_error_kind(error)["kind"] == "interrupted"):
+        if _rank() == 0:
+            _remove_half_save(root, tmp, final, published())
+        raise CheckpointError(_save_failure({"kind": "interrupted"}, root, final, tmp, 0, 0)) \
+            from None
+    kinds = _all_gather_object(_save_error_kind(error) if error is not None else None)
+    kind = next((k for k in kinds if k), None)
+    if kind is None:                           # (the gather was the barrier)
+        return
+    if _rank() == 0:
+        _remove_half_save(root, tmp, final, published())
+    parts = _all_gather_object((sizes, shutil.disk_usage(root).free if os.path.isdir(root) else 0))
+    needed = sum({k: v for part, _ in parts for k, v in part.items()}.values())
+    message = _save_failure(kind, root, final, tmp, needed, parts[0][1], background)
+    if error is not None and kind["kind"] == "other" and not isinstance(error, CheckpointError):
+        raise error                            # a bug: its traceback (the files are cleaned up)
+    raise CheckpointError(message) from None
 
 
 def finalize_async_save():
-    """Wait for an asynchronous save in flight and publish it (every rank calls this)."""
+    """Wait for an asynchronous save in flight and publish it (every rank calls this). A failed
+    one raises CheckpointError (one sentence, the same on every rank; its .tmp folder removed)."""
     global _pending
     if _pending is not None:
         pending, _pending = _pending, None
         pending.finalize()
+
+
+def async_save_in_flight() -> bool:
+    """True while an asynchronous save is being written or waits to be published."""
+    return _pending is not None
+
+
+def async_save_failed() -> bool:
+    """True when this rank's asynchronous save in flight has ended in an error (no wait, no
+    collective: the caller agrees with the other ranks, e.g. manager's per-step flags)."""
+    return _pending is not None and _pending.failed()
 
 
 def save_checkpoint(root: str, iteration: int | str, chunks, mesh, *, optimizer=None, scheduler=None,
@@ -326,15 +473,22 @@ def save_checkpoint(root: str, iteration: int | str, chunks, mesh, *, optimizer=
         "args": _jsonable(dict(args)) if args is not None else None,
         "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+    sizes = _state_sizes(state)
     if async_save and _dist():
         future = _dcp_async_save(state, tmp, mesh.background_group())
-        _pending = _PendingSave(future, root, iteration, tmp, final, meta)
+        _pending = _PendingSave(future, root, iteration, tmp, final, meta, sizes)
         if _rank() == 0:
             print(f"> saving checkpoint {final} in the background (staged in "
                   f"{time.time() - t0:.2f} s)", flush=True)
         return final
-    _dcp_save(state, tmp)
-    _publish(root, iteration, tmp, final, meta)
+    from torch.distributed.checkpoint.api import CheckpointException   # a BaseException
+    error = None
+    try:
+        _dcp_save(state, tmp)
+    except (Exception, KeyboardInterrupt, CheckpointException) as err:   # a full disk, Ctrl-C:
+        error = err                                                      # one sentence below
+    _agree_on_save(error, root, iteration, tmp, final, sizes)
+    _publish(root, iteration, tmp, final, meta, sizes=sizes)
     if _rank() == 0:
         print(f"> saved checkpoint {final} in {time.time() - t0:.2f} s", flush=True)
     return final
@@ -436,6 +590,7 @@ def load_checkpoint(path: str, chunks, mesh, *, optimizer=None, scheduler=None, 
               flush=True)
     if _rank() == 0:
         what = "weights only" if weights_only else ("weights, optimizer" if with_optim else "weights")
-        print(f"> loaded checkpoint {folder} ({what}) at iteration {meta.get('iteration')}",
-              flush=True)
+        at = ("a converted checkpoint, training starts at iteration 0"
+              if meta.get("iteration") == RELEASE else f"at iteration {meta.get('iteration')}")
+        print(f"> loaded checkpoint {folder} ({what}): {at}", flush=True)
     return meta

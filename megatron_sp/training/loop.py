@@ -8,7 +8,7 @@ from megatron_sp import comm_stats
 from megatron_sp.errors import DataError
 from megatron_sp.memory import SavedTensorAccountant, format_report, peak_device_memory
 from megatron_sp.sharding.state_bytes import format_state_bytes
-from megatron_sp.training.metrics import format_log_line, print_rank0
+from megatron_sp.training.metrics import StepClock, format_log_line, print_rank0
 from megatron_sp.training.profiling import StepProfiler
 
 
@@ -21,22 +21,28 @@ def fit(job, trainer, train_iter, valid_iter, metrics, checkpoints=None) -> None
     comm_stats.reset()
     profiler = StepProfiler.from_config(log, mesh, train_iters=end, save=job.checkpoint.save)
     start, last_logged = time.time(), trainer.state.iteration
+    clock = StepClock()
     while trainer.state.iteration < end:
         if ramp is not None:          # --rampup-batch-size: this step's global batch
             trainer.set_global_batch_size(ramp.batch_size(trainer.state.consumed_train_samples))
         profiler.before_step(trainer.state.iteration + 1)
         nxt = trainer.state.iteration + 1
         logging = nxt % log.log_interval == 0 or nxt == end
+        step_start = time.time()
         result, report = _step(trainer, _next_micro_batches(trainer, train_iter),
                                job.memory.report_memory and logging)
+        clock.add(time.time() - step_start)
         it = trainer.state.iteration
         profiler.after_step(it)
+        if len(clock.times) == 1 and not logging:    # this process's first step: a sign of life
+            print_rank0(mesh, f"> first step (iteration {it}) done in {clock.times[0]:.1f} s; "
+                              f"the log line follows every {log.log_interval} iterations")
         if it % log.log_interval == 0 or it == end:
             record = trainer.log_record(result, time.time() - start, it - last_logged)
-            line = format_log_line(record, end)
-            if report is not None:
-                line += " | " + _memory_fields(trainer, record, report)
-            print_rank0(mesh, line)
+            if it < end:
+                record["eta_s"] = clock.eta(end - it)
+            memory = _memory_fields(trainer, record, report) if report is not None else None
+            print_rank0(mesh, format_log_line(record, end, memory))
             metrics.write(record)
             comm_stats.reset()
             start, last_logged = time.time(), it

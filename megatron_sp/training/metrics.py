@@ -118,12 +118,15 @@ def _fixed(value: float, significant: int = 3) -> str:
     return f"{value:.{decimals}f}"
 
 
-def format_log_line(record: dict, train_iters: int) -> str:
+def format_log_line(record: dict, train_iters: int, extra: str | None = None) -> str:
     """Megatron-LM's log line (its field names and order, so its scrapers work), ours after it:
 
      iteration N/M | consumed samples: | elapsed time per iteration (ms): | throughput per GPU
      (TFLOP/s/GPU): | learning rate: | global batch size: | lm loss: | loss scale: | grad norm: |
      [num zeros: | params norm: |] number of skipped iterations: | number of nan iterations: | ...
+
+    `extra`: more fields (--report-memory's), before the ETA (remaining iterations x the median
+    step time, record["eta_s"]), which comes last.
     """
     parts = [f" iteration {record['iteration']:8d}/{train_iters:8d}",
              f"consumed samples: {record['consumed_samples']:12d}",
@@ -155,4 +158,35 @@ def format_log_line(record: dict, train_iters: int) -> str:
     comm = [f"{k[6:]} {comm_stats.format_bytes(v)}" for k, v in record.items() if k.startswith("bytes/")]
     if comm:
         parts.append("comm/iter: " + ", ".join(comm))
+    if extra:
+        parts.append(extra)
+    if record.get("eta_s") is not None:   # last: Megatron's scrapers read the fields by name
+        parts.append(f"ETA: {format_duration(record['eta_s'])}")
     return " | ".join(parts) + " |"
+
+
+def format_duration(seconds: float) -> str:
+    """3725 -> '1h02m05s', 65 -> '1m05s', 4.2 -> '4s'."""
+    s = int(round(max(seconds, 0.0)))
+    hours, rest = divmod(s, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m{secs:02d}s"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+class StepClock:
+    """Wall time of the recent optimizer steps (evaluation and saves excluded), for the ETA:
+    remaining iterations x the median step time (robust to a slow first step or a save)."""
+
+    def __init__(self, window: int = 50):
+        self.window, self.times = window, []
+
+    def add(self, seconds: float) -> None:
+        self.times = (self.times + [seconds])[-self.window:]
+
+    def eta(self, remaining: int) -> float | None:
+        if not self.times:
+            return None
+        ordered = sorted(self.times)
+        return remaining * ordered[len(ordered) // 2]

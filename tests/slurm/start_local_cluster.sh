@@ -5,13 +5,18 @@
 #   tests/slurm/stop_local_cluster.sh [STATE_DIR]
 #
 # Installs munge + slurmctld + slurmd + slurm-client with apt-get when sbatch is missing (set
-# MEGATRON_SP_SLURM_NO_INSTALL=1 to refuse), writes a slurm.conf under STATE_DIR (default
+# MEGATRON_SP_SLURM_NO_INSTALL=1 to refuse; the packages it installed are listed in
+# STATE_DIR/installed and left installed), writes a slurm.conf under STATE_DIR (default
 # /tmp/megatron_sp_slurm) for this host with every CPU and 2 fake GPUs (gres/gpu backed by /dev/null
 # and /dev/zero, so the sbatch scripts' --gpus-per-node requests are accepted; torch still sees no
-# CUDA and picks gloo), starts munged, slurmctld and slurmd, and waits until the node is idle.
+# CUDA and picks gloo), starts munged, slurmctld and slurmd where they are not running (each one
+# it starts is listed in STATE_DIR/started, and stop_local_cluster.sh stops those: the machine is
+# left with the daemons it had), and waits until the node is idle.
 set -euo pipefail
 STATE=${1:-${MEGATRON_SP_SLURM_STATE:-/tmp/megatron_sp_slurm}}
 mkdir -p "$STATE"/{ctld,spool,log}
+touch "$STATE/started" "$STATE/installed"
+started() { grep -qx "$1" "$STATE/started" || echo "$1" >> "$STATE/started"; }
 
 if ! command -v sbatch >/dev/null || ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
     if [[ -n "${MEGATRON_SP_SLURM_NO_INSTALL:-}" ]]; then
@@ -21,7 +26,10 @@ if ! command -v sbatch >/dev/null || ! command -v slurmctld >/dev/null || ! comm
     echo "> installing munge and slurm with apt-get (a minute or two)"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -q >/dev/null
-    apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
+    PACKAGES="slurmctld slurmd slurm-client munge"
+    missing=$(for p in $PACKAGES; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done | xargs)
+    apt-get install -y -q --no-install-recommends $PACKAGES >/dev/null
+    [[ -z "$missing" ]] || echo "$missing" >> "$STATE/installed"
 fi
 
 # munge: one key, one daemon (as the munge user), a socket that slurm finds by default.
@@ -32,6 +40,7 @@ if ! munge -n >/dev/null 2>&1; then
     mkdir -p /run/munge /var/log/munge /var/lib/munge
     chown munge:munge /run/munge /var/log/munge /var/lib/munge
     runuser -u munge -- munged --force
+    started munged
     for _ in $(seq 50); do munge -n >/dev/null 2>&1 && break; sleep 0.1; done
     munge -n | unmunge >/dev/null
 fi
@@ -75,9 +84,11 @@ export SLURM_CONF=$STATE/slurm.conf
 
 if ! scontrol ping 2>/dev/null | grep -q "is UP"; then
     slurmctld -f "$SLURM_CONF"
+    started slurmctld
 fi
 if [[ ! -s "$STATE/slurmd.pid" ]] || ! kill -0 "$(cat "$STATE/slurmd.pid")" 2>/dev/null; then
     slurmd -f "$SLURM_CONF"
+    started slurmd
 fi
 for _ in $(seq 120); do
     state=$(sinfo -h -N -o "%T" 2>/dev/null | head -n1 || true)

@@ -6,7 +6,9 @@ minute), CI included, and is skipped only where neither holds:
     python -m pytest -q tests/slurm
 
 tests/slurm/start_local_cluster.sh installs munge + slurmctld + slurmd when missing and starts a
-cluster with this host as its only node (2 fake GPUs). Each test submits an unchanged script with
+cluster with this host as its only node (2 fake GPUs); at the end stop_local_cluster.sh stops
+every daemon it started (munged included; none that was already running) and one line on the
+terminal says what was stopped and what was installed (left installed). Each test submits an unchanged script with
 a tiny model on CPU/gloo (two processes), waits for it, and checks the metrics and checkpoints:
 - pretrain_1node.sbatch (srun -> torchrun -> 2 ranks);
 - pretrain_multinode_srun.sbatch on one node (srun -> 2 tasks reading SLURM_PROCID etc.);
@@ -50,8 +52,22 @@ TINY_MODEL = ("--mock-data --vocab-size 512 --num-layers 2 --hidden-size 64 --nu
               "--seq-length 32")
 
 
+def say(request, line: str) -> None:
+    """One line on the terminal, past pytest's capture (what the tests did to the machine)."""
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(line)
+    else:
+        print(line, file=sys.stderr)
+
+
 @pytest.fixture(scope="module")
-def slurm_env():
+def slurm_env(request):
+    """The local cluster; afterwards every daemon the start script started (munged, slurmctld,
+    slurmd) is stopped, and one line says so and what it installed."""
+    stop = ["bash", os.path.join(ROOT, "tests/slurm/stop_local_cluster.sh"), STATE]
+    request.addfinalizer(lambda: say(request, subprocess.run(
+        stop, capture_output=True, text=True, timeout=120).stdout.strip()))
     start = subprocess.run(["bash", os.path.join(ROOT, "tests/slurm/start_local_cluster.sh"), STATE],
                            capture_output=True, text=True, timeout=600)
     assert start.returncode == 0, start.stdout + start.stderr
@@ -59,9 +75,7 @@ def slurm_env():
     for key in list(env):
         if key.startswith("SLURM_") and key != "SLURM_CONF" or key in ("RANK", "WORLD_SIZE"):
             env.pop(key)
-    yield env
-    subprocess.run(["bash", os.path.join(ROOT, "tests/slurm/stop_local_cluster.sh"), STATE],
-                   capture_output=True, timeout=60)
+    return env
 
 
 def job_env(base, run_dir, train_iters, **extra):

@@ -9,15 +9,17 @@
         --load-dir ./ckpt/run1 --save-dir ./export                    # one model.safetensors, our names
 
 HF checkpoints are read from safetensors (or pytorch_model.bin with torch.load(weights_only=True));
-nothing is downloaded. A megatron_sp checkpoint written here is a "release" checkpoint (weights only,
-iteration 0): train from it with `pretrain_gpt.py --load DIR` (any tp/sp/pp/dp; optionally
---finetune), or load it in Python with `megatron_sp.load_pretrained(DIR)`.
+nothing is downloaded. A megatron_sp checkpoint written here is a converted checkpoint (Megatron's
+"release": weights only, iteration 0): train from it with `pretrain_gpt.py --load DIR` (any
+tp/sp/pp/dp; optionally --finetune), or load it in Python with `megatron_sp.load_pretrained(DIR)`.
 
 Export picks the family from the model (qk-norm: qwen3; q/k/v bias only: qwen2; a sliding window:
 mistral; else llama; GPT-2 shapes: gpt2) unless --hf-family names one, and writes what the family
 needs in config.json (rope_parameters with llama3 / yarn scaling, head_dim, tie_word_embeddings).
-With --tokenizer-model (a Hugging Face tokenizer folder) the export also holds the tokenizer and
-config.json its bos/eos/pad ids.
+The export holds the tokenizer the training run recorded in the checkpoint (or --tokenizer-model:
+a sentencepiece .model, written as a tokenizer.json that AutoTokenizer loads with sentencepiece's
+ids, or a Hugging Face tokenizer folder) and config.json its bos/eos/pad ids. Exported files get
+the user's umask.
 
 The name and layout mapping is in megatron_sp/models/families.py.
 """
@@ -26,6 +28,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
+
+from megatron_sp.errors import debug_requested
 
 from megatron_sp.models.families import (ConversionError, FAMILIES, full_tensors,  # noqa: F401
                                         family_flags, hf_to_megatron_sp, megatron_sp_to_hf,
@@ -49,24 +54,97 @@ def convert_hf_to_megatron_sp(load_dir: str, save_dir: str):
 
 
 def convert_megatron_sp_to_hf(load_dir: str, save_dir: str, family: str = "auto",
-                              tokenizer_model: str | None = None):
-    """Write a HF folder of the family; with a HF tokenizer folder, the tokenizer and its ids too."""
+                              tokenizer_model: str | None = None, trust_remote_code: bool = False,
+                              tokenizer_type: str | None = None):
+    """Write a HF folder of the family with the tokenizer (`_export_tokenizer`) and its ids."""
     from megatron_sp import load_pretrained
     model = load_pretrained(load_dir)
-    tokenizer = _hf_tokenizer(tokenizer_model) if tokenizer_model else None
+    tokenizer = _export_tokenizer(load_dir, tokenizer_model, tokenizer_type, trust_remote_code,
+                                  model.config.max_position_embeddings)
     hf_config, state = megatron_sp_to_hf(model.config, full_tensors(model), family,
                                          token_ids_of(tokenizer) if tokenizer else None)
     write_hf_folder(save_dir, hf_config, state)
-    if tokenizer is not None:
+    if getattr(tokenizer, "built_here", False):   # a tokenizer.json made from our files
+        from megatron_sp.data.sentencepiece_hf import save_hf_tokenizer
+        save_hf_tokenizer(tokenizer, save_dir)
+    elif tokenizer is not None:
         tokenizer.save_pretrained(save_dir)
     return hf_config
 
 
-def _hf_tokenizer(path: str):
+def _recorded_tokenizer(load_dir: str) -> dict:
+    """The tokenizer flags the training run recorded in its checkpoint's args ({} for a converted
+    checkpoint, which records none)."""
+    from megatron_sp.checkpointing import read_meta, resolve_checkpoint
+    folder = resolve_checkpoint(load_dir) if os.path.isdir(load_dir) else None
+    args = (read_meta(folder).get("args") or {}) if folder else {}
+    return {k: args.get(k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file",
+                                     "merge_file")}
+
+
+def _export_tokenizer(load_dir: str, path: str | None, kind: str | None, trust_remote_code: bool,
+                      max_length: int):
+    """The transformers tokenizer saved with the export: --tokenizer-model (with --tokenizer-type),
+    else the one the training run recorded in the checkpoint; None (said) when there is none.
+
+    A sentencepiece .model becomes a tokenizer.json with the same ids (megatron_sp.data.
+    sentencepiece_hf); a Hugging Face folder is saved as it is; GPT2BPETokenizer's vocab.json and
+    merges.txt become GPT-2's fast tokenizer."""
+    from megatron_sp.data.sentencepiece_hf import hf_tokenizer_from_sentencepiece
+    recorded, source = {}, "--tokenizer-model"
+    if path is None:
+        recorded, source = _recorded_tokenizer(load_dir), "recorded in the checkpoint"
+        path, kind = recorded["tokenizer_model"], kind or recorded["tokenizer_type"]
+    if kind == "GPT2BPETokenizer" and recorded.get("vocab_file"):
+        from transformers import PreTrainedTokenizerFast
+        from megatron_sp.data import build_tokenizer
+        try:
+            ours = build_tokenizer(kind, vocab_file=recorded["vocab_file"],
+                                   merge_file=recorded["merge_file"])
+        except ValueError as err:
+            raise ConversionError(f"the checkpoint's GPT2BPETokenizer: {err}") from None
+        eod = "<|endoftext|>"
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=ours._tok, bos_token=eod,
+                                            eos_token=eod, unk_token=eod,
+                                            clean_up_tokenization_spaces=False)
+        tokenizer.built_here = True      # saved naming PreTrainedTokenizerFast
+        print(f"> tokenizer: GPT2BPETokenizer {recorded['vocab_file']} ({source})")
+        return tokenizer
+    if path is None or kind == "NullTokenizer":
+        print("> no tokenizer exported: " + ("the checkpoint's run used the NullTokenizer"
+              if kind == "NullTokenizer" else "the checkpoint records none (a converted "
+              "checkpoint)") + "; pass --tokenizer-model (a sentencepiece .model or a Hugging "
+              "Face tokenizer folder) to export one.")
+        return None
+    if not os.path.exists(path):
+        raise ConversionError(f"the tokenizer {path} ({source}) does not exist; run from the "
+                              f"folder the training ran in or pass --tokenizer-model PATH.")
+    if os.path.isdir(path) or kind == "HuggingFaceTokenizer":
+        tokenizer = _hf_tokenizer(path, trust_remote_code)
+    else:
+        try:
+            tokenizer = hf_tokenizer_from_sentencepiece(
+                path, megatron_specials=kind == "SentencePieceTokenizer",
+                model_max_length=max_length)
+            tokenizer.built_here = True
+        except ValueError as err:
+            raise ConversionError(f"the tokenizer {path} ({source}): {str(err).rstrip('.')}; "
+                                  f"pass a sentencepiece .model or a Hugging Face tokenizer "
+                                  f"folder.") from None
+    print(f"> tokenizer: {kind or 'sentencepiece'} {path} ({source}): bos "
+          f"{tokenizer.bos_token_id}, eos {tokenizer.eos_token_id}, pad {tokenizer.pad_token_id}")
+    return tokenizer
+
+
+def _hf_tokenizer(path: str, trust_remote_code: bool = False):
+    """The folder's tokenizer; custom code (auto_map) only with --trust-remote-code, never asked."""
+    from megatron_sp.data.tokenizers import load_auto_tokenizer
     if not os.path.isdir(path):
         raise ConversionError(f"--tokenizer-model {path} is not a Hugging Face tokenizer folder.")
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return load_auto_tokenizer(path, trust_remote_code)
+    except ValueError as err:
+        raise ConversionError(str(err)) from err
 
 
 def main(argv=None):
@@ -79,15 +157,29 @@ def main(argv=None):
     p.add_argument("--hf-family", default="auto", choices=("auto",) + FAMILIES,
                    help="--saver hf: the Hugging Face model_type to write (auto: from the model)")
     p.add_argument("--tokenizer-model", default=None,
-                   help="--saver hf: a Hugging Face tokenizer folder, saved with the model and its "
-                        "bos/eos/pad ids written into config.json")
+                   help="--saver hf: a sentencepiece .model (exported as a tokenizer.json with "
+                        "the same ids) or a Hugging Face tokenizer folder, saved with the model "
+                        "and its bos/eos/pad ids written into config.json (default: the tokenizer "
+                        "the training run recorded in the checkpoint)")
+    p.add_argument("--tokenizer-type", default=None,
+                   choices=["GPTSentencePieceTokenizer", "SentencePieceTokenizer",
+                            "HuggingFaceTokenizer"],
+                   help="--saver hf: the type of --tokenizer-model (SentencePieceTokenizer adds "
+                        "Megatron's <CLS> <SEP> <EOD> <MASK>, eos <EOD>)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="--tokenizer-model: allow a tokenizer folder whose config has auto_map to "
+                        "run its own Python code (never asked; refused without this flag)")
+    p.add_argument("--debug", action="store_true",
+                   help="print the Python traceback with an error message (also "
+                        "MEGATRON_SP_DEBUG=1)")
     a = p.parse_args(argv)
     from megatron_sp.checkpointing import CheckpointError
     try:
         if a.loader == "hf" and a.saver == "megatron_sp":
             config = convert_hf_to_megatron_sp(a.load_dir, a.save_dir)
         elif a.loader == "megatron_sp" and a.saver == "hf":
-            hf = convert_megatron_sp_to_hf(a.load_dir, a.save_dir, a.hf_family, a.tokenizer_model)
+            hf = convert_megatron_sp_to_hf(a.load_dir, a.save_dir, a.hf_family, a.tokenizer_model,
+                                           a.trust_remote_code, a.tokenizer_type)
             print(f"> wrote a {hf['model_type']} model ({hf['architectures'][0]})")
             config = None
         elif a.loader == "megatron_sp" and a.saver == "safetensors":
@@ -98,6 +190,8 @@ def main(argv=None):
         else:
             raise ConversionError(f"--loader {a.loader} --saver {a.saver} is not a supported pair.")
     except (ConversionError, CheckpointError) as err:
+        if debug_requested(argv):
+            traceback.print_exc()
         raise SystemExit(f"error: {err}") from None
     print(f"> converted {a.load_dir} ({a.loader}) -> {a.save_dir} ({a.saver})")
     if config is not None:

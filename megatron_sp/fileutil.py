@@ -1,0 +1,29 @@
+"""Publishing a written file: the user's umask on its mode, then renamed into place (atomic).
+
+Writers that go through a private temporary file (safetensors writes mode 0600) would leave an
+export readable only by its owner; `publish` gives it the mode a plain open() would have
+(0o666 & ~umask) before renaming it to its final name.
+"""
+from __future__ import annotations
+
+import os
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def temporary_name(path: str) -> str:
+    """A temporary name beside `path` (same folder, so the rename is atomic)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, f".{name}.tmp{os.getpid()}")
+
+
+def publish(tmp: str, path: str) -> str:
+    """chmod `tmp` to 0o666 & ~umask and rename it to `path`; returns `path`."""
+    os.chmod(tmp, 0o666 & ~current_umask())
+    os.replace(tmp, path)
+    return path
