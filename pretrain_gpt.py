@@ -20,7 +20,9 @@ import torch
 
 from megatron_sp import pipeline
 from megatron_sp.checkpointing import CheckpointError, CheckpointManager, finalize_async_save
+from megatron_sp.checkpointing.lock import release_save_locks
 from megatron_sp.cli import build as cli
+from megatron_sp.cli import progress, startup_checks
 from megatron_sp.cli.arguments import parse_args
 from megatron_sp.config import JobConfig
 from megatron_sp.errors import ConfigError, DataError, NonFiniteLossError, reraise_as, run_main
@@ -39,6 +41,7 @@ from megatron_sp.training.optimizer import LRScheduler, build_optimizer
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron_sp")
 
 
+@release_save_locks   # the --save lock is released however main() ends (checkpointing/lock.py)
 def main(argv=None):
     job, embedded = load_job(argv)
     if embedded and cli.embedded_run_done(job):
@@ -50,15 +53,20 @@ def main(argv=None):
         config = model_config(job, job.model.checkpoint_vocab_size or tokenizer.vocab_size)
         config.check_parallel(mesh.tp_size, mesh.sp_size, mesh.pp_size)
     check_model_fits(job, config, tokenizer, mesh)
-    chunks = build_model(config, mesh, job, device)
-    sharding = build_sharding(chunks, mesh, job, device)
+    with progress.phase(mesh, "model built"):
+        chunks = build_model(config, mesh, job, device)
+        sharding = build_sharding(chunks, mesh, job, device)
     say_startup(job, mesh, config, chunks)
     trainer = build_trainer(job, mesh, config, chunks, sharding)
     checkpoints = CheckpointManager(job, trainer, config)   # --load, --save, exit conditions
+    checkpoints.start()       # the --save lock and the start-up checks of what the run writes
     load_checkpoint(job, checkpoints)
-    with reraise_as(DataError, ValueError, TimeoutError):
+    with reraise_as(DataError, ValueError, TimeoutError), \
+            progress.phase(mesh, "dataset indices ready") as note:
         train_ds, valid_ds = build_datasets(job, tokenizer, mesh, trainer.state,
                                             checkpoints.end_iteration)
+        note["text"] = f" (train {len(train_ds)} samples" + (
+            f", validation {len(valid_ds)})" if valid_ds is not None else ")")
     train_iter, valid_iter = loaders(job, train_ds, valid_ds, trainer.state, mesh,
                                      tokenizer.vocab_size)
     metrics = MetricsWriter(mesh, job.logging.metrics_jsonl, job.logging.tensorboard_dir,
@@ -70,6 +78,10 @@ def main(argv=None):
         finalize_async_save()
         metrics.close()
         raise
+    except KeyboardInterrupt:    # Ctrl-C: name what survived and how to go on (errors.run_main)
+        metrics.close()
+        raise KeyboardInterrupt(progress.interrupted_message(job, trainer.state.iteration,
+                                                             argv)) from None
     checkpoints.finish()
     metrics.close()
     if embedded:
@@ -83,7 +95,9 @@ def load_job(argv=None) -> tuple[JobConfig, bool]:
     """(the run's JobConfig, whether it is the embedded default): parse (Megatron-LM's flags
     mapped), the embedded default, its corpus's files, --use-checkpoint-args, then frozen."""
     args = parse_args(argv)
+    startup_checks.check_preset(args.model)        # before any other complaint: a typo'd preset
     embedded = cli.apply_embedded_default(args, argv)
+    given_data = bool(args.data_path) and not args.mock_data
     if not args.data_path and not args.mock_data:      # the embedded default corpus (built later)
         from megatron_sp import data as msdata
         cache = args.cache_dir or DEFAULT_CACHE
@@ -95,8 +109,13 @@ def load_job(argv=None) -> tuple[JobConfig, bool]:
         raise ConfigError("--data-path needs --tokenizer-type (and --tokenizer-model).")
     if args.seq_length is None:
         raise ConfigError("--seq-length is required.")
+    if given_data:     # files named before the model is built (startup_checks)
+        startup_checks.check_data_files(args.data_path)
+        startup_checks.check_tokenizer_files(args.tokenizer_type, args.tokenizer_model,
+                                             args.vocab_file, args.merge_file)
     checkpoint_vocab = apply_checkpoint_args(args, argv)
     job = cli.job_config(args)
+    startup_checks.check_world_size(job.parallel, argv)
     if checkpoint_vocab is not None:     # a resolved value, not a flag: kept out of command_line
         job = dataclasses.replace(job, model=dataclasses.replace(
             job.model, checkpoint_vocab_size=checkpoint_vocab))
@@ -237,6 +256,11 @@ def build_model(config, mesh, job: JobConfig, device):
                              memory=MemoryOptions.from_config(job.memory), **spec)
         init_parameters(model, seed=seed)
         chunks.append(model.to(device))
+    from megatron_sp.compile import CompileLayoutError, compile_from_config
+    with reraise_as(ConfigError, CompileLayoutError):   # --torch-compile: per layer, before FSDP2
+        line = compile_from_config(chunks, mesh, job)
+    if line:
+        print_rank0(mesh, line)
     return chunks
 
 
@@ -328,7 +352,8 @@ def build_tokenizer(job: JobConfig, mesh):
         barrier(mesh)
     with reraise_as(DataError, ValueError):
         return msdata.build_tokenizer(d.tokenizer_type, d.tokenizer_model, vocab_size=d.vocab_size,
-                                      vocab_file=d.vocab_file, merge_file=d.merge_file)
+                                      vocab_file=d.vocab_file, merge_file=d.merge_file,
+                                      trust_remote_code=d.trust_remote_code)
 
 
 class MockDataset:
@@ -353,7 +378,7 @@ def build_datasets(job: JobConfig, tokenizer, mesh, state, train_iters: int):
     """(train, valid) datasets; sample counts as Megatron-LM computes them, raised when a resumed
     run (with another global batch size) needs more than that."""
     from megatron_sp import data as msdata
-    from megatron_sp.data.builder import parse_data_path
+    from megatron_sp.data.builder import os_errors_named, parse_data_path
     t, d = job.training, job.data
     gbs = t.global_batch_size
     needed = state.consumed_train_samples + (train_iters - state.iteration) * gbs
@@ -370,14 +395,15 @@ def build_datasets(job: JobConfig, tokenizer, mesh, state, train_iters: int):
     first_prefix = parse_data_path(data_path)[0][0]
     cache = d.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(first_prefix)),
                                               "cache", "GPTDataset_indices")
-    train, valid, _ = msdata.build_gpt_datasets(
-        data_path, d.split, t.seq_length, t.seed,
-        (train_samples, eval_samples if t.eval_iters > 0 else 0, 0),
-        tokenizer.eod, tokenizer.pad, cache,
-        reset_position_ids=d.reset_position_ids,
-        reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss,
-        return_document_ids=d.reset_attention_mask,
-        rank=mesh.rank, world_size=mesh.world_size, barrier=lambda: barrier(mesh))
+    with os_errors_named(cache):    # unreadable data files or cache: one sentence naming them
+        train, valid, _ = msdata.build_gpt_datasets(
+            data_path, d.split, t.seq_length, t.seed,
+            (train_samples, eval_samples if t.eval_iters > 0 else 0, 0),
+            tokenizer.eod, tokenizer.pad, cache,
+            reset_position_ids=d.reset_position_ids,
+            reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss,
+            return_document_ids=d.reset_attention_mask,
+            rank=mesh.rank, world_size=mesh.world_size, barrier=lambda: barrier(mesh))
     return train, valid
 
 
@@ -404,8 +430,14 @@ def say_startup(job: JobConfig, mesh, config, chunks) -> None:
     context = job.parallel.describe_context()   # how Ulysses and the ring split the context (§14)
     if context:
         print_rank0(mesh, context)
-    print_rank0(mesh, f"> {mesh}\n> model: {config.num_parameters() / 1e6:.2f}M parameters, "
-                      f"{config}\n> attention backend: {chunks[0].attention_backend_name}")
+    print_rank0(mesh, f"> {mesh}\n> model: {progress.model_summary(config, mesh.tp_size)}\n"
+                      f"> attention backend: {chunks[0].attention_backend_name}")
+    from megatron_sp.attention import describe_attention   # the kernel and the document path
+    print_rank0(mesh, "> attention: " + describe_attention(
+        chunks[0].attention_backend_name, requested=job.model.attention_backend,
+        device=next(chunks[0].parameters()).device,
+        dtype=job.precision.autocast_dtype or torch.float32, seq_len=job.training.seq_length,
+        packed=job.data.reset_attention_mask, dropout=config.attention_dropout))
 
 
 def say_embedded_done(job: JobConfig, mesh, tokenizer) -> None:

@@ -20,12 +20,14 @@ setup(
     ],
     package_dir={"megatron_sp.models": "models", "megatron_sp.data": "data"},
     install_requires=["torch>=2.4", "numpy", "sentencepiece", "tqdm",
+                      "protobuf",  # sentencepiece's model file: scores rounded, export (data/)
                       "xxhash"],   # checkpoint checksums (XXH3); CRC-32 without it
     extras_require={
         # Test-only: megatron-core is the reference for dataset indices, transformers for conversion.
         "test": ["pytest", "pytest-timeout", "megatron-core==0.16.1", "transformers>=4.40",
-                 "tokenizers", "safetensors", "tensorboard"],
-        "hf": ["transformers>=4.40", "tokenizers", "safetensors"],
+                 "tokenizers", "safetensors", "tensorboard",
+                 "trl", "accelerate", "datasets"],   # megatron_sp.hf.trainer (deepspeed: bench only)
+        "hf": ["transformers>=4.40", "tokenizers", "safetensors", "accelerate"],
         "tensorboard": ["tensorboard"],
         # GPU fast paths: source builds against CUDA, install them yourself (README):
         #   transformer-engine[pytorch], flash-attn, NVIDIA apex.

@@ -264,7 +264,8 @@ class ModelFlags:
     already the case)."""
     attention_backend: str = "auto"
     """--attention-backend: Megatron's auto, flash, fused (TE), unfused (two matmuls: short
-    sequences), local (SDPA); ours te, sdpa."""
+    sequences), local (SDPA); ours te, flash-attn, sdpa, flex (FlexAttention). Resolved by
+    cli/megatron_compat.py: Megatron's flash / fused become sdpa when their package is missing."""
     transformer_impl: str = "local"
     """--transformer-impl: local: these layers; transformer_engine: Transformer Engine's fused
     attention (runs as local, said at start-up, when it is not installed)."""
@@ -296,6 +297,8 @@ class DataConfig:
     """--vocab-file: GPT2BPETokenizer: vocab.json."""
     merge_file: str | None = None
     """--merge-file: GPT2BPETokenizer: merges.txt."""
+    trust_remote_code: bool = False
+    """--trust-remote-code: a Hugging Face tokenizer folder may run its own code (auto_map)."""
     vocab_size: int | None = None
     """--vocab-size: vocabulary of the NullTokenizer."""
     reset_position_ids: bool = False
@@ -390,6 +393,12 @@ class TrainingConfig:
     max_skipped_steps: int = 10
     """--max-skipped-steps: with --nonfinite-loss skip: stop the run (it diverged) after this many
     optimizer steps in a row were skipped; nothing is saved from the first one."""
+    torch_compile: bool = False
+    """--torch-compile: compile every transformer layer with torch.compile, one graph per layer as
+    torchtitan compiles its blocks (megatron_sp/compile.py; ours, Megatron-LM has no such flag)."""
+    torch_compile_backend: str = "inductor"
+    """--torch-compile-backend: torch.compile backend: inductor, aot_eager (no code generation),
+    eager (Dynamo only)."""
 
     def __post_init__(self):
         """Megatron-LM's defaults that follow from other flags, then its rules, one sentence each."""
@@ -407,6 +416,12 @@ class TrainingConfig:
             _resolve(self, lr_decay_iters=self.train_iters if self.train_iters else 1)
         if self.lr_warmup_fraction is not None:
             _resolve(self, lr_warmup_iters=int(self.lr_warmup_fraction * self.lr_decay_iters))
+        if self.train_samples is None and self.lr_warmup_iters > self.lr_decay_iters:
+            raise ConfigError(f"--lr-warmup-iters {self.lr_warmup_iters} is longer than the "
+                              f"learning-rate decay, --lr-decay-iters {self.lr_decay_iters}"
+                              + (" (which defaults to --train-iters)"
+                                 if self.lr_decay_iters == self.train_iters else "")
+                              + "; lower --lr-warmup-iters or raise --lr-decay-iters.")
         self._check_sample_schedule()
         if self.rampup_batch_size is not None and self.train_samples is not None:
             _resolve(self, train_iters=self.rampup().train_iters(self.train_samples))
@@ -559,6 +574,14 @@ class CheckpointConfig:
     """--exit-on-missing-checkpoint: stop when --load holds no checkpoint."""
     ckpt_format: str | None = None
     """--ckpt-format: torch_dist (ours: DCP); others refused."""
+    force_unlock: bool = False
+    """--force-unlock: take the --save lock even when its record names another host (the operator
+    is sure that run is gone; docs/checkpoints.md)."""
+    overwrite_save: bool = False
+    """--overwrite-save: start a new run into a --save that holds another run's checkpoints
+    (without it such a run is refused; --load <save> resumes instead)."""
+    skip_free_space_check: bool = False
+    """--skip-free-space-check: start even when --save has less free space than one checkpoint."""
 
     def __post_init__(self):
         if self.load and self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:

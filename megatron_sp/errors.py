@@ -125,9 +125,15 @@ def as_user_error(err: BaseException) -> UserError | None:
 
 # Who speaks ------------------------------------------------------------------------------------
 
+def _distributed():
+    """torch.distributed when this process imported it (else no process group can exist, and a
+    tool's error line does not wait seconds for torch to import), or None."""
+    return sys.modules.get("torch.distributed")
+
+
 def _rank_and_world() -> tuple[int, int]:
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
+    dist = _distributed()
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     env = os.environ
     rank = env.get("RANK", env.get("SLURM_PROCID", "0"))
@@ -137,8 +143,8 @@ def _rank_and_world() -> tuple[int, int]:
 
 def _store():
     """The rendezvous key/value store of the default process group, or None."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
+    dist = _distributed()
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
         return None
     try:
         return dist.distributed_c10d._get_default_store()
@@ -231,8 +237,9 @@ def run_main(main, argv=None):
             traceback.print_exc()
         report(error)
         exit_process(1)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr, flush=True)
+    except KeyboardInterrupt as err:   # pretrain_gpt.py names the checkpoint that survived
+        if _rank_and_world()[0] == 0:
+            print("interrupted" + (f" {err}" if str(err) else ""), file=sys.stderr, flush=True)
         exit_process(130)
     except BaseException as err:
         error = as_user_error(err)

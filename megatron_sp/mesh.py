@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_sp import rendezvous
 from megatron_sp.errors import UserError
+from megatron_sp.rendezvous import RendezvousError  # noqa: F401  (re-exported; its home)
 
 # Mesh dimensions from slowest to fastest varying: DeviceMesh lays ranks out row-major, so this
 # order gives exactly the rank formula above. Megatron's cp slot holds Ulysses (sp, adjacent ranks)
@@ -36,11 +38,6 @@ MESH_DIMS = ("pp", "dp", "cp", "sp", "tp")
 
 class LayoutError(UserError, ValueError):
     """An impossible parallel layout, refused at start-up with the numbers."""
-
-
-class RendezvousError(UserError, RuntimeError):
-    """This rank cannot reach the rendezvous (each rank says so with its rank)."""
-    same_on_every_rank = False
 
 
 # Layout rules (docs/design.md §4) -------------------------------------------------------------
@@ -418,6 +415,8 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) 
 
     nccl when CUDA is available (each process on its local GPU), gloo otherwise. Returns the
     environment dict, or None for a one-rank run with no launcher (no process group is created).
+    The store is this job's, met within the timeout on every rank (megatron_sp/rendezvous.py:
+    RendezvousError naming the address, or refusing another job's store).
     """
     env = distributed_env()
     if env is None or (env["world_size"] == 1 and backend is None):
@@ -426,9 +425,9 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(env["local_rank"] % torch.cuda.device_count())
-    init_method = f"tcp://{env['master_addr']}:{env['master_port']}"
+    store = rendezvous.connect(env, timeout_minutes)
     try:
-        dist.init_process_group(backend=backend, init_method=init_method, rank=env["rank"],
+        dist.init_process_group(backend=backend, store=store, rank=env["rank"],
                                 world_size=env["world_size"],
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
     except Exception as err:  # a rendezvous that cannot be reached: name the address

@@ -6,6 +6,8 @@ feature has not landed is refused with a clear message, never silently ignored (
 from __future__ import annotations
 
 import argparse
+import difflib
+import sys
 
 from megatron_sp.errors import ConfigError
 
@@ -15,8 +17,12 @@ def _bool_flag(parser, name, help):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Pretrain a GPT model with megatron_sp.",
-                                allow_abbrev=False, formatter_class=_HelpWithDefaults)
+    p = MegatronArgumentParser(description="Pretrain a GPT model with megatron_sp.",
+                               allow_abbrev=False, formatter_class=_HelpWithDefaults,
+                               usage=USAGE, add_help=False)
+    p.add_argument("-h", "--help", action=_Help, help="the main flags, by group")
+    p.add_argument("--help-all", action=_Help, dest="help", help="also Megatron-LM's variant, schedule and "
+                   "compatibility flags (mapped, no-op, refused)")
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None, help="preset: gpt2-tiny, gpt2-small, gpt2-medium, "
                    "llama-tiny, llama-1b, llama-8b, llama3.1-8b, llama3.2-1b, llama3-70b, "
@@ -99,9 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
                "peak device memory and the model-state bytes per rank (parameters, gradients, "
                "optimizer state on device and on host), with the log line")
     t.add_argument("--attention-backend", default="auto",
-                   choices=["auto", "flash", "fused", "unfused", "local", "te", "sdpa"],
-                   help="Megatron's auto, flash, fused (TE), unfused (two matmuls: short "
-                        "sequences), local (SDPA); ours te, sdpa")
+                   choices=["auto", "flash", "fused", "unfused", "local", "te", "sdpa", "flex",
+                            "flash-attn"],
+                   help="Megatron's auto, flash (flash-attn; SDPA when it is not installed), fused "
+                        "(TE; SDPA without it), unfused (two matmuls: short sequences), local "
+                        "(SDPA); ours te and flash-attn (refused when not installed), sdpa, flex "
+                        "(FlexAttention: trains on CUDA)")
+    _bool_flag(t, "--torch-compile", "compile every transformer layer with torch.compile, one "
+               "graph per layer as torchtitan compiles its blocks (ours; Megatron-LM has none)")
+    t.add_argument("--torch-compile-backend", default="inductor",
+                   choices=["inductor", "aot_eager", "eager"],
+                   help="torch.compile backend of --torch-compile: inductor, aot_eager (no code "
+                        "generation), eager (Dynamo only)")
     t.add_argument("--grad-bucket-size-mb", type=float, default=25.0)
     t.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
 
@@ -115,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tokenizer-model", default=None)
     d.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
     d.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    _bool_flag(d, "--trust-remote-code", "HuggingFaceTokenizer: allow a tokenizer folder whose "
+               "config has auto_map to run its own Python code (never asked; refused without it)")
     _bool_flag(d, "--reset-position-ids", "positions restart after each end-of-document token")
     _bool_flag(d, "--reset-attention-mask", "attention never crosses an end-of-document token")
     _bool_flag(d, "--eod-mask-loss", "no loss on end-of-document tokens")
@@ -183,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
                "the command line even where it differs from the checkpoint's (Megatron's)")
     _bool_flag(c, "--use-checkpoint-opt_param-scheduler", "on resume, use the checkpoint's "
                "learning-rate schedule instead of the command line's (Megatron's)")
+    _bool_flag(c, "--force-unlock", "take the --save lock even when its record names another host "
+               "(the operator is sure that run is gone; docs/checkpoints.md)")
+    _bool_flag(c, "--overwrite-save", "start a new run into a --save that holds another run's "
+               "checkpoints (without it such a run is refused; --load <save> resumes instead)")
+    _bool_flag(c, "--skip-free-space-check", "start even when --save has less free space than one "
+               "checkpoint")
 
     _add_megatron_math_args(p, m)
 
@@ -209,8 +232,81 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+USAGE = ("%(prog)s [--model PRESET] [--data-path PREFIX ...] [flags]   (no flags: the embedded "
+         "default run)")
+# Groups that --help leaves to --help-all: Megatron-LM's variants and compatibility flags.
+HELP_ALL_ONLY = ("Megatron-LM precision, optimizer and model variants",
+                 "Megatron-LM schedule, data, checkpoint and logging flags",
+                 "Megatron-LM compatibility (mapped, no-op and refused flags)")
+
+
+class MegatronArgumentParser(argparse.ArgumentParser):
+    """argparse with a short usage line, --help by group (Megatron-LM's variant and compatibility
+    flags behind --help-all) and a mistyped flag answered with the flag it was probably meant to
+    be: "error: unrecognized argument --seq-len; did you mean --seq-length?" (exit status 2)."""
+
+    def format_help(self, full: bool = False) -> str:
+        formatter = self._get_formatter()
+        formatter.add_usage(self.usage, self._actions, self._mutually_exclusive_groups)
+        formatter.add_text(self.description)
+        hidden = 0
+        for group in self._action_groups:
+            if not full and group.title in HELP_ALL_ONLY:
+                hidden += len(group._group_actions)
+                continue
+            formatter.start_section(group.title)
+            formatter.add_text(group.description)
+            formatter.add_arguments(group._group_actions)
+            formatter.end_section()
+        if hidden:
+            formatter.add_text(f"--help-all: {hidden} more flags (Megatron-LM's precision, "
+                               f"schedule and model variants, and its flags mapped, ignored or "
+                               f"refused here).")
+        return formatter.format_help()
+
+    def error(self, message: str):
+        """One short usage line and one `error:` line; an unknown flag names its nearest match."""
+        self.print_usage(sys.stderr)
+        self.exit(2, f"error: {self._explain(message)}\n")
+
+    def _explain(self, message: str) -> str:
+        if not message.startswith("unrecognized arguments: "):
+            return message if message.endswith(".") else message + "."
+        unknown = [a for a in message[len("unrecognized arguments: "):].split() if a.startswith("-")]
+        if not unknown:
+            return message + "."
+        flags = [f for f in self._option_string_actions if f.startswith("--")]
+        said = []
+        for arg in unknown:
+            flag = arg.split("=")[0]
+            near = difflib.get_close_matches(flag, flags, n=1, cutoff=0.6)
+            said.append(f"{flag}; did you mean {near[0]}?" if near else f"{flag}")
+        head = "unrecognized argument" + ("s " if len(unknown) > 1 else " ")
+        return head + ", ".join(said) + ("" if said[-1].endswith("?") else
+                                         " (python pretrain_gpt.py --help lists the flags).")
+
+
+class _Help(argparse.Action):
+    """-h/--help: the main groups; --help-all: every flag."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser._print_message(parser.format_help(full=option_string == "--help-all"), sys.stdout)
+        parser.exit()
+
+
 class _HelpWithDefaults(argparse.HelpFormatter):
-    """--help shows each flag's default where it has one (not for switches and unset values)."""
+    """--help shows each flag's default where it has one (not for switches and unset values), one
+    line per flag where it fits, short metavars (N, X, S)."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=38, width=100)
+
+    def _get_default_metavar_for_optional(self, action):
+        return {int: "N", float: "X"}.get(action.type, "S")
 
     def _get_help_string(self, action):
         text = action.help or ""

@@ -15,6 +15,7 @@ only read them. `python -m megatron_sp.cli.megatron_compat --markdown` prints th
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from megatron_sp.errors import ConfigError
@@ -61,8 +62,9 @@ HONOURED_NOTES = {
                       "allgather refused",
     "--hierarchical-context-parallel-sizes": "a2a+p2p: A Ulysses ranks x R ring ranks, A x R = "
                                              "--context-parallel-size",
-    "--attention-backend": "auto, flash, unfused; fused -> te (sdpa without Transformer Engine), "
-                           "local -> sdpa; our te, sdpa accepted",
+    "--attention-backend": "auto, unfused; flash (sdpa without flash-attn), fused -> te (sdpa "
+                           "without Transformer Engine), local -> sdpa; our te, flash-attn "
+                           "(refused when not installed), sdpa, flex accepted",
     "--ckpt-format": "torch_dist (ours: torch.distributed.checkpoint); other formats refused",
     "--rampup-batch-size": "Megatron's ramp; consumed samples, data order and resume follow it",
     "--lr-decay-samples": "with --train-samples; the schedule counts samples",
@@ -106,7 +108,8 @@ HONOURED_NOTES = {
 
 # Mapped: flag -> (number of values, our equivalent in words). `apply` sets our arguments.
 MAPPED = {
-    "--use-flash-attn": (0, "selects --attention-backend flash"),
+    "--use-flash-attn": (0, "selects flash-attn (sdpa, said at start-up, when flash-attn is not "
+                            "installed)"),
 }
 
 # No-op: flag -> (number of values, why it has no meaning here).
@@ -139,12 +142,19 @@ REFUSED = {
     "--moe-grouped-gemm": (0, "mixture-of-experts models are not supported; drop the --moe-* flags."),
 }
 
-# Megatron's --attention-backend values onto ours (te, flash, sdpa stay accepted as aliases).
+# Megatron's --attention-backend values onto ours (te, sdpa stay accepted as aliases). The rule
+# for a missing package: Megatron's names (fused, flash, and --use-flash-attn) fall back to SDPA
+# with one start-up note, as Megatron's scripts expect to run anywhere; our names (te,
+# flash-attn) ask for the package itself and are refused in one sentence when it is missing.
 ATTENTION_BACKENDS = {"auto": "auto", "flash": "flash", "fused": "te", "unfused": "unfused",
-                      "local": "sdpa", "te": "te", "sdpa": "sdpa"}
+                      "local": "sdpa", "te": "te", "sdpa": "sdpa", "flex": "flex",
+                      "flash-attn": "flash"}
 ATTENTION_NOTES = {"fused": "Transformer Engine's fused attention (te)",
                    "fused-no-te": "PyTorch's fused scaled_dot_product_attention kernels (sdpa): "
                                   "Transformer Engine is not installed",
+                   "flash-no-flash-attn": "PyTorch's scaled_dot_product_attention (sdpa, whose "
+                                          "CUDA path has a flash kernel): flash-attn is not "
+                                          "installed",
                    "local": "PyTorch scaled_dot_product_attention (sdpa)"}
 
 # --transformer-impl transformer_engine without Transformer Engine (Megatron's default value).
@@ -179,6 +189,14 @@ def _has_te() -> bool:
     return transformer_engine_installed()
 
 
+def _has_flash_attn() -> bool:
+    try:
+        importlib.import_module("flash_attn")
+    except (ImportError, OSError):      # absent, or a build whose CUDA libraries do not load
+        return False
+    return True
+
+
 def _given(args, flag: str) -> bool:
     value = getattr(args, _dest(flag), None)
     return value is not None and value is not False
@@ -197,19 +215,22 @@ def apply(args) -> list[str]:
                           f"are torch.distributed.checkpoint folders, the family of Megatron's "
                           f"torch_dist; pass --ckpt-format torch_dist or leave the flag out.")
     notes = []
-    if getattr(args, "use_flash_attn", False):
-        args.attention_backend = "flash"
-        notes.append(f"> --use-flash-attn {MAPPED['--use-flash-attn'][1]}")
     if getattr(args, "transformer_impl", "local") == "transformer_engine" and not _has_te():
         args.transformer_impl = "local"     # --fp8-format without TE is still refused (validate)
         notes.append(f"> --transformer-impl transformer_engine {TRANSFORMER_IMPL_NOTE}")
+    flag = f"--attention-backend {args.attention_backend}"
+    if getattr(args, "use_flash_attn", False):
+        args.attention_backend, flag = "flash", "--use-flash-attn"
     backend = args.attention_backend
     mapped = ATTENTION_BACKENDS[backend]
     if backend == "fused" and not _has_te():
         backend, mapped = "fused-no-te", "sdpa"
+    if backend == "flash" and not _has_flash_attn():
+        backend, mapped = "flash-no-flash-attn", "sdpa"
     if backend in ATTENTION_NOTES:
-        notes.append(f"> --attention-backend {args.attention_backend} runs as "
-                     f"{ATTENTION_NOTES[backend]}")
+        notes.append(f"> {flag} runs as {ATTENTION_NOTES[backend]}")
+    elif flag == "--use-flash-attn":
+        notes.append("> --use-flash-attn selects flash-attn (--attention-backend flash)")
     args.attention_backend = mapped
     noops = [flag for flag in NOOP if _given(args, flag)]
     if noops:
