@@ -10,6 +10,7 @@ import datetime
 import os
 import queue
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -78,6 +79,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def finish_process(proc: subprocess.Popen, limit_s: float = 240.0) -> tuple[int, str]:
+    """(exit status, combined output) of a script a test started in its own session
+    (start_new_session=True); past limit_s its whole process group is killed and the test fails
+    with the output's tail (a hang, never a stalled suite)."""
+    try:
+        out, _ = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"still running after {limit_s} s (a hang?):\n{out[-4000:]}") from None
+    return proc.returncode, out
 
 
 def metrics_losses(path) -> tuple[list[float], list[float]]:

@@ -62,3 +62,14 @@ def pytest_runtest_makereport(item, call):
     if report.failed:
         report.sections.append(("seed", f"test seed {seed_of(item.nodeid)} "
                                         f"(MEGATRON_SP_TEST_SEED={BASE_SEED})"))
+
+
+@pytest.fixture(scope="module")
+def one_intra_op_thread():
+    """Tiny tensors: one intra-op thread for the module (on a loaded machine thread hand-offs
+    dominate); `pytestmark = pytest.mark.usefixtures("one_intra_op_thread")` asks for it."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -73,6 +73,7 @@ def main(argv=None):
         raise DataError(str(err)) from err
     for p in prefixes.values():
         print(f"wrote {p}.bin and {p}.idx")
+    return 0
 
 
 if __name__ == "__main__":

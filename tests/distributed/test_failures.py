@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from megatron_sp.testing import free_port
+from megatron_sp.testing import finish_process, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--hidden-size", "64",
@@ -47,21 +47,11 @@ def start(cmd, environ) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def finish(proc: subprocess.Popen, limit_s: float) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"still running after {limit_s} s (a hang):\n{out[-4000:]}")
-    return proc.returncode, out
-
-
 def torchrun(args, limit_s=120, **extra) -> tuple[int, str, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_port()), "pretrain_gpt.py", *TINY, *args]
     t0 = time.monotonic()
-    rc, out = finish(start(cmd, env(**extra)), limit_s)
+    rc, out = finish_process(start(cmd, env(**extra)), limit_s)
     return rc, out, time.monotonic() - t0
 
 
@@ -96,7 +86,7 @@ def test_hung_rank_times_out_without_torchrun():
            "--distributed-timeout-minutes", "0.1"]
     procs = [start(cmd, env(RANK=r, LOCAL_RANK=r, **base)) for r in range(2)]
     try:
-        rc, out = finish(procs[0], 90)
+        rc, out = finish_process(procs[0], 90)
         gone = time.time()
     finally:
         os.killpg(procs[1].pid, signal.SIGKILL)     # the stopped rank: ours, by its own group
@@ -166,7 +156,7 @@ def test_unreachable_rendezvous_names_the_address():
                              "--distributed-timeout-minutes", "0.05"],
                             env(RANK=1, WORLD_SIZE=2, MASTER_ADDR=addr, MASTER_PORT=port))
     for addr, proc in cases.items():
-        rc, out = finish(proc, 90)
+        rc, out = finish_process(proc, 90)
         assert rc != 0
         assert f"rank 1 could not reach the rendezvous at {addr}:{port}" in out, out[-3000:]
         assert "check MASTER_ADDR/MASTER_PORT" in out
@@ -188,7 +178,7 @@ def test_mistake_said_once_and_evaluation_failure_named():
     assert "error: rank 0: a collective failed at the evaluation after iteration 2: another rank " \
            "has probably died or hung" in out, out[-3000:]
     assert 'pretrain_gpt.py", line' not in out and "megatron_sp/" not in out, out[-3000:]
-    rc, out = finish(mistake, 120)
+    rc, out = finish_process(mistake, 120)
     assert rc != 0
     sentence = ("error: --global-batch-size 3 is not divisible by micro-batch size x dp = 1 x 2: "
                 "choose a multiple of 2.")

@@ -23,7 +23,7 @@ import pytest
 
 from megatron_sp.checkpointing import CheckpointError
 from megatron_sp.checkpointing.lock import LOCK_FILENAME, SaveLock, SaveLockError, describe
-from megatron_sp.testing import free_port, load_script
+from megatron_sp.testing import finish_process, free_port, load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--hidden-size", "64",
@@ -44,15 +44,6 @@ def _popen(cmd, **env) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def _finish(proc, limit_s=240) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"still running after {limit_s} s (a hang?):\n{out[-3000:]}")
-    return proc.returncode, out
-
 
 def test_second_run_refused_naming_the_holder_and_first_keeps_its_checkpoints(tmp_path):
     save = tmp_path / "ck"
@@ -72,10 +63,10 @@ def test_second_run_refused_naming_the_holder_and_first_keeps_its_checkpoints(tm
                      "--master-port", str(free_port()), "pretrain_gpt.py", *TINY, "--seed", "22",
                      "--train-iters", "4", "--save-interval", "2", "--save", str(save),
                      "--load", str(save)])
-    rc, out = _finish(second)
+    rc, out = finish_process(second)
     assert first.poll() is None, "the first run ended before the second was refused"
     os.kill(first.pid, signal.SIGTERM)                       # the first saves and exits
-    rc_first, out_first = _finish(first)
+    rc_first, out_first = finish_process(first)
 
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert rc != 0 and len(errors) == 1, out[-3000:]

@@ -21,12 +21,7 @@ from megatron_sp.memory.accounting import SavedTensorAccountant
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def allowed_mask(ids, s, causal=True, window=None, b=1):

@@ -23,13 +23,7 @@ FWD_TOL, GRAD_TOL = 1e-5, 1e-4
 SEEDS = [0, 1, 2]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread (on a loaded machine, thread hand-offs dominate)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _qkv(gen, b, sq, sk, h, g, d):

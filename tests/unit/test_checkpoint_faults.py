@@ -35,7 +35,7 @@ import fault_writer
 from megatron_sp import checkpointing as ck
 from megatron_sp.checkpointing.preflight import format_bytes
 from megatron_sp.mesh import ParallelMesh
-from megatron_sp.testing import free_port, load_script
+from megatron_sp.testing import finish_process, free_port, load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WRAPPER = os.path.join(ROOT, "tests", "unit", "fault_writer.py")
@@ -63,15 +63,6 @@ def _start(args, prefix=(), torchrun=False, **env) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
-
-def _finish(proc, limit_s=240) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"still running after {limit_s} s:\n{out[-3000:]}")
-    return proc.returncode, out
 
 
 def _one_error(rc: int, out: str) -> str:
@@ -242,7 +233,7 @@ def test_save_faults_and_start_up_checks_end_in_one_sentence(tmp_path):
         assert line or proc.poll() is None, seen[-3000:]
         seen += line
     os.kill(proc.pid, signal.SIGINT)
-    rc, rest = _finish(proc)
+    rc, rest = finish_process(proc)
     sentence = _one_error(rc, seen + rest)
     root = tmp_path / "intr"
     assert sentence == (f"interrupted (Ctrl-C) while saving checkpoint {root}/iter_0000002: "
@@ -250,7 +241,7 @@ def test_save_faults_and_start_up_checks_end_in_one_sentence(tmp_path):
                         f"checkpoint."), sentence
     assert os.listdir(root) == []
 
-    results = {name: _finish(p) for name, p in runs.items() if name != "ctrl-c"}
+    results = {name: finish_process(p) for name, p in runs.items() if name != "ctrl-c"}
 
     for name, folder, last in (("async", tmp_path / "async", None),
                                ("sync", tmp_path / "sync", 2)):
