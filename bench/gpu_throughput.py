@@ -41,9 +41,8 @@ import torch  # noqa: E402
 from megatron_sp.compile import compile_layers, reset as reset_compiled  # noqa: E402
 from megatron_sp.mesh import ParallelMesh  # noqa: E402
 from megatron_sp.models import GPTModel, preset  # noqa: E402
-from megatron_sp.training.flops import PEAK_TFLOPS, device_peak_tflops, flops_for_config  # noqa: E402
+from megatron_sp.training.flops import device_peak_tflops, flops_for_config  # noqa: E402
 
-H200_PEAK = PEAK_TFLOPS["H200"]
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
             kv_channels=16, ffn_hidden_size=128, vocab_size=256)
 COLUMNS = [("model", "model"), ("layers", "layers"), ("seq", "seq"), ("impl", "impl"),

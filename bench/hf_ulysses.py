@@ -15,7 +15,7 @@ Per rank: the bytes this rank sends in all-to-alls per decoder layer (forward + 
 step; counted by wrapping torch.distributed.all_to_all_single for both stacks alike, so both count
 (sp-1)/sp of every buffer, the figure of megatron_sp/comm_stats.py), other collective bytes per
 layer (all-gathers), and the time per step: median of --reps interleaved repetitions after one
-warm-up, max over ranks. The two stacks' losses are checked equal (same model, same batch).
+warm-up, max over ranks. The two stacks' losses are reported side by side (loss_abs_diff; same model, same batch).
 Writes bench/results/hf_ulysses_cpu.json.
 
     python bench/hf_ulysses.py                       # sp 2 4, s 2048, 5 reps
@@ -201,7 +201,7 @@ def gpu_qwen3_4b_row(seq: int = 96 * 1024, sp: int = 4, layers: int | None = Non
 def memory_rows(seq: int = 4096, family: str = "qwen3", tiles: int = 4) -> list[dict]:
     """One process, no sp: bytes kept for backward by one training step of a 4-layer tiny model
     (megatron_sp.hf.memory.saved_bytes: saved-tensor hooks, activations only), plain against the
-    tiled MLP, the host-offloaded layer checkpoints and both; losses checked equal."""
+    tiled MLP, the host-offloaded layer checkpoints and both; each row's loss is reported."""
     import torch.nn.functional as F
 
     from megatron_sp.hf.memory import offload_checkpointing, saved_bytes, tile_mlp

@@ -223,7 +223,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     with open(args.doc) as f:
         current = f.read()
-    new = regenerate(current, load_results(args.results))
+    records = load_results(args.results)
+    new = regenerate(current, records)
     if args.check:
         if new != current:
             print(f"{os.path.relpath(args.doc, ROOT)} is out of date: run {REGENERATE}")
@@ -233,7 +234,7 @@ def main(argv=None) -> int:
     with open(tmp, "w") as f:
         f.write(new)
     os.replace(tmp, args.doc)
-    print(f"wrote {os.path.relpath(args.doc, ROOT)} from {len(load_results(args.results))} results files")
+    print(f"wrote {os.path.relpath(args.doc, ROOT)} from {len(records)} results files")
     return 0
 
 

@@ -22,6 +22,8 @@ import socket
 import threading
 import zlib
 
+from megatron_sp.fileutil import pid_running
+
 from .indexed_dataset import DataError
 
 COPY_BYTES = 1 << 22                # decompression buffer
@@ -49,15 +51,6 @@ def _host():
     return socket.gethostname()
 
 
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs on this host (a process of another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def temp_folder_name(output_prefix: str, pid: int | None = None) -> str:
@@ -76,7 +69,7 @@ def remove_leftovers(output_prefix: str, json_keys, log) -> list[str]:
     removed, pids = [], set()
     for entry in sorted(os.listdir(folder)):
         match = ours.match(entry) or older.match(entry)
-        if match is None or int(match.group(1)) == os.getpid() or _alive(int(match.group(1))):
+        if match is None or int(match.group(1)) == os.getpid() or pid_running(match.group(1)):
             continue
         path = os.path.join(folder, entry)
         if os.path.isdir(path):

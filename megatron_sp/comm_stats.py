@@ -36,11 +36,12 @@ def reset() -> None:
 
 
 def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+    """1536 -> '1.5 KiB' (binary units, one decimal; whole bytes below 1 KiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
-    return f"{n:.1f} GiB"
+    return f"{n:.1f} TiB"
 
 
 def all_reduce_bytes(numel: int, elem_size: int, group_size: int) -> int:

@@ -1,4 +1,5 @@
-"""Publishing a written file: the user's umask on its mode, then renamed into place (atomic).
+"""Publishing a written file: the user's umask on its mode, then renamed into place (atomic);
+and whether a process named in a leftover (a lock record, a temporary folder) still runs.
 
 Writers that go through a private temporary file (safetensors writes mode 0600) would leave an
 export readable only by its owner; `publish` gives it the mode a plain open() would have
@@ -27,3 +28,15 @@ def publish(tmp: str, path: str) -> str:
     os.chmod(tmp, 0o666 & ~current_umask())
     os.replace(tmp, path)
     return path
+
+
+def pid_running(pid) -> bool:
+    """Whether process `pid` runs on this host; a process of another user (or an unreadable pid)
+    counts as running, so nothing that may still be in use is taken over."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return True
+    return True

@@ -34,7 +34,7 @@ from torch.nn.attention import sdpa_kernel
 
 from megatron_sp.attention import kernels
 from megatron_sp.attention.documents import cu_seqlens_from_document_ids, document_causal_mask
-from megatron_sp.attention.lse import blockwise_attention
+from megatron_sp.attention.lse import DEFAULT_BLOCK, blockwise_attention, blockwise_plan
 from megatron_sp.errors import ConfigError
 
 BACKEND_NAMES = ("auto", "te", "flash", "sdpa", "unfused", "flex")
@@ -83,17 +83,19 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_id
 
 
 class _DocumentCache:
-    """Remembers cu_seqlens of the last document_ids tensor: every layer of a step passes the same
-    tensor, so the boundaries (and the host sync of max_seqlen) are computed once per step."""
+    """Remembers what `build` made of the last document_ids tensor (cu_seqlens by default): every
+    layer of a step passes the same tensor, so the boundaries (and their host syncs) are computed
+    once per step. `extra`: further arguments of build, part of the key."""
 
-    def __init__(self):
+    def __init__(self, build=cu_seqlens_from_document_ids):
+        self._build = build
         self._key = None
         self._value = None
 
-    def __call__(self, document_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-        key = (document_ids, document_ids._version)
-        if self._key is None or self._key[0] is not key[0] or self._key[1] != key[1]:
-            self._key, self._value = key, cu_seqlens_from_document_ids(document_ids)
+    def __call__(self, document_ids: torch.Tensor, *extra):
+        key = (document_ids, document_ids._version, extra)
+        if self._key is None or self._key[0] is not key[0] or self._key[1:] != key[1:]:
+            self._key, self._value = key, self._build(document_ids, *extra)
         return self._value
 
 
@@ -133,6 +135,7 @@ class SDPAAttention(AttentionBackend):
                              f"{long_documents!r}.")
         self.long_documents = long_documents
         self._warned = set()
+        self._blockwise = _DocumentCache(blockwise_plan)       # (doc, pairs), once per step
         if long_documents == "flex":
             from megatron_sp.attention.flex import FlexAttention
             self._flex = FlexAttention()
@@ -196,7 +199,10 @@ class SDPAAttention(AttentionBackend):
         if self.long_documents == "flex" and q.is_cuda:
             return self._flex(q, k, v, causal=causal, softmax_scale=scale,
                               document_ids=document_ids)
-        return blockwise_attention(q, k, v, causal=causal, scale=scale, document_ids=document_ids)
+        s = q.shape[1]
+        plan = self._blockwise(document_ids, s, min(s, DEFAULT_BLOCK), causal)
+        return blockwise_attention(q, k, v, causal=causal, scale=scale, document_ids=document_ids,
+                                   plan=plan)
 
 
 class UnfusedAttention(AttentionBackend):

@@ -32,11 +32,17 @@ def cu_seqlens_from_document_ids(document_ids: torch.Tensor) -> tuple[torch.Tens
     return cu_seqlens, max_seqlen
 
 
+def document_index(document_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] ids -> [b, s] int64 index of each token's document in its row (non-decreasing);
+    a document is a maximal run of equal ids."""
+    return document_starts(document_ids).cumsum(dim=1)
+
+
 def document_causal_mask(document_ids: torch.Tensor, causal: bool = True) -> torch.Tensor:
     """[b, s] ids -> [b, 1, s, s] bool mask, True where query i may attend to key j: same document
     and (when causal) j <= i."""
     s = document_ids.shape[1]
-    doc = document_starts(document_ids).cumsum(dim=1)                # [b, s] document index per row
+    doc = document_index(document_ids)                               # [b, s] document index per row
     mask = doc[:, :, None] == doc[:, None, :]                        # [b, s, s] same document
     if causal:
         mask &= torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()

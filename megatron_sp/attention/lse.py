@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_sp.attention.documents import document_starts
+from megatron_sp.attention.documents import document_index   # also imported from here (flex, tests)
 
 DEFAULT_BLOCK = 512        # blockwise_attention's block when none is given (tokens)
 _FUSED_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -139,7 +139,7 @@ def _forward_fused_cuda(q, k, v, causal, scale):
         try:
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
                 qt, kt, vt, 0.0, causal, scale=scale)[:2]
-            return out.transpose(1, 2), lse[:, :, :q.shape[1]].float()
+            return out.transpose(1, 2), lse[:, :, :q.shape[1]].float()   # [b, sq, h, d], [b, h, sq]
         except RuntimeError:     # head dim / architecture flash does not take: efficient
             pass
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
@@ -296,12 +296,6 @@ def backward_pairs(q, k, v, out, dout, lse, pairs, *, scale, dq, dk, dv,
 
 # Blockwise attention ----------------------------------------------------------------------------
 
-def document_index(document_ids: torch.Tensor) -> torch.Tensor:
-    """[b, s] ids -> [b, s] int64 index of each token's document in its row (non-decreasing);
-    a document is a maximal run of equal ids (megatron_sp.attention.documents)."""
-    return document_starts(document_ids).cumsum(dim=1)
-
-
 def blockwise_pairs(s: int, block: int, causal: bool, doc=None,
                     window: int | None = None) -> list[BlockPair]:
     """The block pairs of a length-s sequence that attend anything, query block by query block.
@@ -336,11 +330,19 @@ def blockwise_pairs(s: int, block: int, causal: bool, doc=None,
     return pairs
 
 
+def blockwise_plan(document_ids, s: int, block: int, causal: bool, window: int | None = None):
+    """(doc, pairs) of blockwise attention over a length-s sequence: the [b, s] document index
+    (None without document_ids) and the block pairs to compute. It depends on the step's
+    document_ids only, so a backend computes it once per step for every layer (its host syncs
+    included) and passes it as blockwise_attention's `plan`."""
+    doc = None if document_ids is None else document_index(document_ids)
+    return doc, blockwise_pairs(s, block, causal, doc, window)
+
+
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, block, document_ids, window):
-        doc = None if document_ids is None else document_index(document_ids)
-        pairs = blockwise_pairs(q.shape[1], block, causal, doc, window)
+    def forward(ctx, q, k, v, causal, scale, block, document_ids, window, plan):
+        doc, pairs = plan or blockwise_plan(document_ids, q.shape[1], block, causal, window)
         b, s, h, d = q.shape
         out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
@@ -358,11 +360,12 @@ class _BlockwiseAttention(torch.autograd.Function):
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         backward_pairs(q, k, v, out, dout, lse, ctx.pairs, scale=ctx.scale, dq=dq, dk=dk, dv=dv,
                        doc_q=doc, doc_k=doc)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def blockwise_attention(q, k, v, *, causal: bool, scale: float | None = None,
-                        block: int | None = None, document_ids=None, window: int | None = None):
+                        block: int | None = None, document_ids=None, window: int | None = None,
+                        plan=None):
     """Attention over the whole sequence, block pair by block pair, merged in fp32.
 
     q [b, s, h, d], k, v [b, s, g, d] -> out [b, s, h, d] in q's dtype. block: tokens per query /
@@ -370,7 +373,8 @@ def blockwise_attention(q, k, v, *, causal: bool, scale: float | None = None,
     block < s, and backward recomputes each pair from the saved global out and lse.
     document_ids [b, s]: packed documents (tokens of different documents never attend each other),
     pairs no document crosses are skipped. window: Mistral's sliding window (causal only): query
-    i sees keys j with i - window < j <= i; pairs wholly outside it are skipped.
+    i sees keys j with i - window < j <= i; pairs wholly outside it are skipped. plan: the
+    blockwise_plan of these document_ids, shape, block, causal and window, when the caller has it.
     """
     _heads(q, k, v)
     if k.shape[1] != q.shape[1]:
@@ -383,4 +387,4 @@ def blockwise_attention(q, k, v, *, causal: bool, scale: float | None = None,
     if window is not None and (not causal or window < 1):
         raise ValueError(f"a sliding window needs causal attention and at least one token, got "
                          f"window={window}, causal={causal}.")
-    return _BlockwiseAttention.apply(q, k, v, causal, scale, block, document_ids, window)
+    return _BlockwiseAttention.apply(q, k, v, causal, scale, block, document_ids, window, plan)

@@ -276,8 +276,8 @@ def _publish(root, iteration, tmp, final, meta, checksums=None, sizes=None):
     """Every rank has written its files: they are checksummed (`checksums`: this rank's, already
     computed), rank 0 writes the metadata (with every rank's checksums) under a temporary name,
     renames the folder, then replaces the tracker. The ranks agree on rank 0's outcome (a full
-    disk, a vanished folder): all raise the same CheckpointError, the half save removed."""
-    _barrier()
+    disk, a vanished folder): all raise the same CheckpointError, the half save removed. Called
+    right after _agree_on_save, whose gather already held every rank at this point."""
     _record_checksums(tmp, meta, checksums)
     error = None
     if _rank() == 0:
@@ -350,9 +350,8 @@ def _remove_half_save(root: str, tmp: str, final: str, published: bool) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     if published:
         shutil.rmtree(final, ignore_errors=True)
-    for leftover in (os.path.join(root, TRACKER_FILENAME + ".tmp"),):
-        with contextlib.suppress(OSError):
-            os.unlink(leftover)
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(root, TRACKER_FILENAME + ".tmp"))
 
 
 def _previous(root: str) -> str:
@@ -369,7 +368,7 @@ def _previous(root: str) -> str:
 
 def _save_failure(kind: dict, root: str, final: str, tmp: str, needed: int, free: int,
                   background: bool = False) -> str:
-    from megatron_sp.checkpointing.preflight import format_bytes
+    from megatron_sp.comm_stats import format_bytes
     removed = f"{tmp} was removed and {_previous(root)}"
     if kind["kind"] == "interrupted":
         return f"interrupted (Ctrl-C) while saving checkpoint {final}: {removed}."

@@ -25,6 +25,7 @@ import socket
 import time
 
 from megatron_sp.checkpointing.format import TRACKER_FILENAME, CheckpointError
+from megatron_sp.fileutil import pid_running
 
 LOCK_FILENAME = ".megatron_sp.lock"
 
@@ -54,16 +55,6 @@ def describe(record: dict | None) -> str:
         parts.append(f"job {record['job']}")
     parts.append(f"since {record.get('since', '?')}")
     return ", ".join(parts)
-
-
-def _pid_running(pid) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError, TypeError, OverflowError):
-        return True        # another user's process (or an unreadable pid): assume it runs
-    return True
 
 
 def _read_record(fd: int) -> dict | None:
@@ -140,7 +131,7 @@ class SaveLock:
             if not self.force:
                 raise SaveLockError(self._refusal(record, other_host=True))
             return (f"> --force-unlock: taking over the lock {self.path} of {describe(record)}.")
-        if not flocked and _pid_running(record.get("pid")) and not self.force:
+        if not flocked and pid_running(record.get("pid")) and not self.force:
             raise SaveLockError(self._refusal(record))
         return (f"> taking over the stale lock {self.path} of {describe(record)}: that process "
                 f"is no longer running.")
@@ -209,21 +200,17 @@ def release_save_locks(main):
     return wrapper
 
 
-def has_checkpoints(folder: str) -> bool:
-    """True when `folder` holds a tracker file or a complete iteration folder."""
-    from megatron_sp.checkpointing.io import complete_iterations
-    return os.path.isfile(os.path.join(folder, TRACKER_FILENAME)) or bool(complete_iterations(folder))
-
-
 def fresh_run_problem(save: str | None, load: str | None, overwrite: bool) -> str | None:
     """The sentence refusing a run that does not resume --save although --save holds
     checkpoints (another run's), or None. `overwrite`: --overwrite-save."""
-    if not save or overwrite or not os.path.isdir(save) or not has_checkpoints(save):
+    from megatron_sp.checkpointing.io import complete_iterations
+    if not save or overwrite or not os.path.isdir(save):
         return None
     if load and os.path.realpath(load) == os.path.realpath(save):
         return None
-    from megatron_sp.checkpointing.io import complete_iterations
-    have = complete_iterations(save)
+    have = complete_iterations(save)              # the tracker alone also counts as checkpoints
+    if not have and not os.path.isfile(os.path.join(save, TRACKER_FILENAME)):
+        return None
     newest = f"iteration {have[-1]}" if have else TRACKER_FILENAME
     loading = f"--load {load} is another folder" if load else "there is no --load"
     return (f"--save {save} already holds checkpoints of another run (newest: {newest}) and "

@@ -20,16 +20,9 @@ import os
 import shutil
 import socket
 
+from megatron_sp.comm_stats import format_bytes
+
 PROBE_PREFIX = ".megatron_sp-probe"
-
-
-def format_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB' (binary units, one decimal)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024.0
-    return f"{n:.1f} TiB"
 
 
 def _regular_file_above(path: str) -> str | None:

@@ -71,7 +71,8 @@ def _latest_checkpoint(save: str):
 def interrupted_message(job, iteration: int, argv=None) -> str:
     """Ctrl-C: where the run stopped, the last complete checkpoint and the command that resumes."""
     save, load = job.checkpoint.save, job.checkpoint.load
-    if int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")) or 1) > 1:
+    from megatron_sp.cli.startup_checks import launcher_world_size
+    if launcher_world_size() > 1:
         command = "the launcher's command (torchrun / srun) as it was"
     else:
         command = shlex.join(["python", sys.argv[0] or "pretrain_gpt.py"]

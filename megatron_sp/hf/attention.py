@@ -75,6 +75,7 @@ class _State:
         self.group = group
         self.sp = group_size(group)
         self.inner = inner
+        self.inner_fn = _original(inner)       # the function the model was loaded with
         self.documents = _Documents(group)
         self.sdpa = SDPAAttention()
 
@@ -141,7 +142,7 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout: float 
             kwargs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
                           max_length_q=max_seqlen, max_length_k=max_seqlen)
         view = _InnerView(module, state.inner, q.shape[2] // k.shape[2])
-        out, _ = _original(state.inner)(
+        out, _ = state.inner_fn(
             view, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),   # [b, heads, s, d]
             None, dropout=dropout, scaling=scaling, **kwargs)    # -> [b, s, h/sp, d]
     return head_to_seq_all_to_all(out.contiguous(), group), None  # [b, s/sp, h, d]

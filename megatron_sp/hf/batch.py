@@ -109,7 +109,7 @@ def prepare_full(batch: dict, sp: int, *, pad_token_id=None, pad: bool = True) -
     ids = batch["input_ids"]
     mask = batch.get("attention_mask")
     pos = batch.get("position_ids")
-    pos = make_position_ids(ids, mask) if pos is None else pos.expand(b, s)
+    pos = make_position_ids(ids, mask) if pos is None else pos.expand(b, s)   # [1|b, s] -> [b, s]
     if batch.get("shift_labels") is not None:     # already shifted by the caller: kept as given
         targets = batch["shift_labels"]
     else:

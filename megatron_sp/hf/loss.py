@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_sp.hf.batch import IGNORE_INDEX, SequenceParallelError
-from megatron_sp.hf.comm import count_over_groups, sum_over_groups
+from megatron_sp.hf.comm import sum_over_groups
 from megatron_sp.memory.options import resolve_count
 from megatron_sp.memory.recompute import checkpoint
 
@@ -53,10 +53,10 @@ def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: in
 
 
 def _reduce(local_sum: torch.Tensor, labels: torch.Tensor, groups, ignore_index: int):
+    """sum / count over the groups, both in one all-reduce (the count carries no gradient)."""
     count = (labels != ignore_index).sum().to(torch.float32)
-    count = count_over_groups(count, groups)
-    total = sum_over_groups(local_sum, groups)
-    return total / count.clamp(min=1.0)
+    both = sum_over_groups(torch.stack([local_sum.float(), count]), groups)   # [2]: sum, count
+    return both[0] / both[1].detach().clamp(min=1.0)
 
 
 def loss(logits: torch.Tensor, batch: dict, sp_group, *, dp_group=None,

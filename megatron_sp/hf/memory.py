@@ -51,7 +51,7 @@ def decoder_layers(model) -> list:
                       f"qwen3 or gpt2 causal LM.")
 
 
-def _ffn_width(mlp, config) -> int:
+def _ffn_width(config) -> int:
     return getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or \
         4 * config.hidden_size
 
@@ -75,7 +75,7 @@ def tile_mlp(model, tiles: int | str = "auto"):
         if getattr(mlp, _TILED, False):
             raise ConfigError("megatron_sp.hf.memory.tile_mlp: the MLPs are already tiled.")
         mlp.forward = functools.partial(_tiled_forward, mlp.forward, tiles,
-                                        _ffn_width(mlp, config))
+                                        _ffn_width(config))
         setattr(mlp, _TILED, True)
     return model
 

@@ -33,7 +33,7 @@ import torch
 
 import fault_writer
 from megatron_sp import checkpointing as ck
-from megatron_sp.checkpointing.preflight import format_bytes
+from megatron_sp.comm_stats import format_bytes
 from megatron_sp.mesh import ParallelMesh
 from megatron_sp.testing import finish_process, free_port, load_script
 
