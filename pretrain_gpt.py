@@ -65,7 +65,7 @@ def main(argv=None):
             progress.phase(mesh, "dataset indices ready") as note:
         train_ds, valid_ds = build_datasets(job, tokenizer, mesh, trainer.state,
                                             checkpoints.end_iteration)
-        note["text"] = f" (train {len(train_ds)} samples" + (
+        note["text"] = f" (train {len(train_ds) if train_ds is not None else 0} samples" + (
             f", validation {len(valid_ds)})" if valid_ds is not None else ")")
     train_iter, valid_iter = loaders(job, train_ds, valid_ds, trainer.state, mesh,
                                      tokenizer.vocab_size)
@@ -422,6 +422,8 @@ def loaders(job: JobConfig, train_ds, valid_ds, state, mesh, vocab_size: int):
     return loader(train_ds, state.consumed_train_samples), valid
 
 
+    if train_ds is None:        # --train-iters 0: no training split is read
+        return iter(()), valid
 # Start-up and closing lines ---------------------------------------------------------------------
 
 def say_startup(job: JobConfig, mesh, config, chunks) -> None:

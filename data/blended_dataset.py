@@ -322,7 +322,17 @@ class BlendedDataset:
         split = self.datasets[0].split_name
         return cached_indices(cache_dir, self.description, f"BlendedDataset-{split}",
                               ("dataset_index", "dataset_sample_index"),
-                              lambda: build_blending_indices(self.weights, self.size), build)
+                              lambda: build_blending_indices(self.weights, self.size), build,
+                              check=self._check_indices)
+
+    def _check_indices(self, arrays):
+        """(name, problem) when cached indices cannot be this blend's (shapes and ids)."""
+        for name, array in zip(("dataset_index", "dataset_sample_index"), arrays):
+            if array.shape != (self.size,):
+                return name, f"its shape is {array.shape}, not ({self.size},) for the blend's size"
+        if self.size and not 0 <= int(arrays[0].min()) <= int(arrays[0].max()) < len(self.datasets):
+            return "dataset_index", f"it names datasets outside the blend's {len(self.datasets)}"
+        return None
 
     def __len__(self):
         return len(self.dataset_index)

@@ -8,7 +8,7 @@ import re
 import numpy as np
 
 from .blended_dataset import BlendedDataset, normalize
-from .gpt_dataset import GPTDataset, GPTDatasetConfig
+from .gpt_dataset import GPTDataset, GPTDatasetConfig, num_epochs_needed
 from .indexed_dataset import DataError, DataFileError, IndexedDataset
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -34,11 +34,44 @@ def parse_data_path(data_path):
     return items[1::2], weights
 
 
+SPLIT_EXAMPLE = "969,30,1"
+
+
+def parse_split(split) -> list[float]:
+    """--split as three weights: '949,50,1' or '949/50/1' (Megatron-LM's separators; missing
+    weights are 0, '100' is train only). One sentence (DataError) for what Megatron asserts on
+    or would misread: a weight that is not a number, a negative weight (megatron-core's regex
+    would read '98,-2,4' as 98,2,4), more than three weights, or no positive weight at all."""
+    text = split if isinstance(split, str) else ",".join(map(str, split))
+    given = f"--split {text}"
+    # Megatron's launch scripts expand "--split '99,1,0'" unquoted: the quotes reach the parser.
+    parts = [p.strip() for p in re.split(r"[,/]", text.strip().strip("'\""))] \
+        if isinstance(split, str) else [str(w) for w in split]
+    if len(parts) > 3:
+        raise DataError(f"{given} has {len(parts)} weights; give at most three, train,valid,test "
+                        f"(e.g. --split {SPLIT_EXAMPLE}).")
+    weights = []
+    for part in parts:
+        try:
+            weight = float(part)
+        except ValueError:
+            weight = None
+        if weight is None or not math.isfinite(weight):
+            raise DataError(f"{given}: {part!r} is not a number; give train,valid,test weights "
+                            f"separated by commas or slashes (e.g. --split {SPLIT_EXAMPLE}).")
+        if weight < 0:
+            raise DataError(f"{given} gives a split the negative weight {part}; weights must be "
+                            f"0 or more (0 skips a split, e.g. --split 98,2,0).")
+        weights.append(weight)
+    if sum(weights) <= 0:
+        raise DataError(f"{given} gives every split a weight of 0; give the training split a "
+                        f"positive weight (e.g. --split {SPLIT_EXAMPLE}).")
+    return weights + [0.0] * (3 - len(weights))
+
+
 def split_matrix(split):
     """'949,50,1' -> [(0, .949), (.949, .999), (.999, 1.0)], None for a 0-weight split."""
-    if isinstance(split, str):
-        split = [float(x) for x in re.findall(r"[.0-9]+", split)]
-    split = list(split) + [0.0] * (3 - len(split))
+    split = parse_split(split)
     ends, acc = [0.0], 0.0
     for w in normalize(split):
         acc = acc + w
@@ -99,6 +132,27 @@ def check_splits(prefix, split, matrix, sizes):
                         f"({tokens} tokens) of the {len(lengths)} documents the data has; {todo}.")
 
 
+def short_split_notes(prefix, matrix, sizes, seq_length):
+    """The notes for the splits read whose one epoch holds fewer tokens than one sample
+    (seq_length + 1): each sample then holds the split's documents several times over, and the
+    run reads them many epochs (Megatron's sample order, said rather than changed)."""
+    lengths = IndexedDataset(prefix).sequence_lengths
+    read = [_read(b, s) for b, s in zip(matrix, sizes)]
+    notes = []
+    for name, tokens, size in zip(SPLIT_NAMES, _split_tokens(lengths, matrix, read), sizes):
+        if tokens is None or tokens < 2 or tokens >= seq_length + 1:
+            continue
+        runs = ""
+        if size:
+            epochs = num_epochs_needed(tokens, size, seq_length)
+            runs = f", {epochs} times over the {size} samples asked of it"
+        notes.append(f"> note: the {name} split of {prefix} holds {tokens} tokens, fewer than one "
+                     f"sample (--seq-length {seq_length} + 1 tokens): each of its documents "
+                     f"repeats about {(seq_length + 1) / tokens:.0f} times in every sample"
+                     f"{runs}; use more data or a shorter --seq-length.")
+    return notes
+
+
 def _prefix_sizes(weights, sizes, matrix, n_prefixes):
     """Sample counts asked of each prefix's splits (megatron-core's per-dataset targets plus its
     surplus when blending with weights; None = the whole split)."""
@@ -138,12 +192,13 @@ def _build_all(prefixes, weights, matrix, sizes, config, build):
 def build_gpt_datasets(data_path, split, seq_length, seed, num_samples, eod_id, pad_id, cache_dir,
                        *, reset_position_ids=False, reset_attention_mask=False,
                        eod_mask_loss=False, return_document_ids=False, rank=0, world_size=1,
-                       barrier=None):
+                       barrier=None, note=None):
     """(train, valid, test) datasets equal to megatron-core's for the same settings; a split
     with no documents in --split or a sample count of 0 is None (never built).
 
     Rank 0 builds (and caches) the indices; the others wait (barrier, or polling the cache when
-    no barrier is given) and memory-map them.
+    no barrier is given) and memory-map them. Rank 0 says through `note` (default: print) when a
+    split holds fewer tokens than one sample (short_split_notes).
     """
     prefixes, weights = parse_data_path(data_path)
     config = GPTDatasetConfig(seq_length, seed, eod_id, pad_id, cache_dir, reset_position_ids,
@@ -154,6 +209,10 @@ def build_gpt_datasets(data_path, split, seq_length, seed, num_samples, eod_id, 
         check_splits(prefix, split, matrix, row)     # every rank: all stop together, none waits
     result = None
     if rank == 0:
+        say = note or (lambda line: print(line, flush=True))
+        for prefix, row in zip(prefixes, _prefix_sizes(weights, sizes, matrix, len(prefixes))):
+            for line in short_split_notes(prefix, matrix, row, seq_length):
+                say(line)
         result = _build_all(prefixes, weights, matrix, sizes, config, build=True)
     if world_size > 1 and barrier is not None:
         barrier()

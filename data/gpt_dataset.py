@@ -215,10 +215,46 @@ def description_hash(description):
     return text, hashlib.md5(text.encode()).hexdigest()
 
 
-def cached_indices(cache_dir, description: dict, stem: str, names, build_fn, build: bool):
+def load_cached(path, cache_dir, stem_glob):
+    """One cached index array, memory-mapped (never unpickled: allow_pickle stays False); a file
+    that is not a plain integer .npy (an object array, truncated, another dtype) is a DataError
+    naming it and how to rebuild it."""
+    try:
+        array = np.load(path, mmap_mode="r")
+    except (ValueError, EOFError) as err:
+        raise corrupt_cache(path, cache_dir, stem_glob, _numpy_reason(err)) from None
+    if array.dtype.kind not in "iu" or array.ndim not in (1, 2):
+        raise corrupt_cache(path, cache_dir, stem_glob,
+                            f"it holds a {array.ndim}-d {array.dtype} array, not integer indices")
+    return array
+
+
+def _numpy_reason(err) -> str:
+    """What numpy's refusal of a cached .npy means, in words (numpy's own kept in brackets)."""
+    text = str(err).strip().rstrip(".") or type(err).__name__
+    if "Python objects" in text:
+        return "it holds an array of Python objects, not integer indices"
+    if "pickle" in text:
+        return "it is not a .npy array (numpy would have to unpickle it)"
+    if isinstance(err, EOFError) or "EOF" in text or "greater than file size" in text:
+        return f"it is truncated (numpy: {text})"
+    return f"it is not a readable .npy file (numpy: {text})"
+
+
+def corrupt_cache(path, cache_dir, stem_glob, reason):
+    """The sentence for a cached index that cannot be used: the file, why, what to delete."""
+    return DataError(f"{path}: this cached dataset index cannot be used: {reason}; delete "
+                     f"{os.path.join(cache_dir, stem_glob)} (or the whole cache folder {cache_dir}) "
+                     f"and run again to rebuild the indices.")
+
+
+def cached_indices(cache_dir, description: dict, stem: str, names, build_fn, build: bool,
+                   check=None):
     """Index arrays keyed by a hash of `description`: memory-mapped from `cache_dir` when cached,
     else built by `build_fn()` and saved (build=True, one rank) or waited for (build=False).
-    Without a cache_dir they are built in memory."""
+    Without a cache_dir they are built in memory. `check(arrays)`: None, or (name, problem) for
+    arrays whose shapes do not fit the dataset (a damaged or foreign cache file): a DataError
+    naming that file."""
     if cache_dir is None:
         return build_fn()
     text, key = description_hash(description)
@@ -232,7 +268,13 @@ def cached_indices(cache_dir, description: dict, stem: str, names, build_fn, bui
                 f.write(text)
             for path, array in zip(paths, build_fn()):
                 save_npy(path, array)
-    return tuple(np.load(p, mmap_mode="r") for p in paths)
+    stem_glob = f"{key}-{stem}-*.npy"
+    arrays = tuple(load_cached(p, cache_dir, stem_glob) for p in paths)
+    problem = check(arrays) if check is not None else None
+    if problem is not None:
+        name, reason = problem
+        raise corrupt_cache(paths[list(names).index(name)], cache_dir, stem_glob, reason)
+    return arrays
 
 
 class GPTDataset:
@@ -259,7 +301,27 @@ class GPTDataset:
 
     def _indices(self, build):
         return cached_indices(self.config.cache_dir, self.description, f"GPTDataset-{self.split_name}",
-                              ("document_index", "sample_index", "shuffle_index"), self._build, build)
+                              ("document_index", "sample_index", "shuffle_index"), self._build, build,
+                              check=self._check_indices)
+
+    def _check_indices(self, arrays):
+        """(name, problem) when cached indices cannot be this split's (shapes only: no full read)."""
+        document_index, sample_index, shuffle_index = arrays
+        samples = len(sample_index) - 1
+        if document_index.ndim != 1:
+            return "document_index", f"its shape is {document_index.shape}, not one row"
+        if not len(document_index) or len(document_index) % max(len(self.documents), 1):
+            return "document_index", (f"its {len(document_index)} entries are not whole epochs of "
+                                      f"the split's {len(self.documents)} documents")
+        if sample_index.ndim != 2 or sample_index.shape[1] != 2 or samples < 0:
+            return "sample_index", f"its shape is {sample_index.shape}, not (samples + 1, 2)"
+        if self.num_samples is not None and samples < self.num_samples:
+            return "sample_index", (f"it holds {samples} samples, fewer than the "
+                                    f"{self.num_samples} asked")
+        if shuffle_index.ndim != 1 or len(shuffle_index) != samples:
+            return "shuffle_index", (f"its shape is {shuffle_index.shape}, not ({samples},) for the "
+                                     f"{samples} samples of the sample index")
+        return None
 
     def _build(self):
         try:

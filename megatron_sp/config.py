@@ -41,6 +41,11 @@ def _resolve(section, **values) -> None:
         object.__setattr__(section, name, value)
 
 
+def _example_hierarchy(n: int) -> str:
+    """A valid --hierarchical-context-parallel-sizes for --context-parallel-size n: "2 {n/2}"."""
+    return f"2 {n // 2}" if n % 2 == 0 else f"1 {n}"
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """The parallel layout and how model state is sharded and reduced (docs/design.md §3, §11)."""
@@ -101,6 +106,9 @@ class ParallelConfig:
         pp = self.pipeline_model_parallel_size
         if pp < 1:
             raise ConfigError(f"--pipeline-model-parallel-size must be >= 1, got {pp}.")
+        for name in ("tensor_model_parallel_size", "sequence_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}.")
         if pp == 1:
             for name in ("num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
                          "decoder_last_pipeline_num_layers"):
@@ -141,13 +149,18 @@ class ParallelConfig:
                 raise ConfigError(f"--context-parallel-size {n} and --sequence-parallel-size {s} "
                                   f"disagree; pass one of them.")
             _resolve(self, sequence_parallel_size=n)
+        if sizes is not None and (len(sizes) != 2 or min(sizes) < 1):
+            raise ConfigError(
+                f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))} must be two "
+                f"positive integers A R (Ulysses ranks x ring ranks) whose product is "
+                f"--context-parallel-size {n}; e.g. --hierarchical-context-parallel-sizes "
+                f"{_example_hierarchy(n)}.")
         if kind == "a2a+p2p":
-            if sizes is None or len(sizes) != 2 or sizes[0] * sizes[1] != n:
+            if sizes is None or sizes[0] * sizes[1] != n:
                 raise ConfigError(
                     f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A R with "
                     f"A x R = --context-parallel-size {n}, got {list(sizes) if sizes else 'none'}; "
-                    f"e.g. --hierarchical-context-parallel-sizes {min(n, 2) if n % 2 == 0 else 1} "
-                    f"{n // 2 if n % 2 == 0 else n}.")
+                    f"e.g. --hierarchical-context-parallel-sizes {_example_hierarchy(n)}.")
             if s not in (1, sizes[0]):
                 raise ConfigError(f"--sequence-parallel-size {s} and the Ulysses degree {sizes[0]} "
                                   f"of --hierarchical-context-parallel-sizes disagree; pass one of "
@@ -286,7 +299,7 @@ class DataConfig:
     data_path: tuple[str, ...] | None = None
     """--data-path: dataset prefixes, optionally weighted: [w1] prefix1 [w2 prefix2 ...]."""
     split: str = "969,30,1"
-    """--split: train,valid,test proportions of the documents (Megatron's)."""
+    """--split: train,valid,test proportions of the documents, commas or slashes (Megatron's)."""
     data_cache_path: str | None = None
     """--data-cache-path: folder of the cached sample indices (default: next to the data)."""
     tokenizer_type: str | None = None
@@ -319,6 +332,13 @@ class DataConfig:
     def __post_init__(self):
         if self.data_path is not None:
             _resolve(self, data_path=tuple(self.data_path))
+        self.split_weights()     # one sentence (DataError) for a --split that cannot be used
+
+    def split_weights(self) -> list[float]:
+        """--split as three non-negative weights, train, valid, test (commas or slashes, as
+        Megatron-LM; a DataError naming the flag for anything else)."""
+        from megatron_sp.data.builder import parse_split
+        return parse_split(self.split)
 
 
 @dataclass(frozen=True)
@@ -709,6 +729,19 @@ class JobConfig:
     def __post_init__(self):
         object.__setattr__(self, "notes", tuple(self.notes))
         object.__setattr__(self, "command_line", MappingProxyType(dict(self.command_line)))
+        self._check_training_split()
+
+    def _check_training_split(self) -> None:
+        """Training asked for (--train-iters > 0) needs documents: a --split whose first weight
+        is 0 (e.g. 0,100,0) gives the training split none."""
+        data, iters = self.data, self.training.train_iters
+        if data.mock_data or not iters or data.split_weights()[0] > 0:
+            return
+        given = (f"--train-samples {self.training.train_samples}"
+                 if self.training.train_samples is not None else f"--train-iters {iters}")
+        raise ConfigError(f"--split {data.split} gives the training split a weight of 0 (no "
+                          f"documents) but {given} asks for training; give the first weight a "
+                          f"positive share (e.g. --split 969,30,1).")
 
     @classmethod
     def from_flags(cls, flags: Mapping[str, Any], *, notes=(), strict: bool = True) -> "JobConfig":

@@ -350,7 +350,8 @@ HELP = {
     "--recompute-method": "full recompute: uniform groups or the first N layers (block)",
     "--grad-bucket-size-mb": "size of the gradient buckets reduced during backward",
     "--data-path": "dataset prefixes, optionally weighted: [w1] prefix1 [w2 prefix2 ...]",
-    "--split": "train,valid,test proportions of the documents (Megatron's)",
+    "--split": "train,valid,test proportions of the documents, separated by commas or slashes "
+               "(Megatron's)",
     "--data-cache-path": "folder of the cached sample indices (default: next to the data)",
     "--tokenizer-type": "the tokenizer the data was preprocessed with",
     "--tokenizer-model": "its model file (.model) or Hugging Face folder",

@@ -80,9 +80,11 @@ def check_world_size(parallel, argv=None) -> None:
     try:
         ParallelDims(world_size=world, **sizes)
     except LayoutError as err:
-        if world != 1:
-            raise
         needed = sizes["tp"] * sizes["sp"] * sizes["pp"] * sizes["cp"]
+        # The torchrun hint only where more processes fix it: valid sizes whose product does not
+        # divide this one process (a size of 0 or -2 is a flag to fix, not a launch to change).
+        if world != 1 or min(sizes.values()) < 1 or world % needed == 0:
+            raise
         args = shlex.join(sys.argv[1:] if argv is None else argv)
         command = f"torchrun --nproc-per-node {needed} pretrain_gpt.py {args}".strip()
         if len(command) > 160:

@@ -3,6 +3,7 @@ datasets included: blend weights, token ids outside the vocabulary (preprocessin
 index cache after re-preprocessing a prefix, empty splits, the preprocessing CLI's errors."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -284,3 +285,156 @@ def test_preprocess_writer_encodes_while_the_pool_is_behind(monkeypatch, seed):
     with pytest.raises(DataError, match=f"task {pool_ahead - 1}$"):
         list(module._in_order(_FakePool(3), range(n), pool_ahead, in_flight))
     assert where[pool_ahead] == "here"
+
+
+# Issue 34: --split, damaged cache files, a corpus shorter than one sample ---------------------
+
+@pytest.mark.parametrize("split, words", [
+    ("0,0,0", "--split 0,0,0 gives every split a weight of 0; give the training split a positive "
+              "weight"),
+    ("98,-2,4", "--split 98,-2,4 gives a split the negative weight -2; weights must be 0 or more"),
+    ("98,x,2", "--split 98,x,2: 'x' is not a number"),
+    ("90,5,3,2", "--split 90,5,3,2 has 4 weights; give at most three"),
+    ("nan,1,1", "--split nan,1,1: 'nan' is not a number"),
+])
+def test_split_refused_by_the_data_builder(tmp_path, split, words):
+    """build_gpt_datasets itself (the library API) refuses what megatron-core's regex would
+    misread ('98,-2,4' as 98,2,4) or divide by (0,0,0), before anything is built."""
+    a = write_corpus(str(tmp_path / "a"), np.random.default_rng(8), 30)
+    with pytest.raises(DataError) as info:
+        build_gpt_datasets([a], split, 16, 1, (20, 0, 0), EOD, -1, str(tmp_path / "c"))
+    message = str(info.value)
+    assert message.startswith(words) and message.endswith(".") and "\n" not in message
+    assert not (tmp_path / "c").exists()
+
+
+def test_split_accepts_megatrons_separators(tmp_path):
+    """Commas or slashes (Megatron-LM's get_train_valid_test_split_), missing weights are 0."""
+    from megatron_sp.data.builder import parse_split, split_matrix
+    assert parse_split("949/50/1") == parse_split("949, 50, 1") == [949.0, 50.0, 1.0]
+    assert parse_split("1") == [1.0, 0.0, 0.0] and parse_split("98,2") == [98.0, 2.0, 0.0]
+    assert parse_split("'99,1,0'") == [99.0, 1.0, 0.0]    # a launch script's quotes (unexpanded)
+    assert split_matrix("80/20") == split_matrix("80,20,0")
+    a = write_corpus(str(tmp_path / "a"), np.random.default_rng(9), 40)
+    slash = build_gpt_datasets([a], "90/10/0", 16, 1, (50, 5, 0), EOD, -1, None)
+    comma = build_gpt_datasets([a], "90,10,0", 16, 1, (50, 5, 0), EOD, -1, None)
+    for s, c in zip(slash[:2], comma[:2]):
+        np.testing.assert_array_equal(s.shuffle_index, c.shuffle_index)
+
+
+def test_split_refused_by_pretrain_gpt_at_the_edge(tmp_path):
+    """pretrain_gpt's load_job (before any model or process group): --split 0,0,0 and 0,100,0
+    with training asked for are one sentence, not a TypeError at len(train_ds); 0,100,0 with
+    --train-iters 0 is accepted."""
+    from megatron_sp.errors import UserError
+    from megatron_sp.testing import load_script
+    pretrain_gpt = load_script("pretrain_gpt.py")
+    a = write_corpus(str(tmp_path / "a"), np.random.default_rng(10), 30)
+    base = ["--model", "gpt2-tiny", "--data-path", a, "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "1000", "--seq-length", "16", "--micro-batch-size", "2"]
+    for split, iters, words in (
+            ("0,0,0", "5", "--split 0,0,0 gives every split a weight of 0"),
+            ("0,100,0", "5", "--split 0,100,0 gives the training split a weight of 0 (no "
+                             "documents) but --train-iters 5 asks for training; give the first "
+                             "weight a positive share (e.g. --split 969,30,1).")):
+        with pytest.raises(UserError) as info:
+            pretrain_gpt.load_job(base + ["--split", split, "--train-iters", iters])
+        assert str(info.value).startswith(words) and "\n" not in str(info.value)
+    job, _ = pretrain_gpt.load_job(base + ["--split", "0,100,0", "--train-iters", "0"])
+    assert job.data.split_weights() == [0.0, 100.0, 0.0]
+
+
+def _cached(cache, stem):
+    return sorted(str(p) for p in cache.glob(f"*-{stem}-*.npy"))
+
+
+@pytest.mark.parametrize("damage", ["object", "not-npy", "truncated", "header", "empty", "float",
+                                    "shape", "short"])
+def test_damaged_index_cache_names_the_file(tmp_path, damage):
+    """A cached .npy replaced or cut short is never loaded (nor unpickled): one sentence names
+    it and says what to delete; once deleted the indices are rebuilt, equal to a fresh build."""
+    rng = np.random.default_rng(11)
+    a = write_corpus(str(tmp_path / "a"), rng, 40)
+    cache = tmp_path / "cache"
+    args = ([a], "1", 16, 3, (60, 0, 0), EOD, -1, str(cache))
+    fresh = build_gpt_datasets(*args[:-1], None)[0]
+    build_gpt_datasets(*args)
+    document, sample, shuffle = _cached(cache, "GPTDataset-train")
+    target = {"float": sample, "shape": sample, "short": shuffle}.get(damage, document)
+    data = open(target, "rb").read()
+    if damage == "object":
+        np.save(target, np.array([1, "x", None], dtype=object), allow_pickle=True)
+    elif damage == "not-npy":
+        open(target, "wb").write(b"not an array " * 20)
+    elif damage in ("truncated", "header", "empty"):
+        open(target, "wb").write(data[:{"truncated": len(data) - 8, "header": 40,
+                                        "empty": 0}[damage]])
+    elif damage == "float":
+        np.save(target, np.load(target).astype(np.float64))
+    elif damage == "shape":
+        np.save(target, np.zeros((len(fresh) + 1, 3), np.int32))
+    else:
+        np.save(target, np.load(target)[:-1])
+    with pytest.raises(DataError) as info:
+        build_gpt_datasets(*args)
+    message = str(info.value)
+    stem = os.path.basename(target).rsplit("-", 1)[0] + "-*.npy"
+    assert message.startswith(f"{target}: this cached dataset index cannot be used: ")
+    assert message.endswith(f"; delete {os.path.join(str(cache), stem)} (or the whole cache "
+                            f"folder {cache}) and run again to rebuild the indices.")
+    assert "\n" not in message and "allow_pickle" not in message
+    if damage in ("object", "not-npy"):
+        assert "Python objects" in message or "unpickle" in message
+    os.remove(target)
+    again = build_gpt_datasets(*args)[0]
+    np.testing.assert_array_equal(again.shuffle_index, fresh.shuffle_index)
+    np.testing.assert_array_equal(again[len(fresh) - 1]["tokens"], fresh[len(fresh) - 1]["tokens"])
+
+
+def test_damaged_blend_cache_names_the_file(tmp_path):
+    """The blend's cached dataset index with another length, or naming a dataset the blend does
+    not have: the file is named (not an IndexError at the first batch)."""
+    rng = np.random.default_rng(12)
+    a, b = (write_corpus(str(tmp_path / n), rng, 30) for n in "ab")
+    cache = tmp_path / "cache"
+    args = (["0.3", a, "0.7", b], "1", 16, 1, (40, 0, 0), EOD, -1, str(cache))
+    build_gpt_datasets(*args)
+    dataset_index = [p for p in _cached(cache, "BlendedDataset-train") if "-dataset_index" in p][0]
+    original = np.load(dataset_index)
+    for damaged, reason in ((original[:-1], f"its shape is ({len(original) - 1},), not "
+                                            f"({len(original)},)"),
+                            (np.full_like(original, 5), "it names datasets outside the blend's 2")):
+        np.save(dataset_index, damaged)
+        with pytest.raises(DataError, match=rf"^{dataset_index}: this cached dataset index cannot "
+                                            rf"be used: {re.escape(reason)}"):
+            build_gpt_datasets(*args)
+
+
+def test_corpus_shorter_than_one_sample_is_said_once(tmp_path, capsys):
+    """14 tokens and --seq-length 1024: one note from rank 0 (how often each document repeats in
+    a sample and over the run, what to do); the samples are Megatron's all the same (the same as
+    without the note), other ranks and a corpus longer than a sample say nothing."""
+    tiny = str(tmp_path / "tiny")
+    b = IndexedDatasetBuilder(tiny + ".bin", np.uint16)
+    b.add_document(np.arange(1, 15) % EOD, [14])
+    b.finalize(tiny + ".idx")
+    notes = []
+    train = build_gpt_datasets([tiny], "1", 1024, 1, (12, 0, 0), EOD, -1, None,
+                               note=notes.append)[0]
+    assert notes == [f"> note: the train split of {tiny} holds 14 tokens, fewer than one sample "
+                     f"(--seq-length 1024 + 1 tokens): each of its documents repeats about 73 "
+                     f"times in every sample, 878 times over the 12 samples asked of it; use more "
+                     f"data or a shorter --seq-length."]
+    assert len(train) >= 12 and list(train[0]["tokens"][:15]) == list(range(1, 15)) + [1]
+    cache = str(tmp_path / "c")
+    build_gpt_datasets([tiny], "1", 1024, 1, (12, 0, 0), EOD, -1, cache, note=notes.append)
+    assert len(notes) == 2 and notes[0] == notes[1]
+    other = build_gpt_datasets([tiny], "1", 1024, 1, (12, 0, 0), EOD, -1, cache, rank=1,
+                               world_size=2)[0]        # memory-maps rank 0's indices, quietly
+    assert capsys.readouterr().out == ""
+    np.testing.assert_array_equal(other.shuffle_index, train.shuffle_index)
+    a = write_corpus(str(tmp_path / "a"), np.random.default_rng(13), 40)
+    build_gpt_datasets([a], "1", 16, 1, (12, 0, 0), EOD, -1, None)
+    assert capsys.readouterr().out == ""
+    build_gpt_datasets([tiny], "1", 1024, 1, (12, 0, 0), EOD, -1, None)     # default: print
+    assert capsys.readouterr().out.startswith(f"> note: the train split of {tiny} holds 14 tokens")

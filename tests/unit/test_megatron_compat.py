@@ -266,10 +266,45 @@ def test_context_parallel_flags_keep_megatrons_meaning(argv, ulysses, ring, note
     (["--hierarchical-context-parallel-sizes", "2", "2"], "applies to --cp-comm-type a2a+p2p"),
     (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--sequence-parallel-size", "2"],
      "disagree"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+      "--hierarchical-context-parallel-sizes", "-2", "-2"],
+     "--hierarchical-context-parallel-sizes -2 -2 must be two positive integers A R (Ulysses ranks "
+     "x ring ranks) whose product is --context-parallel-size 4; e.g. "
+     "--hierarchical-context-parallel-sizes 2 2."),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+      "--hierarchical-context-parallel-sizes", "2", "2", "1"],
+     "--hierarchical-context-parallel-sizes 2 2 1 must be two positive integers"),
+    (["--context-parallel-size", "1", "--cp-comm-type", "a2a+p2p",
+      "--hierarchical-context-parallel-sizes", "-1", "-1"], "e.g. --hierarchical-context-"
+                                                            "parallel-sizes 1 1."),
+    (["--sequence-parallel-size", "-2"], "--sequence-parallel-size must be >= 1, got -2."),
+    (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be >= 1, got 0."),
 ])
 def test_context_parallel_refusals_are_one_sentence(argv, words):
     from megatron_sp.cli.build import parse_job
     with pytest.raises(ConfigError) as err:
         parse_job(BASE + argv)
     assert words in str(err.value) and "\n" not in str(err.value)
+    assert "torchrun" not in str(err.value)
+
+
+def test_torchrun_hint_only_when_more_processes_fix_it(monkeypatch):
+    """One process without a launcher: a layout of valid sizes that needs more processes gets the
+    torchrun command; sizes that are themselves wrong (as a ParallelConfig built by the library
+    without the command line's checks could hold) are said without it."""
+    import types
+    from megatron_sp.cli.startup_checks import check_world_size
+    from megatron_sp.errors import UserError
+    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    layout = dict(tensor_model_parallel_size=2, sequence_parallel_size=1,
+                  pipeline_model_parallel_size=1, ring_size=1)
+    with pytest.raises(ConfigError, match=r"run it with `torchrun --nproc-per-node 2 pretrain_gpt"
+                                          r"\.py --tensor-model-parallel-size 2`\.$"):
+        check_world_size(types.SimpleNamespace(**layout), ["--tensor-model-parallel-size", "2"])
+    for bad in (dict(sequence_parallel_size=-2), dict(ring_size=-2), dict(tensor_model_parallel_size=0)):
+        with pytest.raises(UserError) as err:
+            check_world_size(types.SimpleNamespace(**{**layout, **bad}), ["--flag"])
+        assert "torchrun" not in str(err.value) and "positive integer" in str(err.value)
+    check_world_size(types.SimpleNamespace(**{**layout, "tensor_model_parallel_size": 1}), [])
 
