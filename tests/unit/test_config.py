@@ -112,6 +112,35 @@ def test_each_rule_is_one_sentence(flags, words):
     assert words in message and "\n" not in message and message.endswith(".")
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--split", "0,0,0"], "--split 0,0,0 gives every split a weight of 0"),
+    (["--split", "98,-2,4"], "--split 98,-2,4 gives a split the negative weight -2"),
+    (["--split", "98;2"], "--split 98;2: '98;2' is not a number"),
+    (["--split", "0,100,0"], "--split 0,100,0 gives the training split a weight of 0 (no documents) "
+                             "but --train-iters 100 asks for training"),
+    (["--split", "0/100/0", "--train-samples", "64"], "--split 0/100/0 gives the training split a "
+                                                      "weight of 0 (no documents) but "
+                                                      "--train-samples 64 asks for training"),
+])
+def test_split_is_checked_at_the_edge(argv, words):
+    """--split in the typed config (issue 34): one sentence naming the flag and the value, not a
+    TypeError after the model is built, nor '98,-2,4' read as 98,2,4."""
+    from megatron_sp.errors import UserError
+    with pytest.raises(UserError) as err:
+        parse_job(["--seq-length", "16"] + argv)
+    message = str(err.value)
+    assert message.startswith(words) and "\n" not in message and message.endswith(".")
+
+
+@pytest.mark.parametrize("argv, weights", [
+    (["--split", "949/50/1"], [949.0, 50.0, 1.0]), (["--split", "1"], [1.0, 0.0, 0.0]),
+    (["--split", "0,100,0", "--train-iters", "0"], [0.0, 100.0, 0.0]),    # evaluation only
+    (["--split", "0,100,0", "--mock-data"], [0.0, 100.0, 0.0]),           # no documents read
+])
+def test_split_forms_megatron_accepts(argv, weights):
+    assert parse_job(["--seq-length", "16"] + argv).data.split_weights() == weights
+
+
 def test_unknown_field_is_a_type_error_in_code():
     with pytest.raises(TypeError, match="trian_iters"):
         JobConfig.from_flags({"trian_iters": 3})
