@@ -25,7 +25,8 @@ from megatron_sp.cli import build as cli
 from megatron_sp.cli import progress, startup_checks
 from megatron_sp.cli.arguments import parse_args
 from megatron_sp.config import JobConfig
-from megatron_sp.errors import ConfigError, DataError, NonFiniteLossError, reraise_as, run_main
+from megatron_sp.errors import (ConfigError, DataError, NonFiniteLossError, Terminated, reraise_as,
+                                run_main)
 from megatron_sp.memory import MemoryOptions
 from megatron_sp.memory.cpu_allocator import keep_freed_memory
 from megatron_sp.mesh import ParallelMesh, barrier, init_distributed, shutdown
@@ -80,8 +81,10 @@ def main(argv=None):
         raise
     except KeyboardInterrupt:    # Ctrl-C: name what survived and how to go on (errors.run_main)
         metrics.close()
-        raise KeyboardInterrupt(progress.interrupted_message(job, trainer.state.iteration,
-                                                             argv)) from None
+        said = progress.interrupted_message(job, trainer.state.iteration, argv)
+        if isinstance(err, Terminated):
+            raise Terminated(said, where=err.where) from None
+        raise KeyboardInterrupt(said) from None
     checkpoints.finish()
     metrics.close()
     if embedded:

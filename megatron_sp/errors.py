@@ -10,18 +10,30 @@ and exit status 1, without a traceback; `--debug` (or MEGATRON_SP_DEBUG=1) print
 too. Anything else is a bug and keeps its traceback. The error types of the other modules derive
 from `UserError`: ConfigError and DataError (here), LayoutError (mesh), PipelineLayoutError
 (pipeline.partition), DataFileError (data); NonFiniteLossError and CollectiveFailure are here. The
-module is a leaf: it imports nothing of megatron_sp.
+module is a leaf: it imports nothing of megatron_sp at import time (the rendezvous' store client
+only while reporting).
 
-Said once under torchrun/srun: ranks usually agree (every rank checks the same flags and files, and
-the non-finite loss is reduced over every rank first), so only rank 0 prints. A rank that finds
-an error the others do not see says it with its rank: "error: rank 3: ...". The ranks compare
-notes through the rendezvous store (key/value, no collective, so it works while the process group
-is wedged): each failing rank posts its message; rank 0 prints its own; another rank stays quiet
-when rank 0 posted the same sentence within GRACE_S seconds; a CollectiveFailure (a consequence:
-a peer died) stays quiet when some rank posted the error that caused it, and never waits (the
-launcher ends the other ranks as soon as one failed). Before the process group
-exists (argument errors) the ranks cannot compare, but they read the same command line: rank 0
-speaks, unless the error is marked `same_on_every_rank = False` (a rendezvous it cannot reach).
+Said once under torchrun/srun, whoever the launcher ends first (the ranks compare notes on a
+key/value store, no collective, so it works while the process group is wedged):
+
+- the store: the process group's once it exists; before it, torchrun's agent store (every rank is
+  its client, and it outlives the workers) or, launched by hand / srun, the store rank 0 hosts once
+  its own start-up checks passed (a rank that cannot reach it within GRACE_S says nothing when the
+  error is the same on every rank: rank 0 found it too, and says it without a store);
+- a cause (any UserError but a consequence): each failing rank posts its sentence; the first rank
+  to post a sentence says it, the others stay quiet but do not exit before it has been said (the
+  launcher ends the other ranks as soon as one exits: the sentence would be lost with the rank
+  that was about to print it). The speaker waits up to GRACE_S for another rank to find the same:
+  a sentence no other rank agrees with carries its rank ("error: rank 3: ..."), so does an error
+  marked `same_on_every_rank = False`;
+- a consequence (CollectiveFailure: a peer died; Terminated: the launcher's SIGTERM) is quiet when
+  some rank posted a cause, and said once, by the first rank to claim it, otherwise;
+- while a rank reports, the launcher's SIGTERM is held off (torchrun's grace is 30 s; a report
+  takes at most 4 x GRACE_S); at any other time it raises Terminated (a KeyboardInterrupt: saves clean up as
+  for Ctrl-C) and the rank reports that as a consequence;
+- under torchrun each reporting rank also writes its sentence to TORCHELASTIC_ERROR_FILE, so the
+  launcher's closing "Root Cause" block shows it as the failure's "traceback" (our `error:` line
+  stands above the block).
 
 Exit (`exit_process`): after the run ends, every rank leaves with os._exit, streams flushed,
 skipping the interpreter's finalization. A finished 2-rank run under load died after its last
@@ -34,13 +46,15 @@ closed before (metrics, TensorBoard, checkpoints, asynchronous saves): nothing i
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import signal
 import sys
 import time
 import traceback
 
-GRACE_S = 5.0             # how long a rank waits for rank 0's (or everyone's) note
+GRACE_S = 5.0             # how long a speaker waits for agreement (a quiet rank: 2x)
 _KEY = "megatron_sp/error"
 
 
@@ -61,6 +75,16 @@ class ConfigError(UserError, ValueError):
 
 class DataError(UserError, ValueError):
     """Data flags, files or tokenizers that cannot be used as given."""
+
+
+class UsageError(ConfigError):
+    """argparse's complaint in a multi-rank run: reported like any UserError (said once), after
+    the usage line, with argparse's exit status 2."""
+    exit_code = 2
+
+    def __init__(self, message: str, usage: str = ""):
+        super().__init__(message)
+        self.usage = usage
 
 
 class NonFiniteLossError(UserError, RuntimeError):
@@ -114,7 +138,7 @@ def as_user_error(err: BaseException) -> UserError | None:
     if isinstance(err, SystemExit) and isinstance(err.code, str):
         message = err.code[len("error: "):] if err.code.startswith("error: ") else err.code
         return UserError(message)
-    if _store() is not None and _rank_and_world()[1] > 1 and is_collective_failure(err):
+    if _initialized() and _rank_and_world()[1] > 1 and is_collective_failure(err):
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return CollectiveFailure(
             f"rank {_rank_and_world()[0]}: a collective failed outside a training step: another "
@@ -125,15 +149,44 @@ def as_user_error(err: BaseException) -> UserError | None:
 
 # Who speaks ------------------------------------------------------------------------------------
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM on a rank of a multi-rank run: the launcher ending the job because another rank
+    failed, or the scheduler (pre-emption, scancel) without --exit-signal-handler. A
+    KeyboardInterrupt, so every path that cleans up after Ctrl-C (partial saves) does so here;
+    `where` ("iteration 3") is filled in by the training loop."""
+
+    def __init__(self, message: str = "", where: str | None = None):
+        super().__init__(message)
+        self.where = where
+
+    def sentence(self, rank: int) -> str:
+        where = f" at {self.where}" if self.where else ""
+        tail = f"; {self}" if str(self) else "."
+        return (f"rank {rank}: stopped by SIGTERM{where} (the launcher ends every rank when one "
+                f"fails, and its report names the first; or the job was cancelled or pre-empted: "
+                f"--exit-signal-handler saves a checkpoint first){tail}")
+
+
+class _Stopped(UserError):
+    """A Terminated, reported as a consequence."""
+    same_on_every_rank = False
+    consequence = True
+
+
 def _distributed():
     """torch.distributed when this process imported it (else no process group can exist, and a
     tool's error line does not wait seconds for torch to import), or None."""
     return sys.modules.get("torch.distributed")
 
 
-def _rank_and_world() -> tuple[int, int]:
+def _initialized() -> bool:
     dist = _distributed()
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if _initialized():
+        dist = _distributed()
         return dist.get_rank(), dist.get_world_size()
     env = os.environ
     rank = env.get("RANK", env.get("SLURM_PROCID", "0"))
@@ -142,47 +195,88 @@ def _rank_and_world() -> tuple[int, int]:
 
 
 def _store():
-    """The rendezvous key/value store of the default process group, or None."""
-    dist = _distributed()
-    if dist is None or not (dist.is_available() and dist.is_initialized()):
+    """The store the ranks compare notes on (see the module docstring), or None."""
+    if _initialized():
+        try:
+            return _distributed().distributed_c10d._get_default_store()
+        except Exception:
+            return None
+    return _launcher_store()
+
+
+def _launcher_store():
+    """Before the process group: torchrun's agent store, or (rank > 0) the one rank 0 hosts."""
+    env = os.environ
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    rank, world = _rank_and_world()
+    if world < 2 or not env.get("MASTER_ADDR") or not env.get("MASTER_PORT") \
+            or (rank == 0 and not agent) or _distributed() is None:
         return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
+    import datetime
+    from megatron_sp.rendezvous import open_store     # the only store client; a leaf at import
+    store = open_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]), rank, world,
+                       datetime.timedelta(seconds=GRACE_S), agent)
+    return None if isinstance(store, BaseException) else store
 
 
-def _note(store, rank: int):
-    """Rank `rank`'s posted message, or None."""
-    key = f"{_KEY}/{rank}"
-    return json.loads(store.get(key))["message"] if store.check([key]) else None
+class Notes:
+    """One rank's side of the protocol on `store` (module docstring): who says a sentence.
+
+    Keys live under megatron_sp/error/<attempt>/ (torchrun's restart count: its agent store
+    outlives a restarted worker group)."""
+
+    def __init__(self, store, rank: int, world: int, environ=os.environ):
+        self.store, self.rank, self.world = store, rank, world
+        self.prefix = f"{_KEY}/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+    def _count(self, name: str, n: int = 0) -> int:
+        return self.store.add(f"{self.prefix}/{name}", n)
+
+    def _said(self, slot: str) -> bool:
+        return self.store.check([f"{self.prefix}/said/{slot}"])
+
+    def line(self, error: UserError) -> tuple[str | None, str]:
+        """(the line this rank prints, or None to stay quiet; the slot to mark said after it)."""
+        self._count("reported", 1)
+        if error.consequence:
+            return self._consequence(error)
+        message = str(error)
+        slot = hashlib.sha1(message.encode()).hexdigest()[:16]
+        self._count("causes", 1)
+        self._count("posted", 1)
+        if self._count(f"claims/{slot}", 1) > 1:     # another rank says it: stay until it has
+            _wait(lambda: self._said(slot), 2 * GRACE_S)
+            return None, slot
+        if error.same_on_every_rank:                 # does another rank find the same?
+            _wait(lambda: self._count(f"claims/{slot}") > 1 or self._count("posted") >= self.world)
+            if self._count(f"claims/{slot}") > 1:
+                return message, slot
+        return _with_rank(message, self.rank), slot
+
+    def _consequence(self, error: UserError) -> tuple[str | None, str]:
+        if self._count("causes") > 0:                # its cause was said by the rank that had it
+            return None, "consequence"
+        if self._count("claims/consequence", 1) > 1:
+            _wait(lambda: self._said("consequence"), 2 * GRACE_S)
+            return None, "consequence"
+        return _with_rank(str(error), self.rank), "consequence"
+
+    def mark_said(self, slot: str) -> None:
+        self.store.set(f"{self.prefix}/said/{slot}", "1")
+
+    def linger(self) -> None:
+        """The rank hosting the store (rank 0 launched by hand) stays until every rank reported
+        (or GRACE_S): the store dies with it."""
+        _wait(lambda: self._count("reported") >= self.world)
 
 
-def should_print(error: UserError, rank: int, world: int, store) -> bool:
-    """Whether this rank prints `error` (see the module docstring). Posts this rank's note."""
-    if world == 1:
-        return True
-    if store is None:
-        return rank == 0 or not error.same_on_every_rank
-    if error.consequence:   # quiet when a rank reported the cause; one look, no wait: the launcher
-        return store.add(f"{_KEY}/causes", 0) == 0     # is about to end this process
-    message = str(error)
-    store.set(f"{_KEY}/{rank}", json.dumps({"message": message}))
-    store.add(f"{_KEY}/causes", 1)
-    store.add(f"{_KEY}/posted", 1)
-    if rank == 0:
-        return True
-    return _wait(lambda: _note(store, 0)) != message
+def _with_rank(message: str, rank: int) -> str:
+    return message if message.startswith(f"rank {rank}") else f"rank {rank}: {message}"
 
 
-def _linger(world: int, store) -> None:
-    """Rank 0 stays until every rank posted (or GRACE_S): a store it hosts outlives their posts."""
-    _wait(lambda: store.add(f"{_KEY}/posted", 0) >= world)
-
-
-def _wait(probe):
-    """probe() until it gives a true value or GRACE_S passed; its last value."""
-    deadline = time.monotonic() + GRACE_S
+def _wait(probe, seconds: float | None = None):
+    """probe() until it gives a true value or `seconds` (GRACE_S) passed; its last value."""
+    deadline = time.monotonic() + (GRACE_S if seconds is None else seconds)
     while True:
         value = probe()
         if value or time.monotonic() > deadline:
@@ -190,25 +284,83 @@ def _wait(probe):
         time.sleep(0.05)
 
 
+def _line_without_store(error: UserError, rank: int, world: int) -> str | None:
+    """No store to compare on: rank 0 speaks for what every rank finds."""
+    if world == 1:
+        return str(error)
+    if error.same_on_every_rank and not error.consequence:
+        return str(error) if rank == 0 else None
+    return _with_rank(str(error), rank)
+
+
+def _hosts_store(store) -> bool:
+    return store is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" \
+        and _rank_and_world()[0] == 0
+
+
+def _write_launcher_error_file(line: str) -> None:
+    """torchrun's error file: its report then shows our sentence as this rank's "traceback"."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                         "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(record, f)
+    except OSError:
+        pass
+
+
+_reporting = False      # this process is reporting: the launcher's SIGTERM waits (see docstring)
+
+
+def _on_sigterm(signum, frame):
+    if not _reporting:
+        raise Terminated()
+
+
+def hold_sigterm() -> None:
+    """SIGTERM raises Terminated, except while a report is being made (run_main, multi-rank)."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
 def report(error: UserError) -> None:
     """Print `error` as one line, once across the ranks (the rank named where it differs)."""
+    global _reporting
+    _reporting = True
     rank, world = _rank_and_world()
-    store = _store()
+    _injected_delay(rank)
+    store = _store() if world > 1 else None
+    slot = None
     try:
-        speak = should_print(error, rank, world, store)
+        if store is None:
+            line = _line_without_store(error, rank, world)
+        else:
+            notes = Notes(store, rank, world)
+            line, slot = notes.line(error)
     except Exception:      # the store is gone (its host exited): say it, with the rank
-        speak, store = True, None
-    message = str(error)
-    if world > 1 and (rank != 0 or not error.same_on_every_rank or error.consequence) \
-            and not message.startswith(f"rank {rank}"):
-        message = f"rank {rank}: {message}"
-    if speak:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    if rank == 0 and store is not None and world > 1 and not error.consequence:
-        try:
-            _linger(world, store)
-        except Exception:
-            pass
+        line, store = _with_rank(str(error), rank) if world > 1 else str(error), None
+    if line is not None:
+        print(f"{getattr(error, 'usage', '')}error: {line}", file=sys.stderr, flush=True)
+    _write_launcher_error_file(line or str(error))
+    if store is None:
+        return
+    try:
+        if line is not None:
+            notes.mark_said(slot)
+        if _hosts_store(store):
+            notes.linger()
+    except Exception:
+        pass
+
+
+def _injected_delay(rank: int) -> None:
+    """Test-only: MEGATRON_SP_INJECT_REPORT_DELAY_S slows rank MEGATRON_SP_INJECT_RANK (default
+    0) before it reports, so a test forces the launcher's race (another rank exits first)."""
+    delay = os.environ.get("MEGATRON_SP_INJECT_REPORT_DELAY_S")
+    if delay and int(os.environ.get("MEGATRON_SP_INJECT_RANK", "0")) == rank:
+        time.sleep(float(delay))
 
 
 # Exit -------------------------------------------------------------------------------------------
@@ -225,8 +377,11 @@ def exit_process(code: int = 0):
 
 def run_main(main, argv=None):
     """Run `main(argv)` as a program: user errors as one sentence, bugs with their traceback, and
-    the process always left through `exit_process` (0 when main returned)."""
+    the process always left through `exit_process` (0 when main returned). In a multi-rank run
+    SIGTERM raises Terminated (said once, as a consequence) except while a rank reports."""
     debug = debug_requested(argv)
+    if _rank_and_world()[1] > 1:
+        hold_sigterm()
     try:
         main(argv)
     except SystemExit as err:
@@ -237,6 +392,9 @@ def run_main(main, argv=None):
             traceback.print_exc()
         report(error)
         exit_process(1)
+    except Terminated as err:          # the launcher's (or the scheduler's) SIGTERM
+        report(_Stopped(err.sentence(_rank_and_world()[0])))
+        exit_process(128 + signal.SIGTERM)
     except KeyboardInterrupt as err:   # pretrain_gpt.py names the checkpoint that survived
         if _rank_and_world()[0] == 0:
             print("interrupted" + (f" {err}" if str(err) else ""), file=sys.stderr, flush=True)
@@ -247,5 +405,5 @@ def run_main(main, argv=None):
             traceback.print_exc()
         if error is not None:
             report(error)
-        exit_process(1)
+        exit_process(getattr(error, "exit_code", 1))
     exit_process(0)

@@ -15,7 +15,9 @@ torch's tcp:// rendezvous has two gaps this closes (docs/design.md §12):
   whichever is set) with compare_set, so it also sees an identity already there; the other ranks
   wait for it (within the timeout) and compare before anything else touches the store. The store
   is created with wait_for_workers=False, so a refused rank is never counted as the other job's
-  worker. Only then does init_process_group(store=...) run.
+  worker. Each rank then takes its rank in the store (compare_set of host and pid): a second
+  process for a rank already taken (another job of the same size, no run id, same port) is
+  refused instead of joining. Only then does init_process_group(store=...) run.
 
 Under torchrun with its agent store (TORCHELASTIC_USE_AGENT_STORE=True) every rank is a client of
 the agent's store, as in torch's own tcp:// handler; otherwise rank 0 hosts it (multi-tenant).
@@ -26,6 +28,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
 import threading
 import time
 
@@ -34,6 +37,7 @@ import torch.distributed as dist
 from megatron_sp.errors import UserError
 
 IDENTITY_KEY = "megatron_sp/rendezvous/identity"
+RANK_KEY = "megatron_sp/rendezvous/rank"          # /<torchrun attempt>/<rank>: who holds it
 POLL_S = 0.05
 RUN_ID_VARIABLES = ("MEGATRON_SP_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
 
@@ -73,7 +77,7 @@ def _describe(text: str) -> str:
         return f"a value not written by megatron_sp ({text[:60]!r})"
 
 
-def _open_store(host: str, port: int, rank: int, world_size: int,
+def open_store(host: str, port: int, rank: int, world_size: int,
                 timeout: datetime.timedelta, agent_store: bool):
     """TCPStore at host:port (rank 0 hosts it unless torchrun's agent does), in a helper thread
     bounded by `timeout`: a silent listener never completes TCPStore's handshake."""
@@ -139,7 +143,7 @@ def connect(env: dict, timeout_minutes: float, environ=os.environ):
     timeout = datetime.timedelta(minutes=timeout_minutes)
     agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     deadline = time.monotonic() + timeout.total_seconds()
-    store = _open_store(host, port, rank, world, timeout, agent_store)
+    store = open_store(host, port, rank, world, timeout, agent_store)
     if isinstance(store, BaseException):
         hosting = rank == 0 and not agent_store
         within = f" within {timeout_minutes} min" if isinstance(store, TimeoutError) else ""
@@ -150,4 +154,25 @@ def connect(env: dict, timeout_minutes: float, environ=os.environ):
             f"there) and that rank 0 is running.") from store
     left = datetime.timedelta(seconds=max(0.0, deadline - time.monotonic()))   # one timeout in all
     _check_identity(store, rank, identity(world, environ), address, left, timeout_minutes)
+    _claim_rank(store, rank, address, environ)
     return dist.PrefixStore("default_pg", store)
+
+
+def _claim_rank(store, rank: int, address: str, environ=os.environ) -> None:
+    """This process takes its rank in the store (per torchrun attempt); a rank already taken
+    means another running job of the same size and run id met here (two hand launches given
+    the same port): refused before it joins that job's process group."""
+    mine = json.dumps({"host": socket.gethostname(), "pid": os.getpid()})
+    attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    found = store.compare_set(f"{RANK_KEY}/{attempt}/{rank}", "", mine).decode()
+    if found == mine:
+        return
+    try:
+        holder = json.loads(found)
+        holder = f"host {holder['host']}, pid {holder['pid']}"
+    except (ValueError, KeyError, TypeError):
+        holder = "a process not started by megatron_sp"
+    raise RendezvousError(
+        f"rank {rank}: the rendezvous store at {address} already has a rank {rank} ({holder}): "
+        f"another job with the same world size uses this port, so this rank does not join it; "
+        f"give each job its own MASTER_PORT (or its own MEGATRON_SP_RUN_ID).")

@@ -9,7 +9,7 @@ import argparse
 import difflib
 import sys
 
-from megatron_sp.errors import ConfigError
+from megatron_sp.errors import ConfigError, UsageError
 
 
 def _bool_flag(parser, name, help):
@@ -265,7 +265,11 @@ class MegatronArgumentParser(argparse.ArgumentParser):
         return formatter.format_help()
 
     def error(self, message: str):
-        """One short usage line and one `error:` line; an unknown flag names its nearest match."""
+        """One short usage line and one `error:` line; an unknown flag names its nearest match.
+        Launched on several ranks, said once (megatron_sp.errors.report)."""
+        from megatron_sp.cli.startup_checks import launcher_world_size
+        if launcher_world_size() > 1:
+            raise UsageError(self._explain(message), usage=self.format_usage())
         self.print_usage(sys.stderr)
         self.exit(2, f"error: {self._explain(message)}\n")
 

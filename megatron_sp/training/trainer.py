@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron_sp import comm_stats
-from megatron_sp.errors import CollectiveFailure, ConfigError, NonFiniteLossError, is_collective_failure
+from megatron_sp.errors import (CollectiveFailure, ConfigError, NonFiniteLossError, Terminated,
+                                is_collective_failure)
 from megatron_sp.training.flops import device_peak_tflops
 from megatron_sp.grad_sync import (all_reduce_sum, gather_step_times, model_parallel_sum,
                                    reduce_loss_and_count)
@@ -182,6 +183,9 @@ class Trainer:
             return self._train_step(micro_batches, iteration)
         except NonFiniteLossError:
             raise
+        except Terminated as err:     # the launcher's SIGTERM: said with where it stopped
+            err.where = err.where or f"iteration {iteration}"
+            raise
         except Exception as err:
             if not is_collective_failure(err):
                 raise
@@ -283,6 +287,9 @@ class Trainer:
         """Mean loss over num_steps global batches; raises CollectiveFailure as train_step does."""
         try:
             return self._evaluate(micro_batch_iter, num_steps)
+        except Terminated as err:
+            err.where = err.where or f"the evaluation after iteration {self.state.iteration}"
+            raise
         except Exception as err:
             if not is_collective_failure(err):
                 raise

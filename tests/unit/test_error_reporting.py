@@ -1,14 +1,18 @@
-"""Who says a user error under torchrun (megatron_sp.errors.should_print), with an in-memory store
-standing in for the rendezvous store; and which exceptions are user errors."""
+"""Who says a user error under a launcher (megatron_sp.errors.Notes, report), with an in-memory
+store standing in for the rendezvous store, ranks as threads; and which exceptions are user errors."""
+import os
+import signal
+import threading
+import time
+
 import pytest
 
 from megatron_sp import errors
-from megatron_sp.errors import ConfigError, UserError, as_user_error, should_print
-from megatron_sp.errors import CollectiveFailure
+from megatron_sp.errors import CollectiveFailure, ConfigError, Notes, UserError, as_user_error
 
 
 class FakeStore:
-    """The few c10d Store calls should_print makes (set, get, check, add)."""
+    """The few c10d Store calls the reporting makes (set, get, check, add); thread-safe."""
 
     def __init__(self):
         self.data = {}
@@ -22,44 +26,138 @@ class FakeStore:
     def check(self, keys):
         return all(k in self.data for k in keys)
 
+    lock = threading.Lock()
+
     def add(self, key, n):
-        self.data[key] = str(int(self.data.get(key, b"0")) + n).encode()
-        return int(self.data[key])
+        with self.lock:
+            self.data[key] = str(int(self.data.get(key, b"0")) + n).encode()
+            return int(self.data[key])
 
 
 @pytest.fixture(autouse=True)
 def short_grace(monkeypatch):
-    monkeypatch.setattr(errors, "GRACE_S", 0.2)
+    monkeypatch.setattr(errors, "GRACE_S", 0.3)
 
 
-def test_one_rank_and_before_the_process_group():
-    assert should_print(ConfigError("x."), 0, 1, None)
-    assert should_print(ConfigError("x."), 0, 4, None)          # same flags everywhere: rank 0
-    assert not should_print(ConfigError("x."), 3, 4, None)
+def line_of(error, rank, world, store):
+    """What rank `rank` prints for `error` on `store` (None: quiet), the said mark made as
+    report() makes it."""
+    notes = Notes(store, rank, world, environ={})
+    line, slot = notes.line(error)
+    if line is not None:
+        notes.mark_said(slot)
+    return line
+
+
+def in_parallel(*calls):
+    """Run each (error, rank, world, store) as its own rank, concurrently: {rank: line}."""
+    out = {}
+    threads = [threading.Thread(target=lambda c=c: out.__setitem__(c[1], line_of(*c)))
+               for c in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return out
+
+
+def test_one_rank_and_without_a_store():
+    assert errors._line_without_store(ConfigError("x."), 0, 1) == "x."
+    assert errors._line_without_store(ConfigError("x."), 0, 4) == "x."   # the same everywhere
+    assert errors._line_without_store(ConfigError("x."), 3, 4) is None   # rank 0 says it
 
     class Unreachable(UserError):
         same_on_every_rank = False
-    assert should_print(Unreachable("rank 3 could not reach."), 3, 4, None)
+    assert errors._line_without_store(Unreachable("could not reach."), 3, 4) == \
+        "rank 3: could not reach."
 
 
-def test_agreeing_ranks_say_it_once_and_a_differing_rank_says_its_own():
+def test_the_first_rank_says_an_agreed_sentence_once_without_its_rank():
     store = FakeStore()
-    assert should_print(ConfigError("same."), 0, 3, store)
-    assert not should_print(ConfigError("same."), 1, 3, store)  # rank 0 posted the same sentence
-    assert should_print(ConfigError("only mine."), 2, 3, store)  # another sentence: said (0.2 s)
-
-
-def test_rank_zero_silent_leaves_others_to_speak():
+    # whichever posts first speaks (unprefixed: the other agrees); the other stays quiet
+    out = in_parallel((ConfigError("same."), 1, 2, store), (ConfigError("same."), 0, 2, store))
+    assert sorted(map(str, out.values())) == ["None", "same."], out
+    # four ranks, in any order: exactly one line
     store = FakeStore()
-    assert should_print(ConfigError("rank 1 alone."), 1, 2, store)   # no note from rank 0 in time
+    out = in_parallel(*[(ConfigError("four."), r, 4, store) for r in (3, 1, 0, 2)])
+    assert [v for v in out.values() if v is not None] == ["four."], out
 
 
-def test_collective_failures_are_quiet_when_their_cause_was_reported():
+def test_a_quiet_rank_waits_until_the_sentence_was_said():
     store = FakeStore()
-    assert should_print(CollectiveFailure("rank 0: a collective failed."), 0, 2, store)  # no cause
+    notes = Notes(store, 1, 2, environ={})
+    notes._count("posted", 1)                          # rank 0 posted and claimed, not yet said
+    notes._count(f"claims/{slot_of('late.')}", 1)
+    t0 = time.monotonic()
+    assert line_of(ConfigError("late."), 1, 2, store) is None
+    assert time.monotonic() - t0 >= 2 * errors.GRACE_S - 0.05   # waited (bounded) for it
+
+
+def slot_of(message):
+    import hashlib
+    return hashlib.sha1(message.encode()).hexdigest()[:16]
+
+
+def test_a_sentence_no_other_rank_finds_carries_its_rank():
     store = FakeStore()
-    assert should_print(ConfigError("rank 1's data file is bad."), 1, 2, store)
-    assert not should_print(CollectiveFailure("rank 0: a collective failed."), 0, 2, store)
+    assert line_of(ConfigError("only rank 1's file is missing."), 1, 2, store) == \
+        "rank 1: only rank 1's file is missing."        # nobody agreed within GRACE_S
+    store = FakeStore()
+    out = in_parallel((ConfigError("mine."), 0, 2, store), (ConfigError("yours."), 1, 2, store))
+    assert out == {0: "rank 0: mine.", 1: "rank 1: yours."}   # both posted: no wait
+
+
+def test_consequences_are_quiet_after_a_cause_and_said_once_otherwise():
+    store = FakeStore()
+    assert line_of(ConfigError("rank 1's data file is bad."), 1, 2, store)
+    assert line_of(CollectiveFailure("a collective failed."), 0, 2, store) is None
+    store = FakeStore()
+    out = in_parallel(*[(CollectiveFailure("a collective failed."), r, 3, store) for r in range(3)])
+    said = [v for v in out.values() if v is not None]
+    assert len(said) == 1 and said[0].endswith(": a collective failed."), out
+    store = FakeStore()                     # another attempt of torchrun: its own keys
+    assert Notes(store, 0, 2, environ={"TORCHELASTIC_RESTART_COUNT": "1"}).prefix.endswith("/1")
+
+
+def test_report_prints_once_and_fills_the_launchers_error_file(tmp_path, monkeypatch, capsys):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    store = FakeStore()
+    monkeypatch.setattr(errors, "_reporting", False)     # report() sets it: restored after
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setattr(errors, "_store", lambda: store)
+    monkeypatch.setattr(errors, "_rank_and_world", lambda: (1, 2))
+    errors.report(ConfigError("--split 0,0,0 leaves no training data."))
+    assert capsys.readouterr().err == "error: rank 1: --split 0,0,0 leaves no training data.\n"
+    failure = ProcessFailure(local_rank=1, pid=1, exitcode=1, error_file=str(error_file))
+    assert failure.message["extraInfo"]["py_callstack"] == \
+        "rank 1: --split 0,0,0 leaves no training data."    # torchrun's report shows it
+    usage = errors.UsageError("unrecognized argument --seq-len; did you mean --seq-length?",
+                              usage="usage: pretrain_gpt.py [flags]\n")
+    monkeypatch.setattr(errors, "_rank_and_world", lambda: (0, 2))
+    errors.report(usage)
+    assert capsys.readouterr().err.startswith("usage: pretrain_gpt.py [flags]\nerror: rank 0: ")
+    assert usage.exit_code == 2
+
+
+def test_sigterm_raises_terminated_except_while_reporting(monkeypatch):
+    previous = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(errors, "_reporting", False)
+    try:
+        errors.hold_sigterm()
+        with pytest.raises(errors.Terminated):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+        monkeypatch.setattr(errors, "_reporting", True)
+        os.kill(os.getpid(), signal.SIGTERM)             # held off: the report goes on
+        time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    stopped = errors.Terminated("after iteration 2; nothing was saved (no --save).",
+                                where="iteration 3")
+    assert stopped.sentence(0).startswith("rank 0: stopped by SIGTERM at iteration 3 (")
+    assert stopped.sentence(0).endswith("; after iteration 2; nothing was saved (no --save).")
 
 
 def test_what_counts_as_a_user_error(monkeypatch):
@@ -70,7 +168,7 @@ def test_what_counts_as_a_user_error(monkeypatch):
     assert as_user_error(ZeroDivisionError("a bug")) is None     # bugs keep their traceback
     gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer")
     assert as_user_error(gloo) is None          # no process group here: not a peer's death
-    monkeypatch.setattr(errors, "_store", FakeStore)
+    monkeypatch.setattr(errors, "_initialized", lambda: True)
     monkeypatch.setattr(errors, "_rank_and_world", lambda: (1, 2))
     raw = as_user_error(gloo)
     assert isinstance(raw, CollectiveFailure) and raw.consequence

@@ -5,6 +5,7 @@ In-process (the store is created in a thread; the checks need no process group),
 srun-style pair of pretrain_gpt.py ranks (SLURM_PROCID/SLURM_NTASKS) against a silent listener.
 """
 import datetime
+import json
 import os
 import socket
 import subprocess
@@ -14,7 +15,8 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from megatron_sp.rendezvous import IDENTITY_KEY, RendezvousError, connect, identity, run_id
+from megatron_sp.rendezvous import (IDENTITY_KEY, RANK_KEY, RendezvousError, connect, identity,
+                                    run_id)
 from megatron_sp.testing import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -126,6 +128,18 @@ def test_another_jobs_store_is_refused(ours):
     store, port = foreign_store(2, {"SLURM_JOB_ID": "77"})
     with pytest.raises(RendezvousError, match="belongs to another job"):
         connect(env_of(1, 2, port), MINUTES, environ={"SLURM_JOB_ID": "79"})
+
+
+def test_a_rank_already_taken_is_refused():
+    """Two hand launches of the same size on one port (no run id): the second job's rank 1 finds
+    rank 1 taken (by the first job's process) and is refused before joining its process group."""
+    store, port = foreign_store(2, {})
+    store.set(f"{RANK_KEY}/0/1", json.dumps({"host": "node7", "pid": 4242}))
+    with pytest.raises(RendezvousError, match=rf"^rank 1: the rendezvous store at 127.0.0.1:{port} "
+                                              rf"already has a rank 1 \(host node7, pid 4242\): "
+                                              rf"another job with the same world size"):
+        connect(env_of(1, 2, port), MINUTES, environ={})
+    connect(env_of(1, 2, port), MINUTES, environ={"TORCHELASTIC_RESTART_COUNT": "1"})  # a restart
 
 
 def test_store_without_an_identity_is_not_joined():
