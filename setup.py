@@ -16,7 +16,7 @@ setup(
         "megatron_sp", "megatron_sp.tensor_parallel", "megatron_sp.ulysses", "megatron_sp.attention",
         "megatron_sp.pipeline", "megatron_sp.memory", "megatron_sp.models", "megatron_sp.data",
         "megatron_sp.checkpointing", "megatron_sp.sharding", "megatron_sp.training", "megatron_sp.cli",
-        "megatron_sp.context_parallel",
+        "megatron_sp.context_parallel", "megatron_sp.hf",
     ],
     package_dir={"megatron_sp.models": "models", "megatron_sp.data": "data"},
     install_requires=["torch>=2.4", "numpy", "sentencepiece", "tqdm",
