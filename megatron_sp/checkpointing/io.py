@@ -40,12 +40,41 @@ from megatron_sp.checkpointing.integrity import (algorithms_of, checksum_files, 
 from megatron_sp.checkpointing.planners import _dcp_errors, _planners
 
 
+_writer_class = None
+
+
+def _storage_writer(path: str):
+    """DCP's FileSystemWriter for `path` whose write failures keep their errno across ranks.
+
+    DCP gathers every rank's write failure to the coordinator and back by pickling it, and a
+    pickled exception loses its causes: a full disk on a rank other than 0 arrived as torch's bare
+    RuntimeError '[enforce fail at inline_container.cc] unexpected pos ...' (said as a bug, with a
+    traceback per rank). This writer raises the OSError underneath instead (errno, strerror and
+    file name survive the pickle), so every rank names the full disk."""
+    global _writer_class
+    if _writer_class is None:
+        import torch.distributed.checkpoint as dcp
+
+        class _Writer(dcp.FileSystemWriter):
+            def write_data(self, plan, planner):
+                try:
+                    return super().write_data(plan, planner)
+                except Exception as err:   # (a Ctrl-C goes through as it is)
+                    cause = next((e for e in _causes(err)
+                                  if isinstance(e, OSError) and e.errno is not None), None)
+                    if cause is None or cause is err:
+                        raise
+                    raise OSError(cause.errno, cause.strerror, cause.filename) from err
+        _writer_class = _Writer
+    return _writer_class(path, single_file_per_rank=True)
+
+
 def _dcp_save(state: dict, path: str):
     import torch.distributed.checkpoint as dcp
     save_planner, _ = _planners()
     with _dcp_errors():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, single_file_per_rank=True),
-                 planner=save_planner(), no_dist=not _dist())
+        dcp.save(state, storage_writer=_storage_writer(path), planner=save_planner(),
+                 no_dist=not _dist())
 
 
 class _CloneStager:
@@ -79,7 +108,7 @@ def _dcp_async_save(state: dict, path: str, group):
     import torch.distributed.checkpoint as dcp
     save_planner, _ = _planners()
     staged = _CloneStager().stage(state)
-    return dcp.async_save(staged, storage_writer=dcp.FileSystemWriter(path, single_file_per_rank=True),
+    return dcp.async_save(staged, storage_writer=_storage_writer(path),
                           planner=save_planner(), process_group=group,
                           async_stager=_CloneStager())
 
@@ -175,15 +204,13 @@ def resolve_checkpoint(path: str, step: int | None = None) -> str | None:
     with `step` (--ckpt-step), the root's iteration `step` whatever the tracker says.
 
     None when `path` holds no checkpoint at all; CheckpointError when the tracker names a folder
-    that is missing or incomplete, or `step` names no complete iteration.
+    that is missing or incomplete, or `step` names no complete iteration (the sentence lists the
+    complete ones).
     """
     if step is not None:
         folder = os.path.join(path, iteration_dirname(step))
         if not _complete(folder):
-            have = complete_iterations(path)
-            raise CheckpointError(f"--ckpt-step {step}: {folder} is missing or incomplete; the "
-                                  f"complete iterations under {path} are "
-                                  f"{', '.join(map(str, have)) if have else 'none'}.")
+            raise CheckpointError(_missing_step(path, step, folder))
         return folder
     if os.path.isfile(os.path.join(path, ".metadata")):
         return path
@@ -199,9 +226,34 @@ def resolve_checkpoint(path: str, step: int | None = None) -> str | None:
     return folder
 
 
+def _missing_step(path: str, step: int, folder: str) -> str:
+    """The sentence refusing --ckpt-step `step` (its `folder` under --load `path` is missing or
+    incomplete): what exists there and what to do."""
+    if not os.path.exists(path):
+        return (f"--ckpt-step {step}: --load {path} does not exist, so it holds no iteration "
+                f"{step}; check the --load path, or leave out --ckpt-step to start from scratch.")
+    have = complete_iterations(path)
+    if not have:
+        return (f"--ckpt-step {step}: {folder} is missing or incomplete, and {path} holds no "
+                f"complete iteration; check the --load path, or leave out --ckpt-step.")
+    if len(have) == 1:
+        return (f"--ckpt-step {step}: {folder} is missing or incomplete; the only complete "
+                f"iteration under {path} is {have[0]}: pass --ckpt-step {have[0]}, or leave "
+                f"--ckpt-step out to load the latest.")
+    return (f"--ckpt-step {step}: {folder} is missing or incomplete; the complete iterations "
+            f"under {path} are {', '.join(map(str, have))}: pass one of them to --ckpt-step, or "
+            f"leave --ckpt-step out to load the latest.")
+
+
 def _write_text_atomic(path: str, text: str):
+    """Write `path` through `path`.tmp and a rename. The temporary file is created afresh
+    (O_EXCL | O_NOFOLLOW: a leftover or a symbolic link planted there is removed, never followed),
+    and the rename replaces a link at `path` itself, not its target."""
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    with os.fdopen(fd, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -325,6 +377,10 @@ def _causes(err: BaseException):
         todo += [e.__cause__, e.__context__]
 
 
+_TORCH_WRITE_FAILED = re.compile(r"unexpected pos \d+ vs \d+|"
+                                 r"PytorchStreamWriter failed writing[^\n]*")
+
+
 def _save_error_kind(err: BaseException) -> dict:
     """What went wrong while saving, as plain data the ranks can exchange."""
     causes = list(_causes(err))
@@ -340,6 +396,10 @@ def _save_error_kind(err: BaseException) -> dict:
         if isinstance(e, OSError):
             where = f": {e.filename}" if e.filename else ""
             return {"kind": "os", "text": f"{e.strerror or e}{where}"}
+    for e in causes:   # torch's zip writer without the OSError (lost on the way): a failed write
+        found = isinstance(e, RuntimeError) and _TORCH_WRITE_FAILED.search(str(e))
+        if found:
+            return {"kind": "os", "text": f"a file write failed: {found.group(0)}"}
     first = (str(err).strip().splitlines() or [""])[0][:160]
     return {"kind": "other", "text": f"{type(err).__name__}{': ' + first if first else ''}"}
 
@@ -449,6 +509,8 @@ def save_checkpoint(root: str, iteration: int | str, chunks, mesh, *, optimizer=
     tmp = final + ".tmp"
     if _rank() == 0:
         os.makedirs(root, exist_ok=True)
+        if os.path.islink(tmp):                  # never write through a planted link
+            os.unlink(tmp)
         shutil.rmtree(tmp, ignore_errors=True)   # leftovers of a save that crashed
         os.makedirs(tmp)
     _barrier()
@@ -499,6 +561,9 @@ def _open_checkpoint(path, step, missing_ok, verify, config, scheduler, schedule
     """Find, read and check the checkpoint before any tensor is read: (folder, meta, checksums,
     advice), or None when there is none and `missing_ok`. Raises CheckpointError (one sentence)."""
     if not os.path.exists(path):
+        if step is not None:                # an explicit iteration that is not there: refused
+            raise CheckpointError(_missing_step(path, step, os.path.join(
+                path, iteration_dirname(step))))
         if missing_ok:
             return None
         raise CheckpointError(f"checkpoint path {path} does not exist.")
@@ -531,11 +596,12 @@ def load_checkpoint(path: str, chunks, mesh, *, optimizer=None, scheduler=None, 
 
     `path`: the --load root (tracker) or an iteration folder; `step` (--ckpt-step) loads that
     iteration of the root instead of the newest. With no checkpoint there at all, returns None
-    (Megatron starts from scratch) unless `missing_ok` is False. `finetune` (and a 'release'
-    checkpoint) loads the weights only and keeps iteration 0. `verify` checks every file against
-    the checksums recorded at save before it is read (integrity.py). `schedule`: None refuses a
-    learning-rate schedule that differs from the checkpoint's, "override" keeps the scheduler's,
-    "checkpoint" takes the checkpoint's (Megatron's --override-opt_param-scheduler /
+    (Megatron starts from scratch) unless `missing_ok` is False or `step` asks for an iteration
+    (refused, naming what exists). `finetune` (and a 'release' checkpoint) loads the weights only
+    and keeps iteration 0. `verify` checks every file against the checksums recorded at save
+    before it is read (integrity.py). `schedule`: None refuses a learning-rate schedule that
+    differs from the checkpoint's, "override" keeps the scheduler's, "checkpoint" takes the
+    checkpoint's (Megatron's --override-opt_param-scheduler /
     --use-checkpoint-opt_param-scheduler). The ranks agree on every refusal: all raise the same.
     """
     opened, error = None, None

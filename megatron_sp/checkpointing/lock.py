@@ -9,7 +9,11 @@ refused with the record. A lock file left behind by a process that died is recog
 and taken over with one note when its record names this host and the flock is free (or, on a file
 system without flock, when its pid is not running). A record of another host is trusted (its flock
 may not be visible from here, e.g. Lustre without -o flock) unless the operator passes
---force-unlock.
+--force-unlock. A file that names no holder (empty, not a JSON record, no host or pid: a run
+killed while writing it, or a hand-made file) has no one to wait for: taken over with one note
+when its flock is free. The lock file is opened with O_NOFOLLOW and must be a regular file with
+one name: a symbolic link (or a hard link, a folder, a pipe) there is refused, never written
+through.
 
 A fresh run (no --load, or --load another folder) into a --save that already holds complete
 checkpoints would mix two runs' iterations under one tracker: it is refused unless
@@ -22,6 +26,7 @@ import errno
 import json
 import os
 import socket
+import stat
 import time
 
 from megatron_sp.checkpointing.format import TRACKER_FILENAME, CheckpointError
@@ -57,16 +62,38 @@ def describe(record: dict | None) -> str:
     return ", ".join(parts)
 
 
-def _read_record(fd: int) -> dict | None:
+def _read_record(fd: int) -> tuple[dict | None, str | None]:
+    """(the lock record, None), or (what could be read, why it names no holder): the file is empty,
+    not a JSON object, or its record lacks a host or a pid (a record of ours always has both)."""
     os.lseek(fd, 0, os.SEEK_SET)
     raw = b""
     while chunk := os.read(fd, 65536):
         raw += chunk
+    if not raw.strip():
+        return None, "it is empty"
     try:
-        record = json.loads(raw.decode("utf-8")) if raw.strip() else None
+        record = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
-        return {"host": "?", "pid": "?", "since": "? (unreadable lock record)"}
-    return record if isinstance(record, dict) else None
+        return None, f"its {len(raw)} bytes are not a lock record"
+    if not isinstance(record, dict):
+        return None, f"its {len(raw)} bytes are not a lock record"
+    host, pid = record.get("host"), record.get("pid")
+    missing = [name for name, ok in (("host", isinstance(host, str) and host),
+                                     ("pid", isinstance(pid, int) and not isinstance(pid, bool)
+                                      and pid > 0)) if not ok]
+    if missing:
+        return record, f"its record names no {' and no '.join(missing)}"
+    return record, None
+
+
+def _kind(mode: int) -> str:
+    """'a folder', 'a named pipe', ... of an lstat mode that is not a regular file."""
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"),
+                       (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 class SaveLock:
@@ -87,9 +114,12 @@ class SaveLock:
         """Take the lock; returns a one-line note when a stale or forced lock was taken over."""
         os.makedirs(self.folder, exist_ok=True)
         for _ in range(5):     # the holder may remove the file between our open and our flock
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            opened = self._open()
+            if opened is None:
+                continue
+            fd, created = opened
             try:
-                note = self._lock(fd)
+                note = self._lock(fd, created)
             except BaseException:
                 os.close(fd)
                 raise
@@ -101,14 +131,56 @@ class SaveLock:
         raise SaveLockError(f"cannot take the lock {self.path}: it keeps being replaced; is "
                             f"another run starting into --save {self.folder}?")
 
+    def _open(self) -> tuple[int, bool] | None:
+        """(fd, created) of the lock file, never through a symbolic link (O_NOFOLLOW, O_EXCL);
+        None when it vanished between two tries. SaveLockError for a link, or anything that is not
+        a regular file with one name (its record would be written into someone else's file)."""
+        nofollow = getattr(os, "O_NOFOLLOW", 0)
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | nofollow, 0o644), True
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(self.path, os.O_RDWR | nofollow | getattr(os, "O_NONBLOCK", 0))
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            if os.path.islink(self.path):            # ELOOP (EMLINK on some BSDs)
+                raise SaveLockError(self._not_a_file(
+                    f"a symbolic link (to {os.readlink(self.path)})")) from None
+            if err.errno in (errno.EISDIR, errno.ENXIO, errno.EOPNOTSUPP):
+                raise SaveLockError(self._not_a_file(_kind(os.lstat(self.path).st_mode))) \
+                    from None
+            raise
+        info = os.fstat(fd)
+        if info.st_nlink == 0 and stat.S_ISREG(info.st_mode):   # released meanwhile: again
+            os.close(fd)
+            return None
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            os.close(fd)
+            raise SaveLockError(self._not_a_file(
+                _kind(info.st_mode) if not stat.S_ISREG(info.st_mode)
+                else f"a hard link (one of {info.st_nlink} names of one file)"))
+        if nofollow == 0 and os.path.islink(self.path):   # (no O_NOFOLLOW on this platform)
+            os.close(fd)
+            raise SaveLockError(self._not_a_file("a symbolic link"))
+        return fd, False
+
+    def _not_a_file(self, what: str) -> str:
+        remove = (f"remove the link (rm {self.path}; its target is untouched)"
+                  if what.startswith("a symbolic link") else f"remove {self.path}")
+        return (f"the lock file {self.path} of --save {self.folder} is {what}, and the lock never "
+                f"writes into anything but a regular file of its own: {remove} and run again.")
+
     def _same_file(self, fd: int) -> bool:
         try:
-            return os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            return os.fstat(fd).st_ino == os.lstat(self.path).st_ino
         except FileNotFoundError:
             return False
 
-    def _lock(self, fd: int) -> str | None:
-        """flock `fd` (or judge the record where flock is unsupported); the takeover note."""
+    def _lock(self, fd: int, created: bool = False) -> str | None:
+        """flock `fd` (or judge the record where flock is unsupported); the takeover note.
+        `created`: this process has just created the (empty) file."""
         import fcntl
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -123,16 +195,23 @@ class SaveLock:
             if err.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
                 raise
             flocked = False   # no flock on this file system: the record alone decides
-        record = _read_record(fd)
-        if record is None or (record.get("host") == socket.gethostname()
-                              and record.get("pid") == os.getpid()):
+        record, problem = _read_record(fd)
+        if problem is not None:   # no holder named: nothing to wait for (a crash while writing)
+            if created and problem == "it is empty":
+                return None       # the file we have just created
+            return (f"> taking over the lock {self.path}: {problem}, so it names no run to wait "
+                    f"for{' and no process holds it' if flocked else ''}.")
+        if record.get("host") == socket.gethostname() and record.get("pid") == os.getpid():
             return None
         if record.get("host") != socket.gethostname():
             if not self.force:
                 raise SaveLockError(self._refusal(record, other_host=True))
             return (f"> --force-unlock: taking over the lock {self.path} of {describe(record)}.")
-        if not flocked and pid_running(record.get("pid")) and not self.force:
-            raise SaveLockError(self._refusal(record))
+        if not flocked and pid_running(record.get("pid")):
+            if not self.force:
+                raise SaveLockError(self._refusal(record))
+            return (f"> --force-unlock: taking over the lock {self.path} of {describe(record)}; "
+                    f"that run must not save any more.")
         return (f"> taking over the stale lock {self.path} of {describe(record)}: that process "
                 f"is no longer running.")
 
@@ -140,9 +219,13 @@ class SaveLock:
         """The holder's record; a holder that has just flocked writes it within moments."""
         deadline = time.monotonic() + wait_s
         while True:
-            record = _read_record(fd)
-            if record or time.monotonic() > deadline:
+            record, problem = _read_record(fd)
+            if problem is None:
                 return record
+            if time.monotonic() > deadline:   # a holder whose record is damaged
+                return None if problem == "it is empty" else \
+                    {"host": (record or {}).get("host") or "?", "pid": (record or {}).get("pid")
+                     or "?", "since": f"? ({problem})"}
             time.sleep(0.05)
 
     def _refusal(self, record: dict | None, other_host: bool = False) -> str:

@@ -5,7 +5,10 @@
   since); the first trains on, saves on SIGTERM and exits 0, and every checkpoint there is its own;
 - a fresh run into a folder with another run's checkpoints is refused (--overwrite-save allows it);
 - a stale lock (its process dead, this host) is taken over with one note; a record of another host
-  is refused unless --force-unlock; without flock (some network file systems) the record decides.
+  is refused unless --force-unlock; without flock (some network file systems) the record decides;
+- a lock file that names no holder (empty, garbage, `{}`, no host or pid) is taken over with one
+  note; a symbolic or hard link (or a folder) at the lock's path is refused, its target untouched,
+  and the save's temporary-then-rename writes do not follow links either (issue 34).
 """
 from __future__ import annotations
 
@@ -155,4 +158,118 @@ def test_stale_lock_taken_over_other_host_needs_force(tmp_path, monkeypatch):
     _write_record(tmp_path / "c", pid=_dead_pid())
     taken = SaveLock(str(tmp_path / "c"))
     assert "that process is no longer running" in taken.acquire()
+    taken.release()
+
+
+def test_lock_never_follows_a_link(tmp_path):
+    """Issue 34: `ln -s /outside/file <save>/.megatron_sp.lock` made a run truncate the outside
+    file and write its lock record there. A link (or a hard link, a folder) at the lock's path is
+    refused in one sentence; its target is untouched."""
+    outside = tmp_path / "outside"
+    outside.write_text("precious")
+    save = tmp_path / "ck"
+    save.mkdir()
+    lock = save / LOCK_FILENAME
+    empty = tmp_path / "empty"                               # the probe's: an empty outside file
+    empty.write_bytes(b"")
+    lock.symlink_to(empty)
+    with pytest.raises(SaveLockError, match=re.escape(f"is a symbolic link (to {empty})")):
+        SaveLock(str(save)).acquire()
+    assert empty.read_bytes() == b""
+    lock.unlink()
+    lock.symlink_to(outside)
+    with pytest.raises(SaveLockError) as err:
+        SaveLock(str(save)).acquire()
+    assert str(err.value) == (f"the lock file {lock} of --save {save} is a symbolic link (to "
+                              f"{outside}), and the lock never writes into anything but a regular "
+                              f"file of its own: remove the link (rm {lock}; its target is "
+                              f"untouched) and run again.")
+    assert outside.read_text() == "precious" and lock.is_symlink()
+    lock.unlink()
+    lock.symlink_to(tmp_path / "nowhere")                    # a dangling link: nothing created
+    with pytest.raises(SaveLockError, match="is a symbolic link"):
+        SaveLock(str(save)).acquire()
+    assert not (tmp_path / "nowhere").exists()
+    lock.unlink()
+    os.link(outside, lock)                                   # a second name of the outside file
+    with pytest.raises(SaveLockError, match=re.escape(f"is a hard link (one of 2 names of one "
+                                                      f"file), and the lock never writes")):
+        SaveLock(str(save)).acquire()
+    assert outside.read_text() == "precious"
+    lock.unlink()
+    lock.mkdir()
+    with pytest.raises(SaveLockError, match=re.escape(f"{lock} of --save {save} is a folder, ")):
+        SaveLock(str(save)).acquire()
+    lock.rmdir()
+
+    # The probe itself: a run refuses before it trains, the outside file intact, the link kept.
+    lock.symlink_to(outside)
+    pretrain_gpt = load_script("pretrain_gpt.py")
+    with pytest.raises(CheckpointError, match=re.escape(f"the lock file {lock} of --save {save} "
+                                                        f"is a symbolic link")):
+        pretrain_gpt.main(TINY + ["--train-iters", "1", "--save", str(save)])
+    assert outside.read_text() == "precious" and lock.is_symlink()
+    assert sorted(os.listdir(save)) == [LOCK_FILENAME]
+    lock.unlink()
+
+    # The save's temporary-then-rename writes (metadata, tracker) do not follow links either.
+    import torch
+    from megatron_sp import checkpointing as ck
+    from megatron_sp.mesh import ParallelMesh
+    (save / "latest_checkpointed_iteration.txt.tmp").symlink_to(outside)
+    (save / "iter_0000001.tmp").symlink_to(tmp_path, target_is_directory=True)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.ones(4, 4))])
+    ck.save_checkpoint(str(save), 1, [model], ParallelMesh.single())
+    assert outside.read_text() == "precious"
+    assert sorted(os.listdir(tmp_path)) == ["ck", "empty", "outside"]
+    assert ck.read_tracker(str(save)) == 1
+    assert sorted(os.listdir(save)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b"", "it is empty"),
+    (b"{}", "its record names no host and no pid"),
+    (b"\x00garbage\xff", "its 9 bytes are not a lock record"),
+    (b"[1, 2]", "its 6 bytes are not a lock record"),
+    (json.dumps({"host": "HERE", "since": "x"}).encode(), "its record names no pid"),
+    (json.dumps({"pid": "?", "host": "?"}).encode(), "its record names no pid"),
+    (json.dumps({"pid": 12345}).encode(), "its record names no host"),
+], ids=["empty", "{}", "garbage", "not an object", "no pid", "'?' pid", "no host"])
+def test_lock_naming_no_holder_is_taken_over_with_a_note(tmp_path, monkeypatch, content, problem):
+    """Issue 34: a garbage or `{}` lock file was refused as "locked by another run (host ?, pid ?)"
+    and needed --force-unlock. A lock that names no holder has no run to wait for: taken over
+    with one note (also where flock is unsupported); a live flock holder is still refused."""
+    save = tmp_path / "ck"
+    save.mkdir()
+    path = save / LOCK_FILENAME
+    content = content.replace(b"HERE", socket.gethostname().encode())
+    path.write_bytes(content)
+    lock = SaveLock(str(save))
+    assert lock.acquire() == (f"> taking over the lock {path}: {problem}, so it names no run to "
+                              f"wait for and no process holds it.")
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    lock.release()
+
+    # Held by a live run whose record is damaged: still refused (the flock says it is alive).
+    holder = SaveLock(str(save))
+    assert holder.acquire() is None                          # a fresh file: no note
+    with open(path, "r+b") as f:
+        f.truncate(0)
+        f.write(content)
+    wait = SaveLock._wait_for_record                         # (2 s for a record: 0.1 here)
+    monkeypatch.setattr(SaveLock, "_wait_for_record", lambda self, fd: wait(self, fd, wait_s=0.1))
+    with pytest.raises(SaveLockError, match=re.escape(f"--save {save} is locked by another run (")):
+        SaveLock(str(save)).acquire()
+    holder.release()
+
+    # No flock on this file system: the record alone decides, and it names no one.
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    path.write_bytes(content)
+    taken = SaveLock(str(save))
+    assert taken.acquire() == (f"> taking over the lock {path}: {problem}, so it names no run to "
+                               f"wait for.")
     taken.release()
