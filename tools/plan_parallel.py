@@ -31,6 +31,14 @@ rounded up to powers of two, within 90% of --host-memory-gb.
 s/step: model FLOPs at --mfu of --peak-tflops x technique cost + communication at the given
 bandwidths, not overlapped (a pessimistic ranking figure, not a prediction); the ring's point-to-point
 bytes at NVLink speed inside a node, the network's once the ring leaves it.
+
+Each plan's flags are the whole plan for pretrain_gpt.py (add data, schedule and checkpoint flags,
+and launch it on --num-gpus processes: dp is what tp x sp x cp x pp leaves of them): the model
+(--model and the fields given here; without a preset the architecture assumed: RMSNorm, SwiGLU,
+RoPE, no biases, no dropout), --seq-length, --max-position-embeddings, --micro-batch-size,
+--global-batch-size, --bf16, the layout, the model-state sharding and every memory technique with
+its count. A search that runs longer than --progress-interval seconds says how far it is on stderr
+(by default every 5 s when stderr is a terminal); stdout keeps only the table or the JSON.
 """
 from __future__ import annotations
 
@@ -40,10 +48,11 @@ import json
 import os
 import sys
 import textwrap
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_sp.memory.planner import (Hardware, Workload,  # noqa: E402
+from megatron_sp.memory.planner import (Hardware, SearchProgress, Workload,  # noqa: E402
                                         activation_bytes, korthikanti_layer_bytes,
                                         max_feasible_seq, plan, seq_step)
 from megatron_sp.models import GPTConfig, preset  # noqa: E402
@@ -56,6 +65,14 @@ HEADER = ("  #  tp  sp  pp  dp  sharding       state GB     activ. GB   reserve 
 HEADER_CP = ("  #  tp  sp  cp  pp  dp  sharding       state GB     activ. GB   reserve  total  host/node"
              "   s/step  comm GB",
              "                                      device  host  device  host      GB     GB         GB")
+# The model fields this tool takes, passed on to pretrain_gpt.py under the same flag names.
+MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                "ffn_hidden_size", "vocab_size")
+# What build_config assumes without a preset, in pretrain_gpt.py's flags (its own defaults without
+# --model are Megatron-LM's: LayerNorm, GeLU, learned positions, biases, 0.1 dropout).
+CUSTOM_MODEL_FLAGS = ("--normalization RMSNorm", "--swiglu", "--position-embedding-type rope",
+                      "--disable-bias-linear", "--attention-dropout 0", "--hidden-dropout 0")
+DEFAULT_PROGRESS_S = 5.0
 
 
 def build_config(args, seq: int) -> GPTConfig:
@@ -112,6 +129,10 @@ def parse_args(argv=None):
     p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOP utilisation (default 0.4)")
     p.add_argument("--top", type=int, default=10, help="plans to print (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--progress-interval", type=float, default=None, metavar="SECONDS",
+                   help="a progress line on stderr every SECONDS of the search (0: after every "
+                        f"layout; negative: none; default {DEFAULT_PROGRESS_S:g} when stderr is a "
+                        "terminal, else none)")
     args = p.parse_args(argv)
     if not args.model and args.num_layers is None:
         p.error("give --model or the model flags (--num-layers --hidden-size --num-attention-heads)")
@@ -151,10 +172,30 @@ def format_row(i: int, pl, cp_column: bool = False) -> str:
             f"{pl.host_node_gb:>11.0f}{pl.score:>9.1f}{comm:>9.1f}")
 
 
-def format_flags(pl) -> str:
-    """The plan's flags, indented, wrapped at WIDTH between flags (never inside a flag's value)."""
+def model_flags(args) -> list[str]:
+    """The model the plans are for, in pretrain_gpt.py's flags: --model and the fields given here
+    that override it; without a preset also the architecture build_config assumes."""
+    parts = [f"--model {args.model}"] if args.model else []
+    parts += [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in MODEL_FIELDS
+              if getattr(args, name) is not None]
+    return parts + ([] if args.model else list(CUSTOM_MODEL_FLAGS))
+
+
+def run_flags(pl, model=()) -> list[str]:
+    """Everything pretrain_gpt.py needs to run plan pl: the model flags, then the plan's own."""
+    return [*model, *pl.flag_list()]
+
+
+def plan_dict(pl, model=()) -> dict:
+    """pl for --json: its numbers, and under "flags" the whole line (run_flags)."""
+    return {**pl.to_dict(), "flags": " ".join(run_flags(pl, model))}
+
+
+def format_flags(pl, model=()) -> str:
+    """The plan's flags (run_flags), indented, wrapped at WIDTH between flags (never inside a
+    flag's value)."""
     lines, line = [], "     "
-    for flag in pl.flag_list():
+    for flag in run_flags(pl, model):
         if len(line) + 1 + len(flag) > WIDTH:
             lines.append(line)
             line = "       "
@@ -173,34 +214,89 @@ def describe(cfg, args, seq) -> list[str]:
             f"(residual fp32 under autocast, bf16 under fsdp2; fused RMSNorm)"]
 
 
-def print_table(plans, top: int) -> None:
+def print_table(plans, top: int, model=()) -> None:
     cp_column = any(pl.cp > 1 for pl in plans[:top])
     print(*(HEADER_CP if cp_column else HEADER), sep="\n")
     for i, pl in enumerate(plans[:top]):
         print(format_row(i + 1, pl, cp_column))
-        print(format_flags(pl))
+        print(format_flags(pl, model))
+
+
+class ProgressLine(SearchProgress):
+    """A line on `stream` (stderr) at most every `interval` seconds of a search, none before the
+    first interval has passed: layouts and (under --max-seq) sequence lengths tried, the best so
+    far (the fastest plan's s/step, or the longest length that fits), seconds elapsed."""
+
+    def __init__(self, interval: float, max_seq: bool = False, stream=None, clock=time.monotonic):
+        self.interval, self.max_seq, self.clock = interval, max_seq, clock
+        self.stream = stream or sys.stderr
+        self.start = self.last = clock()
+        self.layouts = self.fits = self.lengths = self.longest = 0
+        self.best_s = None
+
+    def layout(self, fit) -> None:
+        self.layouts += 1
+        if fit is not None:
+            self.fits += 1
+            self.best_s = fit.score if self.best_s is None else min(self.best_s, fit.score)
+        self._tick()
+
+    def length(self, seq: int, fits: bool) -> None:
+        self.lengths += 1
+        self.longest = max(self.longest, seq) if fits else self.longest
+        self._tick()
+
+    def _tick(self) -> None:
+        now = self.clock()
+        if now - self.last >= self.interval:
+            self.last = now
+            print(self.line(now - self.start), file=self.stream, flush=True)
+
+    def line(self, elapsed: float) -> str:
+        """The progress line after `elapsed` seconds."""
+        if self.max_seq:
+            best = (f"longest that fits so far {self.longest} tokens" if self.longest
+                    else "none fits yet")
+            done = f"{self.lengths} sequence lengths ({best}), {self.layouts} layouts tried"
+        else:
+            best = f", best {self.best_s:.2f} s/step" if self.best_s is not None else ""
+            done = f"{self.layouts} layouts tried, {self.fits} fit{best}"
+        return f"plan_parallel: {done}, {elapsed:.0f} s"
+
+
+def progress_line(args) -> SearchProgress:
+    """The search's progress reporter: a ProgressLine every --progress-interval seconds (by
+    default DEFAULT_PROGRESS_S when stderr is a terminal), else one that says nothing."""
+    interval = args.progress_interval
+    if interval is None and sys.stderr.isatty():
+        interval = DEFAULT_PROGRESS_S
+    if interval is None or interval < 0:
+        return SearchProgress()
+    return ProgressLine(interval, max_seq=args.max_seq)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    progress = progress_line(args)
+    model = model_flags(args)
     try:
         if args.max_seq:
-            return max_seq_main(args)
+            return max_seq_main(args, progress, model)
         seq = args.seq_length
         cfg = build_config(args, seq)
-        plans = plan(cfg, workload(args, seq), hardware(args), **search(args))
+        plans = plan(cfg, workload(args, seq), hardware(args), **search(args), progress=progress)
     except ValueError as err:
         raise SystemExit(f"error: {err}")
     if args.json:
         print(json.dumps({"model": args.model, "parameters": cfg.num_parameters(), "seq_length": seq,
-                          "num_gpus": args.num_gpus, "plans": [p.to_dict() for p in plans[:args.top]]},
-                         indent=1))
+                          "num_gpus": args.num_gpus,
+                          "plans": [plan_dict(p, model) for p in plans[:args.top]]}, indent=1))
         return 0 if plans else 1
     print(*describe(cfg, args, seq), sep="\n")
     if not plans:
         print("no feasible layout: more GPUs, more memory, a sharding mode, or a shorter sequence.")
         return 1
-    print_table(plans, args.top)
+    print_table(plans, args.top, model)
     best = plans[0]
     ours = activation_bytes(cfg, seq, args.micro_batch_size, tp=best.tp, sp=best.sp,
                             sequence_parallel=best.sequence_parallel, dtype_bytes=2, cp=best.cp)
@@ -213,21 +309,23 @@ def main(argv=None):
     return 0
 
 
-def limit(args, seq: int) -> str:
+def limit(args, seq: int, progress: SearchProgress | None = None) -> str:
     """What stops the next longer sequence: device memory, or host memory (ample device memory)."""
     nxt = seq + seq_step(hardware(args), args.ring)
     ample_host = dataclasses.replace(hardware(args), host_memory_gb=float("inf"))
-    if plan(build_config(args, nxt), workload(args, nxt), ample_host, **search(args)):
+    if plan(build_config(args, nxt), workload(args, nxt), ample_host, **search(args),
+            progress=progress):
         return "host memory (pinned buffers round up to powers of two)"
     return "device memory"
 
 
-def max_seq_main(args) -> int:
+def max_seq_main(args, progress: SearchProgress | None = None, model=()) -> int:
+    """--max-seq: the longest sequence that fits, what limits it, and its best plan."""
     seq, best = max_feasible_seq(lambda s: build_config(args, s), hardware(args),
-                                 workload(args, seq=0), **search(args))
+                                 workload(args, seq=0), **search(args), progress=progress)
     if args.json:
         print(json.dumps({"model": args.model, "num_gpus": args.num_gpus, "max_seq": seq,
-                          "plan": best.to_dict() if best else None}, indent=1))
+                          "plan": plan_dict(best, model) if best else None}, indent=1))
         return 0 if best else 1
     cfg = build_config(args, max(seq, 1024))
     print(*describe(cfg, args, "longest feasible")[0:1], sep="\n")
@@ -236,8 +334,8 @@ def max_seq_main(args) -> int:
         return 1
     print(f"longest feasible sequence on {args.num_gpus} GPUs x {args.gpu_memory_gb:g} GB: {seq} tokens "
           f"({seq / 2**20:.2f}M)")
-    print(f"limited by {limit(args, seq)}")
-    print_table([best], 1)
+    print(f"limited by {limit(args, seq, progress)}")
+    print_table([best], 1, model)
     return 0
 
 

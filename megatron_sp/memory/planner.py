@@ -632,10 +632,23 @@ def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int
 
 # Planner ----------------------------------------------------------------------------------------
 
+class SearchProgress:
+    """What a search reports as it goes (plan, max_feasible_seq): this one says nothing;
+    tools/plan_parallel.py prints a line to stderr every few seconds of a long search."""
+
+    def layout(self, fit: "Plan | None") -> None:
+        """One layout tried by plan(): its fastest plan, or None (inadmissible, nothing fits)."""
+
+    def length(self, seq: int, fits: bool) -> None:
+        """One sequence length tried by max_feasible_seq, and whether some layout fits it."""
+
+
 @dataclass
 class Plan:
     """One layout with its memory settings and sharding; sizes in GiB per rank unless said. cp: the
-    ring's degree (context parallelism; 1: none), the sequence over sp x cp ranks."""
+    ring's degree (context parallelism; 1: none), the sequence over sp x cp ranks; seq_length,
+    max_position_embeddings and global_batch: the job it was planned for (0: not recorded, and
+    then not among the flags)."""
     tp: int
     sp: int
     pp: int
@@ -656,6 +669,9 @@ class Plan:
     cost: float = 1.0
     score: float = 0.0
     cp: int = 1
+    seq_length: int = 0
+    max_position_embeddings: int = 0
+    global_batch: int = 0
 
     @property
     def comm_total_gb(self) -> float:
@@ -673,12 +689,24 @@ class Plan:
         return [f"--context-parallel-size {self.sp * self.cp}", "--cp-comm-type a2a+p2p",
                 f"--hierarchical-context-parallel-sizes {self.sp} {self.cp}"]
 
-    def flag_list(self) -> list[str]:
-        """pretrain_gpt.py flags of this plan (Megatron's names), one string per flag and value."""
-        m = self.memory
-        parts = ["--bf16", f"--tensor-model-parallel-size {self.tp}", *self.context_flags(),
-                 f"--pipeline-model-parallel-size {self.pp}",
-                 f"--micro-batch-size {self.micro_batch}"]
+    def job_flags(self) -> list[str]:
+        """The job the plan was made for: --seq-length, --max-position-embeddings (the planned
+        model's, which pretrain_gpt.py would otherwise take from the preset), --micro-batch-size
+        and --global-batch-size (the micro-batches per step set the pipeline's in flight)."""
+        parts = []
+        if self.seq_length:
+            parts += [f"--seq-length {self.seq_length}",
+                      f"--max-position-embeddings {self.max_position_embeddings or self.seq_length}"]
+        parts.append(f"--micro-batch-size {self.micro_batch}")
+        if self.global_batch:
+            parts.append(f"--global-batch-size {self.global_batch}")
+        return parts
+
+    def layout_flags(self) -> list[str]:
+        """tp (with --sequence-parallel when tp > 1), the context split, pp, and the sharding of
+        model state over dp x sp (x cp); dp is what the launcher's world size leaves."""
+        parts = [f"--tensor-model-parallel-size {self.tp}", *self.context_flags(),
+                 f"--pipeline-model-parallel-size {self.pp}"]
         if self.sequence_parallel:
             parts.append("--sequence-parallel")
         if self.sharding == "distributed-optimizer":
@@ -687,6 +715,17 @@ class Plan:
             parts.append("--use-torch-fsdp2")
         if self.cpu_offload:
             parts.append("--optimizer-cpu-offload")
+        return parts
+
+    def flag_list(self) -> list[str]:
+        """pretrain_gpt.py flags of this plan (Megatron's names), one string per flag and value: the
+        job, --bf16 (the planner's activations are bf16), the layout and the memory techniques."""
+        return [*self.job_flags(), "--bf16", *self.layout_flags(), *self.memory_flags()]
+
+    def memory_flags(self) -> list[str]:
+        """Recompute (granularity, and under full its method and layers), tiled MLP, chunked loss,
+        activation offload: each technique the plan assumes, its count explicit."""
+        m, parts = self.memory, []
         if m.recompute_granularity:
             parts.append(f"--recompute-granularity {m.recompute_granularity}")
             if m.full_recompute:
@@ -710,7 +749,8 @@ class Plan:
 
     def to_dict(self) -> dict:
         out = {k: getattr(self, k) for k in (
-            "tp", "sp", "cp", "pp", "dp", "micro_batch", "sequence_parallel", "sharding", "cpu_offload",
+            "tp", "sp", "cp", "pp", "dp", "micro_batch", "global_batch", "seq_length",
+            "max_position_embeddings", "sequence_parallel", "sharding", "cpu_offload",
             "state_device_gb", "state_host_gb", "activations_gb", "activations_host_gb",
             "reserve_gb", "total_gb", "host_node_gb", "comm_gb", "score")}
         out["memory"] = self.memory.to_dict()
@@ -824,7 +864,8 @@ def _step_seconds(p: Plan, work: Workload, hw: Hardware, compute_s: float) -> fl
 
 
 def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
-         cpu_offload: bool | None = None, ring: bool = False) -> list[Plan]:
+         cpu_offload: bool | None = None, ring: bool = False,
+         progress: SearchProgress | None = None) -> list[Plan]:
     """Feasible (tp, sp, pp, dp) layouts of hw.num_gpus ranks for `work`, with the sharding mode and
     memory settings that fit, best first (one plan per layout: its fastest fitting mode). The
     planner chooses work's memory techniques (TECHNIQUE_LADDER) and --sequence-parallel (on
@@ -844,28 +885,38 @@ def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
     Score: estimated step seconds = model FLOPs / (GPUs x peak x mfu) x technique cost (recompute
     ~ +1/3) x (1 + pipeline bubble) + communication bytes / bandwidth (tp inside a node; sp, pp and dp
     cross nodes when the layout spans them; GB/s per GPU; offloaded state over PCIe).
+    progress: told of each layout tried (SearchProgress.layout).
     """
     from megatron_sp.training.flops import flops_for_config
+    progress = progress or SearchProgress()
     candidates = sharding_candidates(sharding, cpu_offload)
     compute_s = flops_for_config(cfg, work.global_batch, work.seq) / (
         hw.num_gpus * hw.peak_tflops * 1e12 * hw.mfu)
     plans = []
     for dims in layouts(hw, ring):
-        if not _admissible(cfg, work, dims):
-            continue
-        job = replace(work, sequence_parallel=dims.tp > 1)
-        fits = []
-        for mode, offload in candidates:
-            p = _fit(cfg, job, dims, hw, mode, offload)
-            if p is not None:
-                p.comm_gb = {k: v / GiB for k, v in comm_bytes_per_step(
-                    cfg, replace(job, memory=p.memory), dims, mode, offload).items()}
-                p.score = _step_seconds(p, job, hw, compute_s)
-                fits.append(p)
-        if fits:
-            plans.append(min(fits, key=lambda q: q.score))
+        best = _best_fit(cfg, work, dims, hw, candidates, compute_s) \
+            if _admissible(cfg, work, dims) else None
+        progress.layout(best)
+        if best is not None:
+            plans.append(best)
     plans.sort(key=lambda q: q.score)
     return plans
+
+
+def _best_fit(cfg, work: Workload, dims: ParallelDims, hw: Hardware, candidates,
+              compute_s: float) -> Plan | None:
+    """The fastest of the (sharding mode, offload) candidates that fit one admissible layout,
+    with its communication and score; None when none fits."""
+    job = replace(work, sequence_parallel=dims.tp > 1)
+    fits = []
+    for mode, offload in candidates:
+        p = _fit(cfg, job, dims, hw, mode, offload)
+        if p is not None:
+            p.comm_gb = {k: v / GiB for k, v in comm_bytes_per_step(
+                cfg, replace(job, memory=p.memory), dims, mode, offload).items()}
+            p.score = _step_seconds(p, job, hw, compute_s)
+            fits.append(p)
+    return min(fits, key=lambda q: q.score) if fits else None
 
 
 def _model_state(cfg, dims: ParallelDims, mode: str, offload: bool, e: int) -> tuple[float, float]:
@@ -903,7 +954,9 @@ def _fit(cfg, work: Workload, dims: ParallelDims, hw: Hardware, mode: str,
                         state_device_gb=state_device / GiB, state_host_gb=state_host / GiB,
                         activations_gb=peak["device"] / GiB, activations_host_gb=peak["host"] / GiB,
                         reserve_gb=reserve / GiB, total_gb=(modelled + reserve) / GiB,
-                        host_node_gb=host_node / GiB, cost=cost, cp=dims.cp)
+                        host_node_gb=host_node / GiB, cost=cost, cp=dims.cp,
+                        seq_length=work.seq, max_position_embeddings=cfg.max_position_embeddings,
+                        global_batch=work.global_batch)
     return None
 
 
@@ -915,17 +968,21 @@ def seq_step(hw: Hardware, ring: bool = False) -> int:
 
 def max_feasible_seq(make_cfg, hw: Hardware, work: Workload | None = None, *,
                      step: int | None = None, limit: int = 2 ** 34, sharding: str = "auto",
-                     cpu_offload: bool | None = None, ring: bool = False) -> tuple[int, Plan | None]:
+                     cpu_offload: bool | None = None, ring: bool = False,
+                     progress: SearchProgress | None = None) -> tuple[int, Plan | None]:
     """The longest sequence (a multiple of `step`, default seq_step(hw, ring): lcm(1024, GPUs))
     for which plan() finds a layout, by doubling then bisection; make_cfg(seq) builds the model
     config for a length, `work` the rest of the job (its seq is replaced; default one sequence per
-    step); ring: layouts with a ring too (plan). Returns (0, None) when not even one step fits."""
+    step); ring: layouts with a ring too (plan); progress: told of each layout and each length
+    tried (SearchProgress). Returns (0, None) when not even one step fits."""
     step = step or seq_step(hw, ring)
     work = work or Workload(seq=step)
+    progress = progress or SearchProgress()
 
     def best(k):
         plans = plan(make_cfg(k * step), replace(work, seq=k * step), hw, sharding=sharding,
-                     cpu_offload=cpu_offload, ring=ring)
+                     cpu_offload=cpu_offload, ring=ring, progress=progress)
+        progress.length(k * step, bool(plans))
         return plans[0] if plans else None
     if best(1) is None:
         return 0, None
