@@ -118,11 +118,26 @@ def load_job(argv=None) -> tuple[JobConfig, bool]:
                                              args.vocab_file, args.merge_file)
     checkpoint_vocab = apply_checkpoint_args(args, argv)
     job = cli.job_config(args)
+    check_model_named(job)
     startup_checks.check_world_size(job.parallel, argv)
     if checkpoint_vocab is not None:     # a resolved value, not a flag: kept out of command_line
         job = dataclasses.replace(job, model=dataclasses.replace(
             job.model, checkpoint_vocab_size=checkpoint_vocab))
     return job, embedded
+
+
+def check_model_named(job: JobConfig) -> None:
+    """Without --model (a preset) the model's shape comes from its three Megatron flags."""
+    m = job.model
+    missing = [flag for flag, value in (("--num-layers", m.num_layers),
+                                        ("--hidden-size", m.hidden_size),
+                                        ("--num-attention-heads", m.num_attention_heads))
+               if value is None]
+    if not m.model and missing:
+        raise ConfigError(
+            f"the model has no {', '.join(missing)}: without --model (a preset such as "
+            f"llama-tiny or llama-8b) --num-layers, --hidden-size and --num-attention-heads "
+            f"are all needed; give them, or name a preset with --model.")
 
 
 def apply_checkpoint_args(args, argv=None) -> int | None:

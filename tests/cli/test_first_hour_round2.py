@@ -100,6 +100,14 @@ def test_start_up_mistakes_before_any_expensive_work(tmp_path, one_process):
         "--tensor-model-parallel-size 2`.")
     job, _ = pretrain.load_job(base + data + ["--train-iters", "5", "--lr-warmup-iters", "5"])
     assert job.training.lr_warmup_iters == 5          # warm-up == decay is fine
+    # No preset and an incomplete shape: one sentence, not GPTConfig's TypeError after start-up.
+    assert _refused(["--mock-data", "--seq-length", "32", "--hidden-size", "64",
+                     "--num-attention-heads", "4"]) == (
+        "error: the model has no --num-layers: without --model (a preset such as llama-tiny or "
+        "llama-8b) --num-layers, --hidden-size and --num-attention-heads are all needed; give "
+        "them, or name a preset with --model.")
+    pretrain.load_job(["--mock-data", "--seq-length", "32", "--num-layers", "2", "--hidden-size",
+                       "64", "--num-attention-heads", "4"])            # all three: fine
 
 
 def test_the_preset_typo_is_the_only_line_and_exit_1(one_process):
