@@ -194,23 +194,25 @@ def _rank_and_world() -> tuple[int, int]:
     return int(rank), int(world)
 
 
-def _store():
-    """The store the ranks compare notes on (see the module docstring), or None."""
+def _store(error: UserError | None = None):
+    """The store the ranks compare notes on about `error` (see the module docstring), or None."""
     if _initialized():
         try:
             return _distributed().distributed_c10d._get_default_store()
         except Exception:
             return None
-    return _launcher_store()
+    return _launcher_store(error)
 
 
-def _launcher_store():
-    """Before the process group: torchrun's agent store, or (rank > 0) the one rank 0 hosts."""
+def _launcher_store(error: UserError | None = None):
+    """Before the process group: torchrun's agent store, or (rank > 0) the one rank 0 hosts; not
+    for a rank-specific error without torchrun (it is said anyway, and nobody ends the others)."""
     env = os.environ
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     rank, world = _rank_and_world()
     if world < 2 or not env.get("MASTER_ADDR") or not env.get("MASTER_PORT") \
-            or (rank == 0 and not agent) or _distributed() is None:
+            or (not agent and (rank == 0 or (error is not None and not error.same_on_every_rank))) \
+            or _distributed() is None:
         return None
     import datetime
     from megatron_sp.rendezvous import open_store     # the only store client; a leaf at import
@@ -331,7 +333,7 @@ def report(error: UserError) -> None:
     _reporting = True
     rank, world = _rank_and_world()
     _injected_delay(rank)
-    store = _store() if world > 1 else None
+    store = _store(error) if world > 1 else None
     slot = None
     try:
         if store is None:

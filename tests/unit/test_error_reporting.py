@@ -126,7 +126,7 @@ def test_report_prints_once_and_fills_the_launchers_error_file(tmp_path, monkeyp
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    monkeypatch.setattr(errors, "_store", lambda: store)
+    monkeypatch.setattr(errors, "_store", lambda error=None: store)
     monkeypatch.setattr(errors, "_rank_and_world", lambda: (1, 2))
     errors.report(ConfigError("--split 0,0,0 leaves no training data."))
     assert capsys.readouterr().err == "error: rank 1: --split 0,0,0 leaves no training data.\n"
