@@ -47,6 +47,10 @@ def main(argv=None):
     job, embedded = load_job(argv)
     if embedded and cli.embedded_run_done(job):
         return
+    if embedded and int(os.environ.get("RANK", "0")) == 0:    # before the corpus and the model
+        print(progress.embedded_estimate(job.training.train_iters,
+                                         os.path.exists(job.data.data_path[-1] + ".bin")),
+              flush=True)
     mesh, device = start(job)
     tokenizer = build_tokenizer(job, mesh)
     with reraise_as(ConfigError, ValueError, prefix="the model flags (--model and the flags that "
@@ -79,7 +83,7 @@ def main(argv=None):
         finalize_async_save()
         metrics.close()
         raise
-    except KeyboardInterrupt:    # Ctrl-C: name what survived and how to go on (errors.run_main)
+    except KeyboardInterrupt as err:   # Ctrl-C, SIGTERM: what survived, how to go on (errors.py)
         metrics.close()
         said = progress.interrupted_message(job, trainer.state.iteration, argv)
         if isinstance(err, Terminated):
@@ -363,10 +367,10 @@ def build_tokenizer(job: JobConfig, mesh):
         return msdata.build_tokenizer("NullTokenizer", vocab_size=d.vocab_size or 1024)
     cache = d.cache_dir or DEFAULT_CACHE
     if d.data_path == (msdata.default_corpus_files(cache)[0],):
-        if mesh.rank == 0:
-            if not msdata.default_corpus_ready(cache):
-                print_rank0(mesh, f"> building the embedded default corpus under {cache} (once) ...")
-            msdata.build_default_corpus(cache)
+        if mesh.rank == 0 and not msdata.default_corpus_ready(cache):   # tokenizer, .bin/.idx
+            print_rank0(mesh, f"> building the embedded default corpus under {cache} (once) ...")
+            with progress.phase(mesh, "embedded default corpus built"):
+                msdata.build_default_corpus(cache)
         barrier(mesh)
     with reraise_as(DataError, ValueError):
         return msdata.build_tokenizer(d.tokenizer_type, d.tokenizer_model, vocab_size=d.vocab_size,
@@ -437,27 +441,30 @@ def loaders(job: JobConfig, train_ds, valid_ds, state, mesh, vocab_size: int):
                                           num_workers=d.num_workers,
                                           cyclic=d.dataloader_type == "cyclic", seed=t.seed))
     valid = loader(valid_ds, state.consumed_valid_samples) if valid_ds is not None else None
+    if train_ds is None:        # --train-iters 0: no training split is read
+        return iter(()), valid
     return loader(train_ds, state.consumed_train_samples), valid
 
 
-    if train_ds is None:        # --train-iters 0: no training split is read
-        return iter(()), valid
 # Start-up and closing lines ---------------------------------------------------------------------
 
 def say_startup(job: JobConfig, mesh, config, chunks) -> None:
-    for note in job.notes:    # mapped and no-op Megatron flags (docs/design.md §10)
-        print_rank0(mesh, note)
+    """The start-up lines, each said once (a line that would repeat another is left out)."""
+    from megatron_sp.attention import describe_attention   # the kernel and the document path
+    lines = list(job.notes)      # mapped and no-op Megatron flags (docs/design.md §10)
     context = job.parallel.describe_context()   # how Ulysses and the ring split the context (§14)
     if context:
-        print_rank0(mesh, context)
-    print_rank0(mesh, f"> {mesh}\n> model: {progress.model_summary(config, mesh.tp_size)}\n"
-                      f"> attention backend: {chunks[0].attention_backend_name}")
-    from megatron_sp.attention import describe_attention   # the kernel and the document path
-    print_rank0(mesh, "> attention: " + describe_attention(
-        chunks[0].attention_backend_name, requested=job.model.attention_backend,
-        device=next(chunks[0].parameters()).device,
+        lines.append(context)
+    backend = chunks[0].attention_backend_name
+    described = describe_attention(
+        backend, requested=job.model.attention_backend, device=next(chunks[0].parameters()).device,
         dtype=job.precision.autocast_dtype or torch.float32, seq_len=job.training.seq_length,
-        packed=job.data.reset_attention_mask, dropout=config.attention_dropout))
+        packed=job.data.reset_attention_mask, dropout=config.attention_dropout)
+    lines += [f"> {mesh}", f"> model: {progress.model_summary(config, mesh.tp_size)}",
+              f"> attention backend: {backend}"]
+    if described != backend:     # a backend with nothing more to say is named once
+        lines.append(f"> attention: {described}")
+    print_rank0(mesh, "\n".join(dict.fromkeys(lines)))
 
 
 def say_embedded_done(job: JobConfig, mesh, tokenizer) -> None:

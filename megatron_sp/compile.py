@@ -13,9 +13,10 @@ sharding.
 One graph per layer: the layers share their code and their shapes, so with torch's default of
 nn.Module parameters as graph inputs the first layer's graph serves the others (no recompile per
 layer; the embedding, output layer and loss stay eager). fullgraph=True where a layer holds no
-collective (no tp, Ulysses or ring inside it); with them the collectives' autograd Functions and the
-byte counters (comm_stats.record) break the graph and run eagerly between compiled regions, which
-gives the same results (tests/distributed/test_compile.py).
+collective (no tp, Ulysses or ring inside it) and no attention dropout; with them the collectives'
+autograd Functions and the byte counters (comm_stats.record), or the RNG tracker's fork around
+attention dropout (torch.get_rng_state / set_rng_state), break the graph and run eagerly between
+compiled regions, which gives the same results (tests/distributed/test_compile.py).
 
 Backends: "inductor" (the default; Triton kernels on CUDA, C++ on CPU, slow to compile),
 "aot_eager" (AOTAutograd's joint graph without code generation: the tests' fast path), "eager"
@@ -54,6 +55,13 @@ def layer_holds_collectives(mesh) -> bool:
     return mesh.tp_size * mesh.sp_size * mesh.cp_size > 1
 
 
+def _forks_rng(chunks) -> bool:
+    """Whether attention dropout runs inside the layers on the RNG tracker's stream: its fork
+    (torch.get_rng_state / set_rng_state) is not traced, so it breaks the graph."""
+    return any(getattr(chunk, "rng_tracker", None) is not None and chunk.config.attention_dropout
+               for chunk in chunks)
+
+
 def compile_layers(chunks, mesh, *, backend="inductor", fullgraph: bool | None = None) -> int:
     """Compile every transformer layer of the model chunks in place; returns how many.
 
@@ -61,7 +69,7 @@ def compile_layers(chunks, mesh, *, backend="inductor", fullgraph: bool | None =
     fullgraph: None = True unless the layers hold collectives (see the module docstring).
     """
     if fullgraph is None:
-        fullgraph = not layer_holds_collectives(mesh)
+        fullgraph = not (layer_holds_collectives(mesh) or _forks_rng(chunks))
     count = 0
     for chunk in chunks:
         for layer in chunk.layers.values():
@@ -70,12 +78,25 @@ def compile_layers(chunks, mesh, *, backend="inductor", fullgraph: bool | None =
     return count
 
 
-def describe(backend, count: int, mesh) -> str:
+def describe(backend, count: int, mesh, chunks=()) -> str:
     """The start-up line."""
-    mode = "one graph per layer" if not layer_holds_collectives(mesh) else \
-        "graphs between the layers' collectives"
+    if layer_holds_collectives(mesh):
+        mode = "graphs between the layers' collectives"
+    elif _forks_rng(chunks):
+        mode = "graphs around attention dropout's RNG fork"
+    else:
+        mode = "one graph per layer"
     name = backend if isinstance(backend, str) else type(backend).__name__
     return f"> torch.compile: {count} transformer layers, backend {name} ({mode})"
+
+
+def first_step_note(backend) -> str:
+    """The line before a process's first step: torch.compile traces and compiles the layers on
+    their first call, so that step is long (inductor: Triton / C++ code generation)."""
+    name = backend if isinstance(backend, str) else type(backend).__name__
+    took = "about a minute" if name == "inductor" else "some seconds"
+    return (f"> compiling the model on the first step (--torch-compile, backend {name}: {took}; "
+            f"the steps after it run the compiled layers) ...")
 
 
 def reset() -> None:
@@ -91,4 +112,4 @@ def compile_from_config(chunks, mesh, job) -> str | None:
         return None
     check_compile(backend=t.torch_compile_backend, fp8=job.precision.fp8_format is not None)
     count = compile_layers(chunks, mesh, backend=t.torch_compile_backend)
-    return describe(t.torch_compile_backend, count, mesh)
+    return describe(t.torch_compile_backend, count, mesh, chunks)

@@ -193,6 +193,9 @@ class SelfAttention(nn.Module):
         # With a ring (cp > 1) the local attention after Ulysses' exchange is the ring over cp.
         local = RingLocalAttention(mesh.cp_group) if mesh.cp_size > 1 else backend
         self.core = UlyssesAttention(local, mesh.sp_group)
+        # what the layers' `document_ids` argument holds (GPTModel._attention_documents): the ids
+        # of the full row, or under a ring this ring rank's tokens' document index
+        self.documents_keyword = "document_index" if mesh.cp_size > 1 else "document_ids"
         # --qk-layernorm (Qwen3): one norm over d shared by every head; each tp rank normalises its
         # own heads, so the weights' gradients are partial over tp and summed there (grad_sync).
         self.q_layernorm = self.k_layernorm = None
@@ -241,8 +244,8 @@ class SelfAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         fork = self.rng_tracker.fork() if (self.rng_tracker and dropout) else contextlib.nullcontext()
         with fork:
-            out = self.core(q, k.contiguous(), v.contiguous(), document_ids=document_ids,
-                            dropout_p=dropout)                    # [b, s/sp, h/tp, d]
+            out = self.core(q, k.contiguous(), v.contiguous(), dropout_p=dropout,
+                            **{self.documents_keyword: document_ids})   # [b, s/sp, h/tp, d]
         out = out.reshape(b, s_l, self.heads_local * self.head_dim)  # [b, s/sp, h/tp * d]
         return self.proj(out)
 

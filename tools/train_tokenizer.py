@@ -2,7 +2,10 @@
 
 python tools/train_tokenizer.py --input corpus.jsonl --json-keys text --vocab-size 32000 \
     --output-prefix tok --tokenizer-type GPTSentencePieceTokenizer
-writes tok.model (and tok.vocab), then prints the preprocessing command that uses it.
+writes tok.model (and tok.vocab), then prints the preprocessing command that uses it, runnable as
+printed: one tools/preprocess_data.py command per --input file (it takes one), with the same
+--json-keys, the --tokenizer-type and the model just written, and --workers (given here, or 4 at
+most: the processes that tokenize), paths quoted for the shell.
 
 Megatron-friendly defaults: byte fallback (no <unk> for unseen characters), ids unk 0, bos 1,
 eos 2 (the end-of-document token of GPTSentencePieceTokenizer), pad 3. SentencePieceTokenizer
@@ -21,6 +24,7 @@ them; BPE stops when no pair occurs twice), says how many and why, and keeps wha
 import argparse
 import json
 import os
+import shlex
 import sys
 
 try:
@@ -46,7 +50,33 @@ def get_args(argv=None):
                         "nmt_nfkc / nfkc: sentencepiece's NFKC rules, whitespace collapsed")
     p.add_argument("--tokenizer-type", choices=TYPES, default="GPTSentencePieceTokenizer",
                    help="the --tokenizer-type you will preprocess and train with")
+    p.add_argument("--workers", type=int, default=None,
+                   help="--workers of the printed tools/preprocess_data.py command (default: the "
+                        "cores here, 4 at most); sentencepiece trains on every core")
     return p.parse_args(argv)
+
+
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
+
+
+def corpus_prefix(path: str) -> str:
+    """corpus.jsonl(.gz) -> corpus: the --output-prefix the preprocessing command writes under."""
+    root, ext = os.path.splitext(path)
+    return os.path.splitext(root)[0] if ext in COMPRESSED else root
+
+
+def next_commands(args, model: str) -> list[str]:
+    """The tools/preprocess_data.py command for each --input (it takes one file), as the shell
+    runs it from here: this run's --json-keys, --tokenizer-type, the new model and --workers."""
+    tool = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preprocess_data.py")
+    if not os.path.relpath(tool).startswith(os.pardir):   # under the current folder: shorter
+        tool = os.path.relpath(tool)
+    workers = args.workers if args.workers is not None else min(4, os.cpu_count() or 1)
+    return [shlex.join(["python", tool, "--input", path, "--output-prefix", corpus_prefix(path),
+                        "--json-keys", *args.json_keys, "--append-eod",
+                        "--tokenizer-type", args.tokenizer_type, "--tokenizer-model", model,
+                        "--workers", str(workers)])
+            for path in args.input]
 
 
 def jsonl_texts(paths, keys):
@@ -70,6 +100,9 @@ def jsonl_texts(paths, keys):
 
 def main(argv=None):
     args = get_args(argv)
+    if args.workers is not None and args.workers < 1:
+        print(f"error: --workers {args.workers}: give 1 or more processes.", file=sys.stderr)
+        return 1
     for path in args.input:
         if not os.path.isfile(path):
             print(f"error: --input {path} does not exist.", file=sys.stderr)
@@ -97,10 +130,8 @@ def main(argv=None):
         print(f"note: {size} pieces, not the {args.vocab_size} asked: the corpus ({chars:,} "
               f"characters) is too small to hold more distinct {args.model_type} pieces; "
               f"sentencepiece keeps those it found (hard_vocab_limit=False). More text gives more.")
-    corpus = os.path.splitext(args.input[0])[0]
-    print("next: python tools/preprocess_data.py --input " + " ".join(args.input)
-          + f" --output-prefix {corpus} --json-keys {' '.join(args.json_keys)} "
-          f"--append-eod --tokenizer-type {args.tokenizer_type} --tokenizer-model {model}")
+    for command in next_commands(args, model):
+        print(f"next: {command}")
     return 0
 
 

@@ -118,4 +118,9 @@ def describe_attention(backend: str, *, requested: str, device: torch.device, dt
                 + " fused attention" + ("; packed documents through cu_seqlens" if packed else ""))
     if backend == "unfused":
         return "Megatron's unfused attention ([b, h, s, s] scores kept: short sequences)"
+    if backend.startswith("ring"):   # GPTModel's name under --context-parallel-size (cp > 1)
+        return ("key/value blocks travel the ring, the next hop sent while this block is "
+                "computed; blocks merged in fp32 by their log-sum-exp"
+                + ("; packed documents: the document index travels with the blocks, blocks "
+                   "whose documents never meet skipped (no s x s tensor)" if packed else ""))
     return backend

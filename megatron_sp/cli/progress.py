@@ -89,3 +89,28 @@ def interrupted_message(job, iteration: int, argv=None) -> str:
              == os.path.abspath(save) else f"resume from it with --load {save} added to the "
              f"command: {command} --load {shlex.quote(save)}")
     return f"{head}; the last complete checkpoint is {folder} (iteration {at}); {again}"
+
+
+IDLE_SECONDS_PER_ITERATION = 0.5    # the embedded default's step on 2 idle cores (README's minute)
+CORPUS_SECONDS = 20.0               # its corpus and tokenizer, built once, on 2 idle cores
+
+
+def embedded_estimate(train_iters: int, corpus_cached: bool, cores: int | None = None,
+                      load: float | None = None) -> str:
+    """The line before the embedded default starts: what it will do and about how long it takes
+    on this machine now (its idle figure scaled by the load average: a CPU-bound run gets about
+    cores / (load + 1) of the cores when others run)."""
+    cores = cores or os.cpu_count() or 1
+    if load is None:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    idle = train_iters * IDLE_SECONDS_PER_ITERATION * max(1.0, 2 / cores) + \
+        (0.0 if corpus_cached else CORPUS_SECONDS)
+    factor = max(1.0, (load + 1) / cores)
+    from megatron_sp.training.metrics import format_duration
+    build = "" if corpus_cached else "builds its corpus and tokenizer from the stdlib's docs " \
+                                     "(once), then "
+    busy = (f"; this machine's load average is {load:.1f} on {cores} cores, so expect about "
+            f"{format_duration(idle * factor)}") if factor > 1.05 else ""
+    return (f"> the embedded default {build}trains {train_iters} iterations of a tiny GPT: about "
+            f"{format_duration(idle)} on {cores} idle cores{busy} (the first step's line gives a "
+            f"measured ETA) ...")

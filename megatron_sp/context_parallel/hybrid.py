@@ -180,4 +180,4 @@ def hybrid_attention(q, k, v, ulysses_group, ring_group, *, scale: float | None 
     check_hybrid_length(n * a * r, a, r)             # n even, i.e. 2 r a divides s = n a r
     check_ulysses_layout(h, k.shape[2], tp=1, sp=a)
     core = UlyssesAttention(RingLocalAttention(ring_group), ulysses_group)
-    return core(q, k, v, softmax_scale=scale, document_ids=document_index)
+    return core(q, k, v, softmax_scale=scale, document_index=document_index)

@@ -20,12 +20,18 @@ Order of work, all on the FULL sequence before any cut (every sp rank holds the 
 sp-size over-scaling bug) cannot be used by mistake: use megatron_sp.hf.loss. Other keys of the
 batch are dropped. Steps 1-4 are pure (rank, size) arithmetic (`shard_for_rank`), unit-tested
 without processes.
+
+That every sp rank holds the same full batch is checked (same_batch=True): a checksum of the
+batch's tensors (`batch_checksum`, O(tokens) integer arithmetic) compared over the sp group in
+one all-reduce of two int64 (megatron_sp.hf.comm.same_over_group). Different batches (a sampler
+sharded over the world instead of dp) would train on nonsense chunks without an error.
 """
 from __future__ import annotations
 
 import torch
 
 from megatron_sp.errors import UserError
+from megatron_sp.hf.comm import same_over_group
 from megatron_sp.mesh import group_rank, group_size
 
 IGNORE_INDEX = -100
@@ -159,7 +165,26 @@ def shard_for_rank(batch: dict, rank: int, sp: int, *, pad_token_id=None, pad: b
     return take_chunk(prepare_full(batch, sp, pad_token_id=pad_token_id, pad=pad), rank, sp)
 
 
-def shard_batch(batch: dict, sp_group, *, pad_token_id=None, pad: bool = True) -> dict:
+def batch_checksum(batch: dict) -> torch.Tensor:
+    """An int64 scalar of the per-token fields of a batch (input_ids, labels, shift_labels,
+    position_ids, attention_mask when given), their shapes included: each token's value times a
+    weight of its place, summed (int64 arithmetic, wrapping), so different values, orders or
+    shapes give different sums, equal batches equal ones on every rank and device."""
+    total = torch.zeros((), dtype=torch.int64, device=batch["input_ids"].device)
+    for i, key in enumerate(("input_ids", "labels", "shift_labels", "position_ids",
+                             "attention_mask")):
+        t = batch.get(key)
+        if not isinstance(t, torch.Tensor):
+            continue
+        flat = t.reshape(-1).to(device=total.device, dtype=torch.int64)
+        place = torch.arange(flat.numel(), device=total.device, dtype=torch.int64)
+        weight = (place * 2654435761 + 40503 * (i + 1)) % 2147483647 + 1   # < 2^31, by place
+        total = total * 1000003 + (flat * weight).sum() + sum(t.shape) * 97 + t.dim()
+    return total
+
+
+def shard_batch(batch: dict, sp_group, *, pad_token_id=None, pad: bool = True,
+                same_batch: bool = True) -> dict:
     """This sp rank's chunk of a causal-LM batch (the module docstring says exactly what).
 
     batch: input_ids [b, s] and labels [b, s] (HF convention: unshifted, -100 ignored; or
@@ -169,6 +194,15 @@ def shard_batch(batch: dict, sp_group, *, pad_token_id=None, pad: bool = True) -
     [b, s/sp] (s rounded up to a multiple of sp when pad=True), and never `labels`: give the
     model input_ids, position_ids (and attention_mask) and compute megatron_sp.hf.loss(logits,
     shard, sp_group). sp_group None or of size 1 returns the whole (shifted) batch.
+    same_batch: check that the sp ranks passed the same batch (one all-reduce of two int64 over
+    sp_group; a SequenceParallelError on every rank of the group if not); False skips it.
     """
-    return shard_for_rank(batch, group_rank(sp_group), group_size(sp_group),
-                          pad_token_id=pad_token_id, pad=pad)
+    sp = group_size(sp_group)
+    shard = shard_for_rank(batch, group_rank(sp_group), sp, pad_token_id=pad_token_id, pad=pad)
+    if same_batch and sp > 1 and not same_over_group(batch_checksum(batch), sp_group):
+        raise SequenceParallelError(
+            f"shard_batch: the {sp} sp ranks of a data-parallel replica were given different "
+            f"batches, but each must pass the same full batch (it keeps its own chunk): shard the "
+            f"data over the dp ranks, not the world (e.g. DistributedSampler(dataset, "
+            f"num_replicas=dp_size, rank=dp_rank)) so that they load the same batches.")
+    return shard

@@ -3,6 +3,7 @@
     sum_over_groups(x, groups)       differentiable all-reduce sum; backward all-reduces the grad
     count_over_groups(x, groups)     all-reduce sum without autograd (token counts)
     gather_sequence(x, group)        all-gather [b, s/sp] along the sequence -> [b, s] (no autograd)
+    same_over_group(value, group)    whether an int64 (a batch checksum) is equal on every rank
 
 Why the backward of sum_over_groups is an all-reduce sum (not the identity): the loss
 L = (sum_r S_r) / N is computed on every rank of the group, each rank seeds its own backward with
@@ -71,3 +72,17 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     chunks = [torch.empty_like(x) for _ in range(sp)]
     dist.all_gather(chunks, x, group=group)
     return torch.cat(chunks, dim=1)                       # sp x [b, s/sp] -> [b, s]
+
+
+@torch.no_grad()
+def same_over_group(value: torch.Tensor, group) -> bool:
+    """Whether the int64 scalar `value` is the same on every rank of `group`: one all-reduce (max)
+    of [value, -value], 16 bytes. Every rank computes the answer from the same reduced pair, so
+    all of them agree on it (none goes on while another raises)."""
+    if group_size(group) == 1:
+        return True
+    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else value.device
+    v = value.reshape(()).to(device=device, dtype=torch.int64) & ((1 << 62) - 1)   # -v fits
+    pair = torch.stack([v, -v])
+    dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=group)
+    return bool(pair[0] == -pair[1])                 # max == min

@@ -40,6 +40,11 @@ stay the Trainer's):
   that need predictions are not computed under sp > 1.
 - token and FLOP counters (num_input_tokens_seen, total_flos): divided by sp (each sp rank of a
   replica sees the whole batch).
+- checkpoints: each one also holds megatron_sp_layout.json (sp, dp, the global batch). Resuming
+  one saved in another layout (say sp 2 on 2 ranks, resumed with sp 1: dp 2) changes the global
+  batch with the same per_device_train_batch_size; the run goes on (layouts may change) after one
+  note on stderr naming the old and new sp x dp and global batch, and the per-replica batch that
+  keeps the old one.
 Refused in one sentence: DeepSpeed (use DDP or FSDP2), accelerate's own sp/cp parallelism_config,
 train_sampling_strategy="batch_rebalance", dispatch_batches and a sharded streaming dataset (their
 sharding cannot be told the dp size).
@@ -47,6 +52,9 @@ sharding cannot be told the dp size).
 from __future__ import annotations
 
 import functools
+import json
+import os
+import sys
 
 import torch
 from transformers import Trainer
@@ -57,6 +65,31 @@ from megatron_sp.hf.batch import IGNORE_INDEX, prepare_full, shard_batch
 from megatron_sp.hf.comm import count_over_groups
 from megatron_sp.hf.loss import loss as sequence_loss
 from megatron_sp.mesh import ParallelMesh
+
+
+LAYOUT_FILE = "megatron_sp_layout.json"     # in every checkpoint-N folder the trainer saves
+
+
+def layout_change_note(saved: dict, now: dict, folder: str) -> str | None:
+    """The note when a checkpoint saved at one sp x dp is resumed at another (None if the same):
+    saved, now: {"sp", "dp", "global_batch", "per_device_train_batch_size",
+    "gradient_accumulation_steps"}."""
+    if (saved.get("sp"), saved.get("dp")) == (now["sp"], now["dp"]):
+        return None
+    old, new = saved.get("global_batch"), now["global_batch"]
+    text = (f"note: resuming {folder}, saved at sp {saved.get('sp')} x dp {saved.get('dp')} "
+            f"(global batch {old}), at sp {now['sp']} x dp {now['dp']}: ")
+    if old == new:
+        return text + f"the global batch stays {new} sequences per optimizer step."
+    text += (f"the global batch is now {new} sequences per optimizer step, not {old} "
+             f"(per_device_train_batch_size {now['per_device_train_batch_size']} per dp replica x "
+             f"gradient_accumulation_steps {now['gradient_accumulation_steps']} x dp "
+             f"{now['dp']}), and the steps already done are skipped in batches of {new}")
+    per_replica = now["gradient_accumulation_steps"] * now["dp"]
+    if isinstance(old, int) and old % per_replica == 0:
+        text += (f"; per_device_train_batch_size {old // per_replica} keeps the global "
+                 f"batch of {old}")
+    return text + "."
 
 
 def target_count(batch: dict) -> torch.Tensor:
@@ -87,6 +120,41 @@ class SequenceParallelMixin:
         self.model = sequence_parallel(self.model, self.sp_group)
         self.model_wrapped = self.model
         self.loss_is_scaled_for_ga = True        # compute_loss normalises over the whole step
+
+    # Checkpoints: the layout they were saved in, a note when resumed in another -------------
+    def layout(self) -> dict:
+        """This run's sp x dp and global batch (what LAYOUT_FILE records)."""
+        return {"sp": self.mesh.sp_size, "dp": self.mesh.dp_size,
+                "global_batch": self.get_total_train_batch_size(self.args),
+                "per_device_train_batch_size": self._train_batch_size,
+                "gradient_accumulation_steps": self.args.gradient_accumulation_steps}
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+        folder = os.path.join(self._get_output_dir(trial=trial),
+                              f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save and os.path.isdir(folder):
+            tmp = os.path.join(folder, f".{LAYOUT_FILE}.tmp{os.getpid()}")
+            with open(tmp, "w") as f:
+                json.dump(self.layout(), f)
+            os.replace(tmp, os.path.join(folder, LAYOUT_FILE))
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint is True:      # the Trainer's own rule: the last checkpoint-N
+            from transformers.trainer_utils import get_last_checkpoint
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            path = os.path.join(resume_from_checkpoint, LAYOUT_FILE)
+            try:
+                with open(path) as f:
+                    saved = json.load(f)
+            except (OSError, ValueError):     # saved by an unmodified Trainer, or an older one
+                saved = None
+            note = saved and layout_change_note(saved, self.layout(), str(resume_from_checkpoint))
+            if note and self.is_world_process_zero():
+                print(note, file=sys.stderr, flush=True)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # Data: shard over dp only --------------------------------------------------------------
     def get_train_dataloader(self):

@@ -8,7 +8,7 @@ from megatron_sp import comm_stats
 from megatron_sp.errors import DataError
 from megatron_sp.memory import SavedTensorAccountant, format_report, peak_device_memory
 from megatron_sp.sharding.state_bytes import format_state_bytes
-from megatron_sp.training.metrics import StepClock, format_log_line, print_rank0
+from megatron_sp.training.metrics import StepClock, format_duration, format_log_line, print_rank0
 from megatron_sp.training.profiling import StepProfiler
 
 
@@ -21,7 +21,11 @@ def fit(job, trainer, train_iter, valid_iter, metrics, checkpoints=None) -> None
     comm_stats.reset()
     profiler = StepProfiler.from_config(log, mesh, train_iters=end, save=job.checkpoint.save)
     start, last_logged = time.time(), trainer.state.iteration
-    clock = StepClock()
+    clock, steps = StepClock(), 0
+    compiling = bool(job.training.torch_compile)   # this process's first step compiles the layers
+    if compiling and trainer.state.iteration < end:   # said before it, whatever --log-interval
+        from megatron_sp.compile import first_step_note as compiling_note
+        print_rank0(mesh, compiling_note(job.training.torch_compile_backend))
     while trainer.state.iteration < end:
         if ramp is not None:          # --rampup-batch-size: this step's global batch
             trainer.set_global_batch_size(ramp.batch_size(trainer.state.consumed_train_samples))
@@ -31,12 +35,13 @@ def fit(job, trainer, train_iter, valid_iter, metrics, checkpoints=None) -> None
         step_start = time.time()
         result, report = _step(trainer, _next_micro_batches(trainer, train_iter),
                                job.memory.report_memory and logging)
-        clock.add(time.time() - step_start)
+        seconds, steps = time.time() - step_start, steps + 1
+        if not (compiling and steps == 1):    # a compiling step would make the ETA minutes long
+            clock.add(seconds)
         it = trainer.state.iteration
         profiler.after_step(it)
-        if len(clock.times) == 1 and not logging:    # this process's first step: a sign of life
-            print_rank0(mesh, f"> first step (iteration {it}) done in {clock.times[0]:.1f} s; "
-                              f"the log line follows every {log.log_interval} iterations")
+        if steps == 1 and not logging:     # this process's first step: a sign of life, an ETA
+            print_rank0(mesh, first_step_note(it, seconds, end - it, log.log_interval, compiling))
         if it % log.log_interval == 0 or it == end:
             record = trainer.log_record(result, time.time() - start, it - last_logged)
             if it < end:
@@ -57,6 +62,20 @@ def fit(job, trainer, train_iter, valid_iter, metrics, checkpoints=None) -> None
         if checkpoints is not None and checkpoints.after_step():   # saves; signal/exit flags
             break
     profiler.close()
+
+
+def first_step_note(iteration: int, seconds: float, remaining: int, log_interval: int,
+                    compiled: bool = False) -> str:
+    """The line after this process's first step when no log line follows it: its time and, at
+    its pace, the time the remaining iterations take (the first step is usually the slowest, so
+    it errs long); none after a step that compiled the layers (--torch-compile)."""
+    if compiled:
+        pace = " (compiling included)"
+    else:
+        pace = (f"; at that pace the other {remaining} iterations take about "
+                f"{format_duration(remaining * seconds)} (ETA)") if remaining > 0 else ""
+    return (f"> first step (iteration {iteration}) done in {seconds:.1f} s{pace}; the log line "
+            f"follows every {log_interval} iterations")
 
 
 def _next_micro_batches(trainer, train_iter) -> list:

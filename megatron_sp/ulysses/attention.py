@@ -57,10 +57,12 @@ def expand_kv_heads(kv: torch.Tensor, sp: int) -> torch.Tensor:
 class UlyssesAttention(nn.Module):
     """Sequence-parallel wrapper around a local attention backend (megatron_sp.attention).
 
-    forward(q, k, v, *, document_ids=None, softmax_scale=None, dropout_p=0.0):
+    forward(q, k, v, *, document_ids=None, document_index=None, softmax_scale=None, dropout_p=0.0):
       q [b, s/sp, h_l, d], k/v [b, s/sp, g_l, d] (this rank's sequence chunk, its tp rank's heads)
       -> out [b, s/sp, h_l, d]. document_ids [b, s] covers the FULL sequence (every sp rank has
-      it) and goes to the local attention unchanged. Always causal.
+      it) and goes to the local attention unchanged. Always causal. Under a ring the local
+      attention is RingLocalAttention, which takes `document_index` instead (its ring rank's
+      tokens' document index over the full row, [b, s/cp]): passed on as given.
     With sp_group None or of size 1 it is just local_attention. fuse_qkv=False sends q, k and v in
     three all-to-alls instead of one (for the benchmark's comparison).
     """
@@ -72,11 +74,16 @@ class UlyssesAttention(nn.Module):
         self.sp_size = group_size(sp_group)
         self.fuse_qkv = fuse_qkv
 
-    def forward(self, q, k, v, *, document_ids=None, softmax_scale=None, dropout_p=0.0):
+    def forward(self, q, k, v, *, document_ids=None, document_index=None, softmax_scale=None,
+                dropout_p=0.0):
         sp = self.sp_size
+        # the ring's document index or a backend's document ids: only the one given, if any
+        documents = {key: value for key, value in (("document_ids", document_ids),
+                                                   ("document_index", document_index))
+                     if value is not None}
         if sp == 1:
-            return self.local_attention(q, k, v, document_ids=document_ids,
-                                        softmax_scale=softmax_scale, dropout_p=dropout_p)
+            return self.local_attention(q, k, v, softmax_scale=softmax_scale, dropout_p=dropout_p,
+                                        **documents)
         check_ulysses_layout(q.shape[2], k.shape[2], tp=1, sp=sp)  # per-tp-rank head counts
         if document_ids is not None and document_ids.shape[1] != q.shape[1] * sp:
             raise ValueError(f"document_ids must cover the full sequence s = {q.shape[1] * sp} "
@@ -87,8 +94,8 @@ class UlyssesAttention(nn.Module):
             q, k, v = seq_to_head_qkv_all_to_all(q, k, v, group)
         else:
             q, k, v = (seq_to_head_all_to_all(t, group) for t in (q, k, v))
-        out = self.local_attention(q, k, v, document_ids=document_ids,
-                                   softmax_scale=softmax_scale, dropout_p=dropout_p)
+        out = self.local_attention(q, k, v, softmax_scale=softmax_scale, dropout_p=dropout_p,
+                                   **documents)
         return head_to_seq_all_to_all(out, group)                     # [b, s/sp, h_l, d]
 
     def extra_repr(self) -> str:

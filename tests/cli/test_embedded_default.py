@@ -1,6 +1,8 @@
 """CLI smoke test of the embedded default: `python pretrain_gpt.py` with no data and no model builds
 the stdlib-docs corpus, trains a sentencepiece tokenizer, preprocesses to .bin/.idx, trains, saves a
-checkpoint and a metrics file (shortened here with --train-iters and a shorter sequence)."""
+checkpoint and a metrics file (shortened here with --train-iters and a shorter sequence); the
+corpus build is timed and the first step's line gives the run's ETA, long before the first log
+line."""
 import json
 import os
 import subprocess
@@ -23,6 +25,13 @@ def test_embedded_default_runs_end_to_end(tmp_path):
                          env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "embedded default finished" in out.stdout
+    # what a user waits for is timed: the corpus build, then an ETA right after the first step
+    assert out.stdout.startswith("> the embedded default builds its corpus and tokenizer from "
+                                 "the stdlib's docs (once), then trains 12 iterations of a tiny "
+                                 "GPT: about "), out.stdout[:3000]     # an estimate before anything
+    assert "> embedded default corpus built in " in out.stdout, out.stdout[-3000:]
+    assert "; at that pace the other 11 iterations take about " in out.stdout, out.stdout[-3000:]
+    assert out.stdout.index("> first step (iteration 1)") < out.stdout.index(" iteration        4/")
     cache = tmp_path / "cache"
     assert list(cache.glob("*_text_document.bin")) and list(cache.glob("*_text_document.idx"))
     assert list(cache.glob("*.model"))

@@ -219,3 +219,18 @@ def _umask():
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def test_the_embedded_default_says_how_long_before_it_starts():
+    """The line before the corpus and the model: the idle figure, scaled by the load average."""
+    from megatron_sp.cli.progress import embedded_estimate
+    idle = embedded_estimate(100, corpus_cached=False, cores=2, load=0.0)
+    assert idle == ("> the embedded default builds its corpus and tokenizer from the stdlib's docs "
+                    "(once), then trains 100 iterations of a tiny GPT: about 1m10s on 2 idle "
+                    "cores (the first step's line gives a measured ETA) ...")
+    busy = embedded_estimate(100, corpus_cached=True, cores=2, load=5.0)
+    assert busy == ("> the embedded default trains 100 iterations of a tiny GPT: about 50s on 2 "
+                    "idle cores; this machine's load average is 5.0 on 2 cores, so expect about "
+                    "2m30s (the first step's line gives a measured ETA) ...")
+    assert "load average" in embedded_estimate(10, True)  or "idle cores (" in \
+        embedded_estimate(10, True)                      # this machine's figures: one of the two

@@ -8,7 +8,8 @@ paths -> tmp) run for 2 iterations on CPU at 1-2 ranks.
 Each script runs with every flag as Megatron has it. The FP8 script without Transformer Engine must
 end in the one-sentence refusal naming Transformer Engine (exit != 0, no traceback); the others must
 run clean: exit 0, no traceback, no "unrecognized arguments", 2 log lines that train_llama3.sh's
-regular expressions read (throughput > 0), the no-op line once, the --context-parallel-size note
+regular expressions read (throughput > 0), every start-up line once (none repeating another's
+text), the no-op line once, the --context-parallel-size note
 (Megatron's default --cp-comm-type p2p: ring attention) once, the "nothing is profiled" note where --profile has Megatron's default steps, checkpoint
 metadata without optimizer / RNG state for --no-save-optim / --no-save-rng, and the wandb sentence
 once where wandb is not installed.
@@ -189,9 +190,20 @@ def _files(tmp):
         (tmp / name).write_text("{}" if name.endswith("json") else "#version: 0.2\n")
 
 
+def assert_startup_lines_once(out):
+    """Every start-up line ("> ..." before the first log line) is said once, and no two of them
+    say the same thing under different labels ("> attention backend: X" and "> attention: X")."""
+    head = out.split(" iteration ")[0].splitlines()
+    lines = [ln for ln in head if ln.startswith("> ")]
+    assert lines and len(set(lines)) == len(lines), [ln for ln in lines if lines.count(ln) > 1]
+    said = [ln.split(": ", 1)[-1] for ln in lines]
+    assert len(set(said)) == len(said), [ln for ln, s in zip(lines, said) if said.count(s) > 1]
+
+
 def _check_clean_run(name, rc, out, argv, tmp):
     assert rc == 0, f"{name}:\n{out[-4000:]}"
     assert "unrecognized arguments" not in out and "Traceback" not in out, out[-4000:]
+    assert_startup_lines_once(out)
     scraped = scrape_log(out)
     assert len(scraped["throughput per GPU"]) == 2 and all(v > 0 for v in scraped["throughput per GPU"])
     assert len(scraped["elapsed time per iteration"]) == 2, out[-3000:]

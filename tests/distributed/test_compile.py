@@ -122,3 +122,46 @@ def test_the_flags_compile_the_layers_of_the_built_model():
     fp8 = JobConfig.from_flags({"seq_length": 16, "torch_compile": True, "fp8_format": "hybrid"})
     with pytest.raises(CompileLayoutError, match="--torch-compile with --fp8-format"):
         compile_from_config([model], ParallelMesh.single(), fp8)
+
+
+def test_the_first_step_is_announced_and_timed(capsys):
+    """pretrain_gpt.py in this process (one rank, mock data): with --torch-compile one note
+    before the first step says it compiles, at --log-interval 1 as well, and that step is kept
+    out of the ETA; without it the first-step line gives the ETA of the other iterations (issue
+    34). The default attention dropout (0.1, no preset) compiles with graph breaks around the RNG
+    fork (fullgraph stopped at torch.get_rng_state) and trains like eager."""
+    import os
+    import re
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    import pretrain_gpt
+    tiny = ["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "32",
+            "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "1",
+            "--global-batch-size", "1", "--train-iters", "3", "--eval-iters", "0"]
+    compiled = ["--torch-compile", "--torch-compile-backend", "eager"]
+    outputs = []
+    try:
+        for argv in (tiny + compiled + ["--log-interval", "1"],
+                     tiny + compiled + ["--log-interval", "3"], tiny + ["--log-interval", "3"]):
+            pretrain_gpt.main(argv)
+            outputs.append(capsys.readouterr().out)
+    finally:
+        reset()
+    note = ("> compiling the model on the first step (--torch-compile, backend eager: some "
+            "seconds; the steps after it run the compiled layers) ...")
+    every, once, eager = outputs
+    assert "backend eager (graphs around attention dropout's RNG fork)" in every, every
+    losses = [re.findall(r"lm loss: (\S+) \|", out) for out in outputs]
+    assert len(losses[0]) == 3, losses
+    assert losses[0][-1] == losses[1][-1] == losses[2][-1], losses       # compiled = eager
+    for out in (every, once):
+        assert out.count(note) == 1 and out.index(note) < out.index(" iteration "), out
+    lines = [line for line in every.splitlines() if line.startswith(" iteration ")]
+    assert len(lines) == 3 and "ETA" not in lines[0] and "ETA" in lines[1], lines  # no compile ETA
+    assert "> first step (iteration" not in every     # its log line follows at once
+    assert "> first step (iteration 1) done in " in once and "(compiling included); the log line " \
+        "follows every 3 iterations" in once and "ETA" not in once.split(" iteration ")[0], once
+    assert note not in eager and "compiling" not in eager
+    assert re.search(r"> first step \(iteration 1\) done in [\d.]+ s; at that pace the other 2 "
+                     r"iterations take about \d+s \(ETA\); the log line follows every 3 "
+                     r"iterations", eager), eager

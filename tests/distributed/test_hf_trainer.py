@@ -207,5 +207,92 @@ def test_trainer_and_sft_trainer_match_one_process(tmp_path):
         _assert_close(job, references[reference_key(job)], per_rank[0])
 
 
+# Resuming in another layout, and sp ranks given different batches (issue 34) -------------------
+
+def _layout_and_batches(rank, world, out_dir):
+    """On 2 ranks: a Trainer run at sp 2 saves a checkpoint, resumed at sp 1 (dp 2); then
+    shard_batch over the sp pair with equal and with different batches."""
+    import contextlib
+    import io
+    import logging
+
+    import torch
+    import transformers
+    from transformers import TrainingArguments
+
+    from megatron_sp.hf import SequenceParallelError, shard_batch, shard_for_rank
+    from megatron_sp.hf.trainer import LAYOUT_FILE, SequenceParallelTrainer
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("accelerate").setLevel(logging.ERROR)
+    said = {}
+
+    def run(sp_size, max_steps, resume):
+        args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=4,
+                                 max_steps=max_steps, learning_rate=1e-3, save_strategy="steps",
+                                 save_steps=2, report_to="none", use_cpu=True, seed=7,
+                                 disable_tqdm=True, remove_unused_columns=False,
+                                 dataloader_num_workers=0)
+        trainer = SequenceParallelTrainer(model=tiny_model("llama"), args=args,
+                                          train_dataset=lm_examples(32, 1),
+                                          data_collator=pad_collate, sp_size=sp_size)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            trainer.train(resume_from_checkpoint=resume)
+        notes = [line for line in err.getvalue().splitlines() if line.startswith("note:")]
+        return notes, trainer.get_total_train_batch_size(trainer.args)
+
+    said["first"] = run(2, 2, None)
+    with open(os.path.join(out_dir, "checkpoint-2", LAYOUT_FILE)) as f:
+        said["layout"] = json.load(f)
+    said["resumed"] = run(1, 3, True)
+
+    def batch(seed):
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, VOCAB, (2, 8), generator=gen)
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    group = torch.distributed.group.WORLD
+    same = shard_batch(batch(0), group)
+    said["same"] = torch.equal(same["input_ids"], shard_for_rank(batch(0), rank, 2)["input_ids"])
+    swapped = batch(0) if rank == 0 else {k: v.flip(0) for k, v in batch(0).items()}
+    for name, mine in (("different", batch(rank)), ("rows swapped", swapped)):
+        try:
+            shard_batch(mine, group)
+            said[name] = None
+        except SequenceParallelError as err:
+            said[name] = str(err)
+    said["unchecked"] = shard_batch(batch(rank), group, same_batch=False)["input_ids"].shape[1]
+    return said
+
+
+def test_resume_in_another_layout_and_different_batches_are_said(tmp_path):
+    """One 2-rank spawn: a checkpoint saved at sp 2 (dp 1, global batch 4) resumed at sp 1 on 2
+    ranks (dp 2: global batch 8) trains on after one note on rank 0 naming both layouts and
+    batches; shard_batch refuses sp ranks given different batches (other values, other row
+    order) in one sentence on both ranks, and same_batch=False turns the check off."""
+    from megatron_sp.testing import run_distributed
+
+    per_rank = run_distributed(_layout_and_batches, 2, str(tmp_path), timeout_s=240.0,
+                               collective_timeout_s=120.0)
+    zero, one = per_rank
+    assert zero["layout"] == {"sp": 2, "dp": 1, "global_batch": 4,
+                              "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1}
+    assert zero["first"] == ([], 4) and one["first"] == ([], 4)     # nothing said on a fresh run
+    (note,), total = zero["resumed"]          # one note, on rank 0 only
+    assert total == 8 and one["resumed"] == ([], 8), (zero, one)
+    assert note.startswith(
+        f"note: resuming {tmp_path}/checkpoint-2, saved at sp 2 x dp 1 (global batch 4), at sp 1 x "
+        f"dp 2: the global batch is now 8 sequences per optimizer step, not 4"), note
+    assert note.endswith("; per_device_train_batch_size 2 keeps the global batch of 4."), note
+    for said in per_rank:
+        assert said["same"] and said["unchecked"] == 4, said
+        for name in ("different", "rows swapped"):
+            assert said[name] == zero[name] and said[name].startswith(
+                "shard_batch: the 2 sp ranks of a data-parallel replica were given different "
+                "batches") and "\n" not in said[name] and said[name].endswith("."), said
+
+
 if __name__ == "__main__":          # under torchrun (the test above launches it)
     _torchrun_main(sys.argv[1], sys.argv[2])

@@ -173,3 +173,34 @@ def test_auto_picks_blockwise_on_cpu_and_flex_on_cuda(monkeypatch):
     assert line == ("SDPA on CPU: flash kernel (fp32); packed documents: a [b, 1, s, s] mask up "
                     "to 4096 tokens, blockwise attention (attention/lse.py) beyond (no s x s "
                     "tensor)")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_startup_lines_name_the_ring_once(packed, capsys):
+    """Under --context-parallel-size 4 the ring is the model's attention: the start-up lines name
+    it once ("> attention backend: ring ..."), the "> attention:" line says what the ring does
+    instead of repeating the name, and no start-up line repeats another's text (issue 34)."""
+    import os
+    import sys
+    from types import SimpleNamespace
+
+    from megatron_sp.cli.build import parse_job
+    from megatron_sp.mesh import ParallelMesh
+    from megatron_sp.models import GPTConfig
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    import pretrain_gpt
+    job = parse_job(["--mock-data", "--seq-length", "64", "--context-parallel-size", "4",
+                     "--attention-dropout", "0"] + (["--reset-attention-mask"] if packed else []))
+    config = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512,
+                       attention_dropout=0.0)
+    chunk = SimpleNamespace(attention_backend_name="ring over cp=4 (attention/lse.py blocks)",
+                            parameters=lambda: iter([torch.zeros(1)]))
+    pretrain_gpt.say_startup(job, ParallelMesh.single(), config, [chunk])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines.count("> attention backend: ring over cp=4 (attention/lse.py blocks)") == 1
+    assert sum("ring over cp=4" in line for line in lines) == 1, lines
+    described = [line for line in lines if line.startswith("> attention: ")]
+    assert len(described) == 1 and "log-sum-exp" in described[0], lines
+    assert ("document index travels with the blocks" in described[0]) is packed
+    said = [line.split(": ", 1)[-1] for line in lines]
+    assert len(set(lines)) == len(lines) and len(set(said)) == len(said), lines

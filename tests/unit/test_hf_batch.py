@@ -135,3 +135,19 @@ def test_unknown_family_and_eager_refused_without_processes():
                                   num_hidden_layers=1, intermediate_size=64, vocab_size=50)
     with pytest.raises(SequenceParallelError, match="not 'gpt_neox'"):
         sequence_parallel(AutoModelForCausalLM.from_config(config), None)
+
+
+def test_batch_checksum_tells_batches_apart():
+    """What shard_batch compares over the sp group: equal batches give equal sums, another
+    value, another row order, labels, positions or another shape a different one."""
+    from megatron_sp.hf.batch import batch_checksum
+    batch = _batch(0)
+    same = {k: v.clone() for k, v in batch.items()}
+    assert batch_checksum(batch) == batch_checksum(same)
+    others = [_batch(1), {k: v.flip(0) for k, v in batch.items()},
+              dict(batch, labels=batch["labels"].roll(1, dims=1)),
+              dict(batch, position_ids=torch.arange(12).expand(2, 12)),
+              {k: v.reshape(4, 6) for k, v in batch.items()}]
+    sums = {int(batch_checksum(b)) for b in [batch] + others}
+    assert len(sums) == len(others) + 1
+    assert shard_batch(batch, None, same_batch=True)["input_ids"].shape == (2, 12)   # sp 1

@@ -59,11 +59,15 @@ def trained(tmp_path_factory):
     """(folder, {model type: (.model path, argv, stdout)}) of tools/train_tokenizer.py runs."""
     d = tmp_path_factory.mktemp("tok")
     _corpus(d / "corpus.jsonl")
+    (d / "more.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in HAND_PICKED))
     out = {}
     for kind in ("unigram", "bpe"):
         prefix = str(d / kind)
-        argv = ["--input", str(d / "corpus.jsonl"), "--vocab-size", "1500", "--model-type", kind,
-                "--output-prefix", prefix]
+        # bpe: two inputs, --json-keys and --workers given (they go into the printed commands)
+        more = ([str(d / "more.jsonl"), "--json-keys", "text", "--workers", "2"]
+                if kind == "bpe" else [])
+        argv = ["--input", str(d / "corpus.jsonl"), *more, "--vocab-size", "1500",
+                "--model-type", kind, "--output-prefix", prefix]
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             assert train_tokenizer.main(argv) == 0
@@ -98,6 +102,37 @@ def test_train_tokenizer_keeps_whitespace_and_says_why_the_vocabulary_is_small(t
     for text in _texts(2, 60) + ["ﬁ ǅ Ⅸ ｈｅｌｌｏ ① ü", "  a   b  "]:
         assert hf.encode(text).ids == sp.encode(text), text
         assert hf.decode(sp.encode(text)) == sp.decode(sp.encode(text)), text
+
+
+def test_next_commands_run_as_printed(trained):
+    """The printed `next:` commands are tools/preprocess_data.py's, one per --input, carrying
+    --json-keys, --tokenizer-type, the model written and --workers (given, or the default); the
+    first one runs as printed (issue 34)."""
+    import shlex
+    import subprocess
+    import preprocess_data
+    d, models = trained
+    for kind, (model, argv, printed) in models.items():
+        commands = [line[len("next: "):] for line in printed.splitlines()
+                    if line.startswith("next: ")]
+        inputs = [str(d / "corpus.jsonl")] + ([str(d / "more.jsonl")] if kind == "bpe" else [])
+        assert len(commands) == len(inputs), printed
+        for command, path in zip(commands, inputs):
+            words = shlex.split(command)
+            assert words[0] == "python" and os.path.samefile(
+                words[1], os.path.join(ROOT, "tools", "preprocess_data.py")), command
+            args = preprocess_data.get_args(words[2:])
+            assert (args.input, args.output_prefix, args.json_keys, args.append_eod) == \
+                (path, path[:-len(".jsonl")], ["text"], True), command
+            assert (args.tokenizer_type, args.tokenizer_model) == \
+                ("GPTSentencePieceTokenizer", model), command
+            assert args.workers == (2 if kind == "bpe" else min(4, os.cpu_count() or 1)), command
+    last = [line for line in models["bpe"][2].splitlines() if line.startswith("next: ")][-1]
+    ran = subprocess.run(last[len("next: "):], shell=True, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PATH": os.path.dirname(sys.executable)
+                                           + os.pathsep + os.environ.get("PATH", "")})
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert (d / "more_text_document.bin").stat().st_size > 0, ran.stdout
 
 
 @pytest.mark.parametrize("kind", ["unigram", "bpe"])
