@@ -29,8 +29,10 @@ key/value store, no collective, so it works while the process group is wedged):
 - a consequence (CollectiveFailure: a peer died; Terminated: the launcher's SIGTERM) is quiet when
   some rank posted a cause, and said once, by the first rank to claim it, otherwise;
 - while a rank reports, the launcher's SIGTERM is held off (torchrun's grace is 30 s; a report
-  takes at most 4 x GRACE_S); at any other time it raises Terminated (a KeyboardInterrupt: saves clean up as
-  for Ctrl-C) and the rank reports that as a consequence;
+  under torchrun takes at most 2 x GRACE_S); at any other time it raises Terminated (a
+  KeyboardInterrupt: saves clean up as for Ctrl-C) and the rank reports that as a consequence;
+- the rank hosting the store (rank 0 launched by hand) stays until every reporting rank is done
+  with it (at most 2 x GRACE_S more): a rank still waiting on a dead store says its line again;
 - under torchrun each reporting rank also writes its sentence to TORCHELASTIC_ERROR_FILE, so the
   launcher's closing "Root Cause" block shows it as the failure's "traceback" (our `error:` line
   stands above the block).
@@ -266,10 +268,16 @@ class Notes:
     def mark_said(self, slot: str) -> None:
         self.store.set(f"{self.prefix}/said/{slot}", "1")
 
+    def finish(self) -> None:
+        """This rank is done with the store (said its line, or saw it said)."""
+        self._count("done", 1)
+
     def linger(self) -> None:
         """The rank hosting the store (rank 0 launched by hand) stays until every rank reported
-        (or GRACE_S): the store dies with it."""
-        _wait(lambda: self._count("reported") >= self.world)
+        and finished (or 2 x GRACE_S): the store dies with it, and a rank still waiting on it
+        would say its line again, with its rank."""
+        _wait(lambda: self._count("reported") >= self.world
+              and self._count("done") >= self._count("reported"), 2 * GRACE_S)
 
 
 def _with_rank(message: str, rank: int) -> str:
@@ -351,6 +359,7 @@ def report(error: UserError) -> None:
     try:
         if line is not None:
             notes.mark_said(slot)
+        notes.finish()
         if _hosts_store(store):
             notes.linger()
     except Exception:

@@ -64,7 +64,8 @@ def error_lines(out: str) -> list[str]:
 def test_each_mistake_is_said_exactly_once_whoever_exits_first(tmp_path):
     """Three mistakes every rank finds before the rendezvous, one after it, one rank alone with a
     bad file, an unknown flag; rank 0 slowed by 2 s in each (the race forced); and the first case
-    again at 4 ranks and launched by hand."""
+    again at 4 ranks and launched by hand, and one found after the rendezvous of 4 ranks launched
+    by hand (rank 0 hosts the store the others wait on)."""
     slow = dict(MEGATRON_SP_INJECT_REPORT_DELAY_S=2, MEGATRON_SP_INJECT_RANK=0)
     missing = str(tmp_path / "missing" / "corpus_text_document")
     alone = tmp_path / "alone.sh"      # rank 1's node lacks the file rank 0 has (here: mock data)
@@ -95,6 +96,9 @@ def test_each_mistake_is_said_exactly_once_whoever_exits_first(tmp_path):
         "by hand": (by_hand(2, [*mock, "--context-parallel-size", "2", "--cp-comm-type",
                                 "a2a+p2p"], **slow),
                     "needs --hierarchical-context-parallel-sizes", None),
+        "by hand, 4 ranks, after the rendezvous": (   # rank 0 hosts the store: it must outlive
+            by_hand(4, [*mock, "--sequence-parallel-size", "2", "--seq-length", "33"]),   # the
+            "33", None),                                                                  # rest
     }
     failures = []
     for name, (procs, words, rank) in cases.items():
