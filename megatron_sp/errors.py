@@ -207,18 +207,21 @@ def _store(error: UserError | None = None):
 
 
 def _launcher_store(error: UserError | None = None):
-    """Before the process group: torchrun's agent store, or (rank > 0) the one rank 0 hosts; not
-    for a rank-specific error without torchrun (it is said anyway, and nobody ends the others)."""
-    env = os.environ
-    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    """Before the process group: torchrun's agent store, or (rank > 0) the one rank 0 hosts at
+    the launcher's address (torchrun's, srun's: mesh.distributed_env); not for a rank-specific
+    error without torchrun (it is said anyway, and nobody ends the others)."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     rank, world = _rank_and_world()
-    if world < 2 or not env.get("MASTER_ADDR") or not env.get("MASTER_PORT") \
-            or (not agent and (rank == 0 or (error is not None and not error.same_on_every_rank))) \
-            or _distributed() is None:
+    if world < 2 or _distributed() is None \
+            or (not agent and (rank == 0 or (error is not None and not error.same_on_every_rank))):
         return None
     import datetime
-    from megatron_sp.rendezvous import open_store     # the only store client; a leaf at import
-    store = open_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]), rank, world,
+    from megatron_sp.mesh import distributed_env      # imported while reporting: a leaf at import
+    from megatron_sp.rendezvous import open_store
+    env = distributed_env()
+    if env is None:
+        return None
+    store = open_store(env["master_addr"], env["master_port"], rank, world,
                        datetime.timedelta(seconds=GRACE_S), agent)
     return None if isinstance(store, BaseException) else store
 

@@ -46,12 +46,18 @@ def torchrun(nproc: int, script_args: list[str], no_python: bool = False, **extr
                             text=True, start_new_session=True)
 
 
-def by_hand(world: int, args: list[str], **extra) -> list[subprocess.Popen]:
-    """RANK/WORLD_SIZE set by hand (as srun tasks get them): no launcher ends anybody."""
+def by_hand(world: int, args: list[str], slurm: bool = False, **extra) -> list[subprocess.Popen]:
+    """RANK/WORLD_SIZE set by hand, or srun's SLURM_PROCID/SLURM_NTASKS (slurm=True, the address
+    from the node list): no launcher ends anybody."""
     port = free_port()
-    return [subprocess.Popen([sys.executable, "pretrain_gpt.py", *args], cwd=ROOT,
-                             env=env(RANK=r, LOCAL_RANK=r, WORLD_SIZE=world,
-                                     MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra),
+
+    def rank_env(r):
+        if slurm:
+            return env(SLURM_PROCID=r, SLURM_LOCALID=r, SLURM_NTASKS=world, SLURM_JOB_ID=77,
+                       SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=port, **extra)
+        return env(RANK=r, LOCAL_RANK=r, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, **extra)
+    return [subprocess.Popen([sys.executable, "pretrain_gpt.py", *args], cwd=ROOT, env=rank_env(r),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True) for r in range(world)]
 
@@ -96,6 +102,8 @@ def test_each_mistake_is_said_exactly_once_whoever_exits_first(tmp_path):
         "by hand": (by_hand(2, [*mock, "--context-parallel-size", "2", "--cp-comm-type",
                                 "a2a+p2p"], **slow),
                     "needs --hierarchical-context-parallel-sizes", None),
+        "srun-style": (by_hand(2, ["--mock-data", *TINY, "--seq-len", "64"], slurm=True, **slow),
+                       "did you mean --seq-length?", None),
         "by hand, 4 ranks, after the rendezvous": (   # rank 0 hosts the store: it must outlive
             by_hand(4, [*mock, "--sequence-parallel-size", "2", "--seq-length", "33"]),   # the
             "33", None),                                                                  # rest
