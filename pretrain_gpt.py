@@ -345,11 +345,9 @@ def check_rampup(job: JobConfig, mesh, num_chunks: int) -> None:
 
 
 def load_checkpoint(job: JobConfig, checkpoints: CheckpointManager) -> None:
-    """--load (the ranks agreed on an error: said once) and --exit-on-missing-checkpoint."""
-    try:
-        loaded = checkpoints.load()
-    except CheckpointError as err:   # the ranks agreed on it (load_checkpoint): said once
-        raise SystemExit(f"error: {err}" if checkpoints.mesh.rank == 0 else 1) from None
+    """--load and --exit-on-missing-checkpoint. A CheckpointError is raised on every rank (they
+    agreed on it in load_checkpoint) and said once (errors.report)."""
+    loaded = checkpoints.load()
     if job.checkpoint.exit_on_missing_checkpoint and job.checkpoint.load and loaded is None:
         raise ConfigError(f"--exit-on-missing-checkpoint: no checkpoint under --load "
                           f"{job.checkpoint.load}; check the path or drop the flag to start from "

@@ -23,6 +23,7 @@ import sys
 import pytest
 import torch
 
+from megatron_sp.checkpointing import CheckpointError
 from megatron_sp.testing import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -369,10 +370,10 @@ def test_torchrun_damaged_shard_said_once_then_cli_flags(tmp_path):
                   "--no-verify-checkpoint", "--metrics-jsonl", jsonl])
     assert _iterations(jsonl) == [5]
     # A longer run changes the decay (--lr-decay-iters defaults to --train-iters): refused.
-    with pytest.raises(SystemExit) as err:
+    with pytest.raises(CheckpointError) as err:      # (run_main says it, once)
         _main(TINY + ["--train-iters", "3", "--load", str(save), "--ckpt-step", "2"])
     assert str(err.value) == (
-        f"error: the learning-rate schedule differs from the one of checkpoint "
+        f"the learning-rate schedule differs from the one of checkpoint "
         f"{save / 'iter_0000002'} (--lr-decay-iters (or --train-iters, its default) 3 now but 4 in "
         f"the checkpoint): pass --override-opt_param-scheduler to follow the command line or "
         f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule.")

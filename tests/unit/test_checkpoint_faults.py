@@ -305,10 +305,10 @@ def test_explicit_ckpt_step_that_does_not_exist_is_refused(tmp_path, capsys):
     # The probe itself, in-process: refused before the first step.
     pretrain_gpt = load_script("pretrain_gpt.py")
     capsys.readouterr()
-    with pytest.raises(SystemExit) as err:   # (pretrain_gpt says a load's error, once)
+    with pytest.raises(ck.CheckpointError) as err:   # (run_main says it, once)
         pretrain_gpt.main(TINY + ["--train-iters", "2", "--load", str(missing), "--ckpt-step",
                                   "3"])
-    assert str(err.value).startswith(f"error: --ckpt-step 3: --load {missing} does not exist")
+    assert str(err.value).startswith(f"--ckpt-step 3: --load {missing} does not exist")
     out = capsys.readouterr().out
     assert "starting from scratch" not in out and "iteration        1/" not in out, out
 
