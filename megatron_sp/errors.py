@@ -249,13 +249,12 @@ class Notes:
             return self._consequence(error)
         message = str(error)
         slot = hashlib.sha1(message.encode()).hexdigest()[:16]
-        self._count("causes", 1)
-        self._count("posted", 1)
+        self._count("causes", 1)                     # ranks that posted a cause
         if self._count(f"claims/{slot}", 1) > 1:     # another rank says it: stay until it has
             _wait(lambda: self._said(slot), 2 * GRACE_S)
             return None, slot
         if error.same_on_every_rank:                 # does another rank find the same?
-            _wait(lambda: self._count(f"claims/{slot}") > 1 or self._count("posted") >= self.world)
+            _wait(lambda: self._count(f"claims/{slot}") > 1 or self._count("causes") >= self.world)
             if self._count(f"claims/{slot}") > 1:
                 return message, slot
         return _with_rank(message, self.rank), slot

@@ -86,7 +86,7 @@ def test_the_first_rank_says_an_agreed_sentence_once_without_its_rank():
 def test_a_quiet_rank_waits_until_the_sentence_was_said():
     store = FakeStore()
     notes = Notes(store, 1, 2, environ={})
-    notes._count("posted", 1)                          # rank 0 posted and claimed, not yet said
+    notes._count("causes", 1)                          # rank 0 posted and claimed, not yet said
     notes._count(f"claims/{slot_of('late.')}", 1)
     t0 = time.monotonic()
     assert line_of(ConfigError("late."), 1, 2, store) is None
