@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from performance_table import write_results  # noqa: E402
 
 from megatron_sp.attention.documents import document_causal_mask  # noqa: E402
-from megatron_sp.attention.lse import (DEFAULT_BLOCK, blockwise_attention,  # noqa: E402
-                                       blockwise_pairs, document_index)
+from megatron_sp.attention.blockwise import (DEFAULT_BLOCK, blockwise_attention,  # noqa: E402
+                                             blockwise_plan)
 from megatron_sp.memory.accounting import SavedTensorAccountant  # noqa: E402
 
 
@@ -51,9 +51,10 @@ def blockwise(q, k, v, ids):
 
 
 def block_pairs(s, ids):
-    """(pairs the blockwise path runs, pairs of the causal triangle) in DEFAULT_BLOCK blocks."""
-    n = -(-s // DEFAULT_BLOCK)
-    return len(blockwise_pairs(s, DEFAULT_BLOCK, True, document_index(ids))), n * (n + 1) // 2
+    """(query-key pairs the blockwise path's segments compute, % of the causal triangle's)."""
+    b = ids.shape[0]
+    work = sum(batch.work(b) for batch, _ in blockwise_plan(ids, s, DEFAULT_BLOCK, True))
+    return work, f"{100 * work / (b * s * (s + 1) // 2):.1f}%"
 
 
 def measure(fn, q, k, v, ids, dout, reps):
@@ -95,7 +96,7 @@ def main(argv=None):
                          "head_dim": args.head_dim, "fwd_bwd_s": round(median, 3),
                          "saved_mib": round(saved / 2**20, 1), "mask_mib": round(mask / 2**20, 1),
                          "largest_saved_elems": largest, "s_x_s": s * s,
-                         "block_pairs": f"{run} of {triangle}" if fn is blockwise else "all"})
+                         "block_pairs": f"{run} ({triangle})" if fn is blockwise else "all"})
             print(rows[-1], flush=True)
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     path = write_results(
@@ -104,7 +105,7 @@ def main(argv=None):
         columns=[("attention", "attention"), ("seq", "seq"), ("documents", "documents"),
                  ("fwd_bwd_s", "fwd+bwd (s)"), ("saved_mib", "saved for backward (MiB)"),
                  ("mask_mib", "s x s mask (MiB)"), ("largest_saved_elems", "largest saved tensor"),
-                 ("s_x_s", "s x s"), ("block_pairs", "block pairs run")],
+                 ("s_x_s", "s x s"), ("block_pairs", "query-key pairs computed")],
         notes=[f"fp32, b 1, h {args.heads}, g {args.kv_heads}, d {args.head_dim}, documents of "
                f"mean length {args.doc_mean}, blockwise block {DEFAULT_BLOCK}, median of "
                f"{args.reps}; load average at the end {load} (a shared machine: times are rough)"])

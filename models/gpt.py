@@ -30,7 +30,6 @@ from megatron_sp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear
                                          VocabParallelEmbedding, vocab_parallel_cross_entropy)
 from megatron_sp.tensor_parallel import mappings
 from megatron_sp.tensor_parallel.layers import sequence_parallel_linear
-from megatron_sp.attention.lse import document_index
 from megatron_sp.context_parallel import RingLocalAttention, zigzag_split
 from megatron_sp.ulysses import UlyssesAttention
 
@@ -193,9 +192,6 @@ class SelfAttention(nn.Module):
         # With a ring (cp > 1) the local attention after Ulysses' exchange is the ring over cp.
         local = RingLocalAttention(mesh.cp_group) if mesh.cp_size > 1 else backend
         self.core = UlyssesAttention(local, mesh.sp_group)
-        # what the layers' `document_ids` argument holds (GPTModel._attention_documents): the ids
-        # of the full row, or under a ring this ring rank's tokens' document index
-        self.documents_keyword = "document_index" if mesh.cp_size > 1 else "document_ids"
         # --qk-layernorm (Qwen3): one norm over d shared by every head; each tp rank normalises its
         # own heads, so the weights' gradients are partial over tp and summed there (grad_sync).
         self.q_layernorm = self.k_layernorm = None
@@ -245,7 +241,7 @@ class SelfAttention(nn.Module):
         fork = self.rng_tracker.fork() if (self.rng_tracker and dropout) else contextlib.nullcontext()
         with fork:
             out = self.core(q, k.contiguous(), v.contiguous(), dropout_p=dropout,
-                            **{self.documents_keyword: document_ids})   # [b, s/sp, h/tp, d]
+                            document_ids=document_ids)   # [b, s/sp, h/tp, d]
         out = out.reshape(b, s_l, self.heads_local * self.head_dim)  # [b, s/sp, h/tp * d]
         return self.proj(out)
 
@@ -380,7 +376,8 @@ class GPTModel(nn.Module):
             else attention_backend
         self.attention_backend_name = getattr(backend, "name", type(backend).__name__)
         if mesh.cp_size > 1:   # the ring replaces the backend (its block kernels: attention/lse.py)
-            self.attention_backend_name = f"ring over cp={mesh.cp_size} (attention/lse.py blocks)"
+            self.attention_backend_name = (f"ring over cp={mesh.cp_size} "
+                                           f"(segments, attention/block_kernels.py)")
         self.memory = memory or MemoryOptions()
         if self.memory.selective_recompute:
             backend = RecomputedAttention(backend)
@@ -428,13 +425,6 @@ class GPTModel(nn.Module):
         chunk = t.shape[1] // mesh.sp_size
         return t[:, mesh.sp_rank * chunk:(mesh.sp_rank + 1) * chunk]
 
-    def _attention_documents(self, document_ids):
-        """What the attention core takes for packed documents: the ids of the full sequence, or
-        under a ring this ring rank's zigzag tokens' document index over the full row."""
-        if document_ids is None or self.mesh.cp_size == 1:
-            return document_ids
-        return zigzag_split(document_index(document_ids), self.mesh.cp_size, self.mesh.cp_rank)
-
     # Forward -----------------------------------------------------------------------------------
     def forward(self, input_ids=None, position_ids=None, labels=None, document_ids=None,
                 hidden_states=None):
@@ -464,7 +454,7 @@ class GPTModel(nn.Module):
         else:
             x = hidden_states
         rope = self.rope(positions) if self.rope is not None else None
-        x = forward_layers(self.layers.items(), x, rope, self._attention_documents(document_ids),
+        x = forward_layers(self.layers.items(), x, rope, document_ids,
                            self.memory, self.rng_tracker)
         if not self.post_process:
             return x

@@ -14,11 +14,12 @@ Backends, in `auto` order: Transformer Engine DotProductAttention (fused), flash
 softmax; keeps the s x s probabilities, for short sequences), and `flex`, FlexAttention
 (attention/flex.py). The optional packages are imported only when their backend is built.
 
-Without document_ids no backend builds an s x s mask; with them SDPA builds a [b, 1, s, s] bool
-mask up to MASK_TOKENS tokens (fine for tests and short sequences) and past that never: it runs
-blockwise attention (attention/lse.py: block pairs no document crosses skipped, the rest merged
-through their log-sum-exp, no s x s tensor; trains everywhere), or under `auto` on CUDA
-FlexAttention's block masks (attention/flex.py). TE and flash-attn take cu_seqlens instead.
+Without document_ids no backend builds an s x s mask, and with them neither does SDPA unless
+attention dropout is on: it runs blockwise attention (attention/blockwise.py: each document's
+causal square through the fused block kernels, never a mask; trains everywhere), or under `auto`
+on CUDA past MASK_TOKENS FlexAttention's block masks (attention/flex.py). With dropout (the
+kernels' segments have none) a [b, 1, s, s] bool mask up to MASK_TOKENS tokens, refused beyond.
+TE and flash-attn take cu_seqlens instead.
 On CUDA SDPA's kernel is chosen on purpose (attention/kernels.py: cuDNN, flash, memory-efficient;
 the math kernel never silently at long context).
 """
@@ -34,11 +35,11 @@ from torch.nn.attention import sdpa_kernel
 
 from megatron_sp.attention import kernels
 from megatron_sp.attention.documents import cu_seqlens_from_document_ids, document_causal_mask
-from megatron_sp.attention.lse import DEFAULT_BLOCK, blockwise_attention, blockwise_plan
+from megatron_sp.attention.blockwise import DEFAULT_BLOCK, blockwise_attention, blockwise_plan
 from megatron_sp.errors import ConfigError
 
 BACKEND_NAMES = ("auto", "te", "flash", "sdpa", "unfused", "flex")
-MASK_TOKENS = 4096   # SDPA with packed documents: an s x s mask up to this length, blockwise beyond
+MASK_TOKENS = 4096   # packed documents with dropout: an s x s mask up to this length; flex beyond
 
 _INSTALL_HINTS = {
     "transformer_engine.pytorch": (
@@ -122,8 +123,9 @@ class SDPAAttention(AttentionBackend):
     are chosen on purpose (kernels.sdpa_kernel_plan), with one warning if only math is left at
     long context. GQA uses enable_gqa=True (no copy of the key/value heads) except with a mask on
     CUDA, where the mask-capable kernel needs equal head counts and the key/value heads are
-    repeated instead. Packed documents past MASK_TOKENS: `long_documents` "blockwise"
-    (attention/lse.py, any device) or "flex" (FlexAttention, CUDA; what `auto` picks there).
+    repeated instead. Packed documents: their segments through the block kernels
+    (attention/blockwise.py), or past MASK_TOKENS `long_documents` "flex" (FlexAttention, CUDA;
+    what `auto` picks there); with dropout a [b, 1, s, s] mask up to MASK_TOKENS.
     """
 
     name = "sdpa"
@@ -135,15 +137,15 @@ class SDPAAttention(AttentionBackend):
                              f"{long_documents!r}.")
         self.long_documents = long_documents
         self._warned = set()
-        self._blockwise = _DocumentCache(blockwise_plan)       # (doc, pairs), once per step
+        self._blockwise = _DocumentCache(blockwise_plan)       # its segments, once per step
         if long_documents == "flex":
             from megatron_sp.attention.flex import FlexAttention
             self._flex = FlexAttention()
 
     def forward(self, q, k, v, *, causal=True, softmax_scale=None, document_ids=None, dropout_p=0.0):
         _check_shapes(q, k, v, document_ids)
-        if document_ids is not None and q.shape[1] > MASK_TOKENS:
-            return self._long_documents(q, k, v, causal, softmax_scale, document_ids, dropout_p)
+        if document_ids is not None and (not dropout_p or q.shape[1] > MASK_TOKENS):
+            return self._documents(q, k, v, causal, softmax_scale, document_ids, dropout_p)
         h, g = q.shape[2], k.shape[2]
         mask = None
         if document_ids is not None:
@@ -192,11 +194,13 @@ class SDPAAttention(AttentionBackend):
             with sdpa_kernel([kernels.MATH]):
                 return F.scaled_dot_product_attention(qt, kt, vt, **call)
 
-    def _long_documents(self, q, k, v, causal, scale, document_ids, dropout_p):
-        """Packed documents past MASK_TOKENS: blockwise or FlexAttention, never an s x s mask."""
+    def _documents(self, q, k, v, causal, scale, document_ids, dropout_p):
+        """Packed documents without dropout (or past MASK_TOKENS): their segments through the
+        block kernels (blockwise attention), or FlexAttention past MASK_TOKENS on CUDA when
+        chosen; never an s x s mask."""
         if dropout_p:
             raise long_documents_error(q.shape[1])
-        if self.long_documents == "flex" and q.is_cuda:
+        if self.long_documents == "flex" and q.is_cuda and q.shape[1] > MASK_TOKENS:
             return self._flex(q, k, v, causal=causal, softmax_scale=scale,
                               document_ids=document_ids)
         s = q.shape[1]

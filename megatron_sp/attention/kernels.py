@@ -105,10 +105,14 @@ def describe_attention(backend: str, *, requested: str, device: torch.device, dt
         text = f"SDPA {'on ' + torch.cuda.get_device_name(device) if cuda else 'on CPU'}: {reason}"
         if packed:
             from megatron_sp.attention.flex import flex_available
-            long_path = ("FlexAttention block masks" if cuda and requested == "auto"
-                         and flex_available() else "blockwise attention (attention/lse.py)")
-            text += (f"; packed documents: a [b, 1, s, s] mask up to {MASK_TOKENS} tokens, "
-                     f"{long_path} beyond (no s x s tensor)")
+            from megatron_sp.attention.block_kernels import KERNEL_DESCRIPTIONS, block_kernel
+            kernel = KERNEL_DESCRIPTIONS[block_kernel(device, dtype, 128)]
+            flex = cuda and requested == "auto" and flex_available()
+            text += (f"; packed documents: each document's causal square through {kernel} "
+                     f"(blockwise attention, no mask)"
+                     + (f", FlexAttention block masks past {MASK_TOKENS} tokens" if flex else "")
+                     + (f"; with attention dropout a [b, 1, s, s] mask up to {MASK_TOKENS} "
+                        f"tokens" if dropout else ""))
         return text
     if backend == "flex":
         return ("FlexAttention: " + ("compiled (Triton), block masks built once per step"
@@ -119,8 +123,11 @@ def describe_attention(backend: str, *, requested: str, device: torch.device, dt
     if backend == "unfused":
         return "Megatron's unfused attention ([b, h, s, s] scores kept: short sequences)"
     if backend.startswith("ring"):   # GPTModel's name under --context-parallel-size (cp > 1)
+        from megatron_sp.attention.block_kernels import KERNEL_DESCRIPTIONS, block_kernel
         return ("key/value blocks travel the ring, the next hop sent while this block is "
-                "computed; blocks merged in fp32 by their log-sum-exp"
-                + ("; packed documents: the document index travels with the blocks, blocks "
-                   "whose documents never meet skipped (no s x s tensor)" if packed else ""))
+                "computed; blocks merged in fp32 by their log-sum-exp; block kernel: "
+                + KERNEL_DESCRIPTIONS[block_kernel(device, dtype, 128)]
+                + ("; packed documents as segments planned once per step (one dense rectangle "
+                   "or nothing per chunk pair, causal squares on the diagonal; no mask)"
+                   if packed else ""))
     return backend

@@ -16,33 +16,26 @@ and the backward of any block needs only q, k, v of the block and the GLOBAL out
 merged result (attention_backward_with_lse): p = exp(s - lse) is then the block's slice of the
 global softmax, so the blocks' gradients sum to the full gradient.
 
-blockwise_attention runs the full sequence block pair by block pair (query block x key block),
-never building an s x s tensor, and skips the pairs nothing in which attends:
-
-    key block ->   0   1   2   3          D  diagonal: causal inside the block (plus documents)
-    query 0        D   .   .   .          F  full (or document-masked where documents change)
-          1        F   D   .   .          .  skipped: above the diagonal, or no document of the
-          2        F   F   D   .             query block occurs in the key block
-          3        F   F   F   D
+Blockwise attention (attention/blockwise.py) and ring attention (context_parallel/ring.py) are
+made of these pieces, applied to segments (attention/segments.py) by the fused kernels of
+attention/block_kernels.py.
 
 Shapes: q [b, sq, h, d], k, v [b, sk, g, d] with h % g == 0 (grouped-query attention: query head
 i uses key/value head i // (h/g), the repeat_interleave layout of megatron_sp/ulysses/attention.py).
-Kernels: on CPU the fused `aten._scaled_dot_product_flash_attention_for_cpu` and its backward
-serve every block (they take GQA as is and return / accept the lse; a block's document or window
-mask goes in as an additive 0 / -inf mask of block size); on CUDA SDPA's flash op (fp16/bf16)
-or memory-efficient op serves the unmasked forward; everything else (masked blocks and the
-backward on CUDA, and the reference the tests use) is the plain fp32 math path here.
+Kernels here: on CPU the fused `aten._scaled_dot_product_flash_attention_for_cpu` and its
+backward (GQA as is, the lse returned / accepted; a window mask goes in as an additive 0 / -inf
+mask of the block's size); on CUDA SDPA's flash op (fp16/bf16) or memory-efficient op for the
+unmasked forward; the plain fp32 math path is the reference the tests use (block_kernels refuses
+it for long blocks on CUDA).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from megatron_sp.attention.documents import document_index   # also imported from here (flex, tests)
 
-DEFAULT_BLOCK = 512        # blockwise_attention's block when none is given (tokens)
 _FUSED_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -238,153 +231,3 @@ def merge_partials(out1, lse1, out2, lse2):
     w1 = torch.exp(lse1 - _safe(lse)).transpose(1, 2).unsqueeze(-1)  # [b, h, sq] -> [b, sq, h, 1]
     w2 = torch.exp(lse2 - _safe(lse)).transpose(1, 2).unsqueeze(-1)
     return out1.float() * w1 + out2.float() * w2, lse
-
-
-# Block pairs (blockwise attention and the ring's per-step work) --------------------------------
-
-@dataclass(frozen=True)
-class BlockPair:
-    """Queries at positions q (a slice) against keys at positions k (a slice).
-
-    causal: the diagonal block (query i sees keys j <= i, both counted from the slices' starts);
-    documents: some rows of the pair cross a document boundary, so a document mask is needed;
-    window: a sliding window some (query, key) of the pair falls outside: query position i sees
-    key position j only when i - j < window (Mistral's), the slices being global positions (the
-    blockwise path; the ring's zigzag slices are local and never carry a window).
-    """
-    q: slice
-    k: slice
-    causal: bool
-    documents: bool = False
-    window: int | None = None
-
-
-def _pair_mask(pair: BlockPair, doc_q, doc_k, device):
-    """[b or 1, bq, bk] bool, True = attend: same document (document indices [b, s] of the queries
-    and the keys) and inside the window; None when the pair needs neither."""
-    mask = None
-    if pair.documents:
-        mask = doc_q[:, pair.q, None] == doc_k[:, None, pair.k]          # [b, bq, bk]
-    if pair.window is not None:
-        qpos = torch.arange(pair.q.start, pair.q.stop, device=device)
-        kpos = torch.arange(pair.k.start, pair.k.stop, device=device)
-        near = (qpos[:, None] - kpos[None, :] < pair.window).unsqueeze(0)  # [1, bq, bk]
-        mask = near if mask is None else mask & near
-    return mask
-
-
-def forward_pairs(q, k, v, pairs, *, scale, out, lse, doc_q=None, doc_k=None) -> None:
-    """Add each pair's partial attention into the running out [b, sq, h, d] and lse [b, h, sq]
-    (fp32, updated in place through merge_partials)."""
-    for p in pairs:
-        o, l = attention_with_lse(q[:, p.q], k[:, p.k], v[:, p.k], causal=p.causal, scale=scale,
-                                  mask=_pair_mask(p, doc_q, doc_k, q.device))
-        out[:, p.q], lse[:, :, p.q] = merge_partials(out[:, p.q], lse[:, :, p.q], o, l)
-
-
-def backward_pairs(q, k, v, out, dout, lse, pairs, *, scale, dq, dk, dv,
-                   doc_q=None, doc_k=None) -> None:
-    """Add each pair's gradients (from the global out and lse) into dq, dk, dv (fp32, in place)."""
-    for p in pairs:
-        gq, gk, gv = attention_backward_with_lse(
-            q[:, p.q], k[:, p.k], v[:, p.k], out[:, p.q], dout[:, p.q], lse[:, :, p.q],
-            causal=p.causal, scale=scale, mask=_pair_mask(p, doc_q, doc_k, q.device))
-        dq[:, p.q] += gq
-        dk[:, p.k] += gk
-        dv[:, p.k] += gv
-
-
-# Blockwise attention ----------------------------------------------------------------------------
-
-def blockwise_pairs(s: int, block: int, causal: bool, doc=None,
-                    window: int | None = None) -> list[BlockPair]:
-    """The block pairs of a length-s sequence that attend anything, query block by query block.
-
-    doc: the [b, s] document index (document_index) or None. A pair is skipped when it lies above
-    the causal diagonal, when, in every row, its query and key blocks share no document, or when
-    its nearest (query, key) distance is at least the sliding window; it needs a document mask
-    unless both blocks hold one and the same document in every row, and a window mask when its
-    farthest distance reaches the window.
-    """
-    starts = list(range(0, s, block))
-    slices = [slice(i, min(i + block, s)) for i in starts]
-    if doc is not None:
-        first = doc[:, starts]                                           # [b, n] first token's doc
-        last = doc[:, [sl.stop - 1 for sl in slices]]                    # [b, n] last token's doc
-        lo = torch.maximum(first[:, :, None], first[:, None, :])         # [b, n, n] (query, key)
-        hi = torch.minimum(last[:, :, None], last[:, None, :])
-        meet = (lo <= hi).any(0).tolist()                                # some row shares a doc
-        one = first == last                                              # [b, n] block in one doc
-        single = (one[:, :, None] & one[:, None, :] & (first[:, :, None] == first[:, None, :]))
-        single = single.all(0).tolist()                                  # [n, n] same one doc
-    pairs = []
-    for i, qs in enumerate(slices):
-        for j, ks in enumerate(slices):
-            if (causal and j > i) or (doc is not None and not meet[i][j]):
-                continue
-            if window is not None and qs.start - (ks.stop - 1) >= window:
-                continue                                                 # wholly out of window
-            far = window is not None and (qs.stop - 1) - ks.start >= window
-            pairs.append(BlockPair(qs, ks, causal and i == j, doc is not None and not single[i][j],
-                                   window if far else None))
-    return pairs
-
-
-def blockwise_plan(document_ids, s: int, block: int, causal: bool, window: int | None = None):
-    """(doc, pairs) of blockwise attention over a length-s sequence: the [b, s] document index
-    (None without document_ids) and the block pairs to compute. It depends on the step's
-    document_ids only, so a backend computes it once per step for every layer (its host syncs
-    included) and passes it as blockwise_attention's `plan`."""
-    doc = None if document_ids is None else document_index(document_ids)
-    return doc, blockwise_pairs(s, block, causal, doc, window)
-
-
-class _BlockwiseAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, block, document_ids, window, plan):
-        doc, pairs = plan or blockwise_plan(document_ids, q.shape[1], block, causal, window)
-        b, s, h, d = q.shape
-        out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
-        lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
-        forward_pairs(q, k, v, pairs, scale=scale, out=out, lse=lse, doc_q=doc, doc_k=doc)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, doc)
-        ctx.pairs, ctx.scale = pairs, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, doc = ctx.saved_tensors
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        backward_pairs(q, k, v, out, dout, lse, ctx.pairs, scale=ctx.scale, dq=dq, dk=dk, dv=dv,
-                       doc_q=doc, doc_k=doc)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
-
-
-def blockwise_attention(q, k, v, *, causal: bool, scale: float | None = None,
-                        block: int | None = None, document_ids=None, window: int | None = None,
-                        plan=None):
-    """Attention over the whole sequence, block pair by block pair, merged in fp32.
-
-    q [b, s, h, d], k, v [b, s, g, d] -> out [b, s, h, d] in q's dtype. block: tokens per query /
-    key block (default min(s, DEFAULT_BLOCK)); no tensor of s x s elements is built when
-    block < s, and backward recomputes each pair from the saved global out and lse.
-    document_ids [b, s]: packed documents (tokens of different documents never attend each other),
-    pairs no document crosses are skipped. window: Mistral's sliding window (causal only): query
-    i sees keys j with i - window < j <= i; pairs wholly outside it are skipped. plan: the
-    blockwise_plan of these document_ids, shape, block, causal and window, when the caller has it.
-    """
-    _heads(q, k, v)
-    if k.shape[1] != q.shape[1]:
-        raise ValueError(f"blockwise attention is self-attention: {q.shape[1]} queries, "
-                         f"{k.shape[1]} keys.")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    block = min(q.shape[1], DEFAULT_BLOCK) if block is None else block
-    if block < 1:
-        raise ValueError(f"blockwise attention needs a block of at least one token, got {block}.")
-    if window is not None and (not causal or window < 1):
-        raise ValueError(f"a sliding window needs causal attention and at least one token, got "
-                         f"window={window}, causal={causal}.")
-    return _BlockwiseAttention.apply(q, k, v, causal, scale, block, document_ids, window, plan)

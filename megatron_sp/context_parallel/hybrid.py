@@ -155,7 +155,7 @@ def hybrid_comm_bytes(batch: int, seq_len: int, heads: int, kv_heads: int, head_
 # Attention --------------------------------------------------------------------------------------
 
 def hybrid_attention(q, k, v, ulysses_group, ring_group, *, scale: float | None = None,
-                     document_index=None):
+                     document_ids=None):
     """Causal attention of this rank's tokens against the whole sequence over a Ulysses x ring mesh.
 
     q [b, n, h, d], k, v [b, n, g, d]: this rank's n = s/(a r) tokens in the hybrid layout
@@ -169,7 +169,7 @@ def hybrid_attention(q, k, v, ulysses_group, ring_group, *, scale: float | None 
     function for the bench and the tests: the seq->head all-to-all gives each rank its ring rank's
     whole zigzag portion (a n = s/r tokens, chunk j then chunk 2r-1-j) for h/a heads, the ring
     attends it against the whole sequence, the head->seq all-to-all returns [b, n, h, d].
-    document_index: the ring rank's zigzag tokens' document index ([b, a n]), as GPTModel gives.
+    document_ids: the FULL rows' document ids [b, s] (packed documents), as GPTModel gives.
     """
     a, r = group_size(ulysses_group), group_size(ring_group)
     b, n, h, d = q.shape
@@ -180,4 +180,4 @@ def hybrid_attention(q, k, v, ulysses_group, ring_group, *, scale: float | None 
     check_hybrid_length(n * a * r, a, r)             # n even, i.e. 2 r a divides s = n a r
     check_ulysses_layout(h, k.shape[2], tp=1, sp=a)
     core = UlyssesAttention(RingLocalAttention(ring_group), ulysses_group)
-    return core(q, k, v, softmax_scale=scale, document_index=document_index)
+    return core(q, k, v, softmax_scale=scale, document_ids=document_ids)

@@ -19,11 +19,19 @@ same chunk causally, a later one not at all, so with the zigzag layout every ste
     j <  r             [A B] x a full         (both query chunks, the head key chunk)
     j >  r             B x [a b] full         (the tail query chunk, both key chunks)
 
-The partial results merge in fp32 through merge_partials (docs/design.md §14). Backward is a ring
-as well: the kv blocks travel again and so do their dk, dv accumulators (fp32), each rank adding
-its queries' share to the held block's and passing it on; after cp steps every accumulator is one
-hop from home and the last send returns it. dq accumulates locally. Every block's probabilities
-are recomputed from q, the held k and the saved GLOBAL out and lse (attention_backward_with_lse).
+Packed documents change only which parts of these chunk pairs are computed (the plan,
+attention/segments.py, made once per step from the full rows' document ids and shared by every
+layer): a pair of chunks with keys before queries is one dense rectangle of the single document
+that meets both, or nothing; a diagonal pair is its documents' causal squares. No mask, nothing
+[chunk, chunk], and no document index travels with the blocks.
+
+The partial results merge in fp32 by their log-sum-exp (docs/design.md §14), through the fused
+block kernels of attention/block_kernels.py (the CPU flash kernel; FlashAttention-2 varlen in
+fp16/bf16 and the memory-efficient kernel in fp32 on CUDA). Backward is a ring as well: the kv
+blocks travel again and so do their dk, dv accumulators (fp32), each rank adding its queries'
+share to the held block's and passing it on; after cp steps every accumulator is one hop from
+home and the last send returns it. dq accumulates locally. Every block's probabilities are
+recomputed by the kernels' backward from q, the held k and the saved GLOBAL out and lse.
 
 Grouped-query attention travels as is: g key/value heads (g < h allowed, and cp > g is fine, as
 every rank holds all heads of its tokens). Per rank and layer the forward sends (cp-1) kv blocks,
@@ -35,89 +43,54 @@ import math
 
 import torch
 
-from megatron_sp.attention.lse import BlockPair, backward_pairs, forward_pairs
+from megatron_sp.attention.block_kernels import backward_batch, forward_batch
+from megatron_sp.attention.segments import RingPlan, document_bounds, ring_plan
 from megatron_sp.context_parallel.comm import GRAD_TAG, KV_TAG, send_next_recv_prev
 from megatron_sp.mesh import group_rank, group_size
 
 
-def step_pairs(rank: int, src: int, c: int, causal: bool,
-               documents: bool = False) -> list[BlockPair]:
-    """The block pairs rank `rank` computes against the kv block of rank `src` (local slices of
-    its 2c queries and of the block's 2c keys; see the table in the module docstring).
-    documents: every pair also gets the document mask (packed documents)."""
-    head, tail, both = slice(0, c), slice(c, 2 * c), slice(0, 2 * c)
-    if not causal:
-        pairs = [(both, both, False)]
-    elif src == rank:
-        pairs = [(head, head, True), (tail, head, False), (tail, tail, True)]
-    elif src < rank:
-        pairs = [(both, head, False)]
-    else:
-        pairs = [(tail, both, False)]
-    return [BlockPair(q, k, diagonal, documents) for q, k, diagonal in pairs]
-
-
-def _meeting(pairs, doc_q, doc_k) -> list[BlockPair]:
-    """With packed documents, the pairs whose query and key tokens share a document in some row;
-    the others are skipped. Each zigzag chunk is contiguous in the row and document indices never
-    decrease along it, so a pair meets iff its document ranges overlap: first_q <= last_k and
-    first_k <= last_q."""
-    if doc_q is None:
-        return pairs
-    kept = []
-    for p in pairs:
-        q, k = doc_q[:, p.q], doc_k[:, p.k]           # [b, len] each, non-decreasing per chunk
-        # a slice may span both chunks (head and tail): use each row's min and max
-        meet = (q.min(1).values <= k.max(1).values) & (k.min(1).values <= q.max(1).values)
-        if bool(meet.any()):
-            kept.append(p)
-    return kept
-
-
-def _travelling(k, v, doc):
-    """What travels around the ring: the kv block, and its tokens' document indices if packed."""
-    return (k.contiguous(), v.contiguous()) + (() if doc is None else (doc.contiguous(),))
-
-
-def _held_doc(held):
-    """The document index that travels with a held block (None without packed documents)."""
-    return held[2] if len(held) == 3 else None
-
-
-def _ring_forward(q, k, v, doc, group, causal, scale):
-    """(out [b, 2c, h, d] in q's dtype, lse [b, h, 2c] fp32, the block pairs of every step) of this
-    rank's queries; backward reuses the pairs (the document check is not repeated)."""
+def plan_ring(document_ids, b: int, n: int, group, causal: bool) -> RingPlan:
+    """This rank's RingPlan for rows of n zigzag tokens per rank: the segments of every step
+    (attention/segments.py). document_ids: the FULL rows' [b, n cp] ids, or None."""
     cp, r = group_size(group), group_rank(group)
+    if document_ids is not None and tuple(document_ids.shape) != (b, n * cp):
+        raise ValueError(f"document_ids must cover the full rows, [b, s] = [{b}, {n * cp}] "
+                         f"(cp = {cp} ranks of {n} zigzag tokens), got "
+                         f"{tuple(document_ids.shape)}.")
+    return ring_plan(document_bounds(document_ids), b, n * cp, cp, r, causal)
+
+
+def _ring_forward(q, k, v, plan, group, scale):
+    """(out [b, 2c, h, d] in q's dtype, lse [b, 2c, h] fp32, token-major) of this rank's
+    queries: step i merges the segments of plan.steps[i] against the held kv block."""
+    cp = group_size(group)
     b, n, h, d = q.shape
     out = torch.zeros(b, n, h, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device)
-    held, plan = _travelling(k, v, doc), []
+    lse = torch.full((b, n, h), float("-inf"), dtype=torch.float32, device=q.device)
+    held = (k.contiguous(), v.contiguous())
     for i in range(cp):
         pending = send_next_recv_prev(held, group, KV_TAG) if i < cp - 1 else None  # next block
-        pairs = _meeting(step_pairs(r, (r - i) % cp, n // 2, causal, doc is not None), doc,
-                         _held_doc(held))
-        forward_pairs(q, held[0], held[1], pairs, scale=scale, out=out, lse=lse,
-                      doc_q=doc, doc_k=_held_doc(held))
-        plan.append(pairs)
+        for batch in plan.steps[i]:
+            forward_batch(q, held[0], held[1], batch, scale=scale, out=out, lse=lse)
         if pending is not None:
             held = pending.wait()
-    return out.to(q.dtype), lse, plan
+    return out.to(q.dtype), lse
 
 
-def _ring_backward(q, k, v, doc, out, dout, lse, group, plan, scale):
-    """(dq, dk, dv) of this rank's tokens, fp32: dk, dv of the held block travel with it; `plan`:
-    the forward's block pairs of every step."""
+def _ring_backward(q, k, v, out, dout, lse, group, plan, scale):
+    """(dq, dk, dv) of this rank's tokens, fp32: dk, dv of the held block travel with it."""
     cp = group_size(group)
     f32 = torch.float32
     dq = torch.zeros(q.shape, dtype=f32, device=q.device)
-    held = _travelling(k, v, doc)
+    held = (k.contiguous(), v.contiguous())
     grads = None                           # the exchange bringing the next block's dk, dv
     for i in range(cp):
         pending = send_next_recv_prev(held, group, KV_TAG) if i < cp - 1 else None
         dk = torch.zeros(k.shape, dtype=f32, device=k.device)
         dv = torch.zeros(v.shape, dtype=f32, device=v.device)
-        backward_pairs(q, held[0], held[1], out, dout, lse, plan[i], scale=scale, dq=dq, dk=dk,
-                       dv=dv, doc_q=doc, doc_k=_held_doc(held))
+        for batch in plan.steps[i]:
+            backward_batch(q, held[0], held[1], out, dout, lse, batch, scale=scale, dq=dq,
+                           dk=dk, dv=dv)
         if grads is not None:              # the other ranks' share of this block so far
             dk_in, dv_in = grads.wait()
             dk, dv = dk + dk_in, dv + dv_in
@@ -130,35 +103,35 @@ def _ring_backward(q, k, v, doc, out, dout, lse, group, plan, scale):
 
 
 class RingAttention(torch.autograd.Function):
-    """Ring attention as an autograd function: forward(ctx, q, k, v, doc, group, causal, scale)."""
+    """Ring attention as an autograd function: forward(ctx, q, k, v, plan, group, scale)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, doc, group, causal, scale):
-        out, lse, plan = _ring_forward(q, k, v, doc, group, causal, scale)
-        ctx.save_for_backward(q, k, v, doc, out, lse)
+    def forward(ctx, q, k, v, plan, group, scale):
+        out, lse = _ring_forward(q, k, v, plan, group, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.plan, ctx.scale = group, plan, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, doc, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(q, k, v, doc, out, dout.contiguous(), lse, ctx.group,
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(q, k, v, out, dout.contiguous(), lse, ctx.group,
                                     ctx.plan, ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def ring_attention(q, k, v, group, *, causal: bool = True, scale: float | None = None,
-                   document_index=None):
+                   document_ids=None, plan: RingPlan | None = None):
     """Attention of this rank's zigzag tokens against the whole sequence, over a ring.
 
     q [b, 2c, h, d], k, v [b, 2c, g, d]: this rank's tokens in the zigzag layout (zigzag_split),
     h % g == 0. group: the context parallel ring (group ranks 0..cp-1 in ring order; None or one
-    rank: plain attention). document_index [b, 2c] int64 (packed documents): each token's document
-    index counted over the FULL row (megatron_sp.attention.lse.document_index of the full
-    document ids, then zigzag_split), so indices compare across ranks; it travels with the kv
-    blocks; a block pair whose documents never meet is skipped, the others masked to
-    same-document keys. Returns out [b, 2c, h, d] in q's
-    dtype, in the same layout.
+    rank: plain attention). document_ids [b, s] int64 (packed documents): the FULL rows' ids, as
+    every rank has them; each step then computes only the segments its documents make (one dense
+    rectangle or nothing per chunk pair off the diagonal, each document's causal square on it;
+    attention/segments.py), never a mask. plan: plan_ring's result for these ids and shapes when
+    the caller has it (one per step for every layer). Returns out [b, 2c, h, d] in q's dtype, in
+    the same layout.
     """
     b, n, h, d = q.shape
     if n % 2 or k.shape[:2] != (b, n) or k.shape != v.shape or k.shape[3] != d:
@@ -168,8 +141,6 @@ def ring_attention(q, k, v, group, *, causal: bool = True, scale: float | None =
     if h % k.shape[2]:
         raise ValueError(f"grouped-query attention needs the query heads h = {h} to be a multiple "
                          f"of the key/value heads g = {k.shape[2]}.")
-    if document_index is not None and tuple(document_index.shape) != (b, n):
-        raise ValueError(f"document_index must be [b, 2c] = [{b}, {n}] (this rank's zigzag "
-                         f"tokens), got {tuple(document_index.shape)}.")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    return RingAttention.apply(q, k, v, document_index, group, causal, scale)
+    plan = plan or plan_ring(document_ids, b, n, group, causal)
+    return RingAttention.apply(q, k, v, plan, group, scale)

@@ -57,12 +57,11 @@ def expand_kv_heads(kv: torch.Tensor, sp: int) -> torch.Tensor:
 class UlyssesAttention(nn.Module):
     """Sequence-parallel wrapper around a local attention backend (megatron_sp.attention).
 
-    forward(q, k, v, *, document_ids=None, document_index=None, softmax_scale=None, dropout_p=0.0):
+    forward(q, k, v, *, document_ids=None, softmax_scale=None, dropout_p=0.0):
       q [b, s/sp, h_l, d], k/v [b, s/sp, g_l, d] (this rank's sequence chunk, its tp rank's heads)
       -> out [b, s/sp, h_l, d]. document_ids [b, s] covers the FULL sequence (every sp rank has
-      it) and goes to the local attention unchanged. Always causal. Under a ring the local
-      attention is RingLocalAttention, which takes `document_index` instead (its ring rank's
-      tokens' document index over the full row, [b, s/cp]): passed on as given.
+      it) and goes to the local attention unchanged, also under a ring (RingLocalAttention plans
+      its segments from it). Always causal.
     With sp_group None or of size 1 it is just local_attention. fuse_qkv=False sends q, k and v in
     three all-to-alls instead of one (for the benchmark's comparison).
     """
@@ -74,19 +73,16 @@ class UlyssesAttention(nn.Module):
         self.sp_size = group_size(sp_group)
         self.fuse_qkv = fuse_qkv
 
-    def forward(self, q, k, v, *, document_ids=None, document_index=None, softmax_scale=None,
-                dropout_p=0.0):
+    def forward(self, q, k, v, *, document_ids=None, softmax_scale=None, dropout_p=0.0):
         sp = self.sp_size
-        # the ring's document index or a backend's document ids: only the one given, if any
-        documents = {key: value for key, value in (("document_ids", document_ids),
-                                                   ("document_index", document_index))
-                     if value is not None}
+        documents = {} if document_ids is None else {"document_ids": document_ids}
         if sp == 1:
             return self.local_attention(q, k, v, softmax_scale=softmax_scale, dropout_p=dropout_p,
                                         **documents)
         check_ulysses_layout(q.shape[2], k.shape[2], tp=1, sp=sp)  # per-tp-rank head counts
-        if document_ids is not None and document_ids.shape[1] != q.shape[1] * sp:
-            raise ValueError(f"document_ids must cover the full sequence s = {q.shape[1] * sp} "
+        full = q.shape[1] * sp * getattr(self.local_attention, "cp_size", 1)   # a ring's too
+        if document_ids is not None and document_ids.shape[1] != full:
+            raise ValueError(f"document_ids must cover the full sequence s = {full} "
                              f"(sp = {sp} chunks of {q.shape[1]}), got {document_ids.shape[1]}.")
         group = self.sp_group
         k, v = expand_kv_heads(k, sp), expand_kv_heads(v, sp)         # [b, s/sp, max(g_l, sp), d]

@@ -14,7 +14,7 @@ from torch import nn
 
 from megatron_sp.attention import backends, lse
 from megatron_sp.attention.documents import document_causal_mask
-from megatron_sp.attention.lse import blockwise_attention
+from megatron_sp.attention.blockwise import blockwise_attention
 from megatron_sp.testing import run_distributed
 from megatron_sp.ulysses import UlyssesAttention
 

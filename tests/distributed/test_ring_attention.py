@@ -7,8 +7,8 @@ causal attention (SDPA, fp32) on one rank: forward 1e-5, gradients 1e-4. MHA and
 heads (cp = 4 > 2 kv heads), causal and not, and packed documents (the reference then has a
 block-diagonal causal mask; one-token documents and a document spanning a whole row included).
 The bytes the ring sends are checked exactly: forward 2 (cp-1) x (kv elements per rank) x element
-size; backward (cp-1) kv blocks plus cp fp32 dk, dv blocks; with documents the int64 document
-indices travel with every kv block too.
+size; backward (cp-1) kv blocks plus cp fp32 dk, dv blocks; with documents too (the segments are
+planned from the full rows' ids every rank has: nothing but the kv blocks travels).
 """
 import pytest
 import torch
@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from megatron_sp import comm_stats
 from megatron_sp.attention.documents import document_causal_mask
-from megatron_sp.attention.lse import document_index
 from megatron_sp.context_parallel import COMM_KIND, ring_attention, zigzag_merge, zigzag_split
 from megatron_sp.testing import run_distributed
 
@@ -73,18 +72,16 @@ def _check_case(rank, group, cp, h, g, causal, documents, seed):
     docs = _documents(gen) if documents else None
     want = _reference(q, k, v, dout, causal, docs)
     mine = [zigzag_split(t, cp, r).requires_grad_() for t in (q, k, v)]
-    index = None if docs is None else zigzag_split(document_index(docs), cp, r)   # [B, 2c]
     comm_stats.reset()
-    out = ring_attention(*mine, group, causal=causal, document_index=index)
+    out = ring_attention(*mine, group, causal=causal, document_ids=docs)   # the full rows' ids
     sent_forward = comm_stats.snapshot().get(COMM_KIND, 0)
     comm_stats.reset()
     out.backward(zigzag_split(dout, cp, r))
     sent_backward = comm_stats.snapshot().get(COMM_KIND, 0)
     kv_elems = mine[1].numel()                                  # k (or v) elements per rank
-    doc_bytes = 0 if index is None else (cp - 1) * index.numel() * 8   # int64, with every block
-    assert sent_forward == 2 * (cp - 1) * kv_elems * 4 + doc_bytes, (sent_forward, cp, kv_elems)
-    assert sent_backward == (2 * (cp - 1) * kv_elems * 4 + doc_bytes
-                             + cp * 2 * kv_elems * 4), sent_backward
+    # with or without documents only the kv blocks travel (the plan comes from the full rows)
+    assert sent_forward == 2 * (cp - 1) * kv_elems * 4, (sent_forward, cp, kv_elems)
+    assert sent_backward == 2 * (cp - 1) * kv_elems * 4 + cp * 2 * kv_elems * 4, sent_backward
     errors = {}
     got = [out.detach()] + [t.grad for t in mine]
     for name, tol, t, ref in zip(["out", "dq", "dk", "dv"], [FWD_TOL] + [GRAD_TOL] * 3, got, want):

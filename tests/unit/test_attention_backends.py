@@ -124,7 +124,7 @@ def test_sdpa_long_packed_documents_run_blockwise_without_an_s_by_s_tensor(monke
                                                                          causal, seed):
     """Past MASK_TOKENS (lowered here to keep the test small) packed documents on CPU take the
     blockwise path: the reference's results (1e-5 / 1e-4), no [b, 1, s, s] mask built and no
-    [.., s, s] tensor saved for backward; below it, the mask path as before."""
+    [.., s, s] tensor saved for backward; below it too, unless attention dropout needs the mask."""
     from megatron_sp.attention import backends
     s = 96
     q, k, v, grad, gen = make_inputs(s=s, h=h, g=g, seed=seed)
@@ -150,8 +150,10 @@ def test_sdpa_long_packed_documents_run_blockwise_without_an_s_by_s_tensor(monke
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         SDPAAttention()(qq, kk, vv, causal=causal, document_ids=docs)
     assert saved and all(list(shape).count(s) < 2 for shape in saved), saved   # no [.., s, s]
-    monkeypatch.setattr(backends, "MASK_TOKENS", s)          # at the limit: the mask path
-    SDPAAttention()(q, k, v, causal=causal, document_ids=docs)
+    monkeypatch.setattr(backends, "MASK_TOKENS", s)          # at the limit: segments still,
+    SDPAAttention()(q, k, v, causal=causal, document_ids=docs)   # the mask only with dropout
+    assert masks == []
+    SDPAAttention()(q, k, v, causal=causal, document_ids=docs, dropout_p=0.1)
     assert masks == [1]
 
 

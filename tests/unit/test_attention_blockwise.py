@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from megatron_sp.attention import backends, describe_attention, get_attention_backend
 from megatron_sp.attention.backends import SDPAAttention
 from megatron_sp.attention.documents import document_causal_mask
-from megatron_sp.attention.lse import blockwise_attention, blockwise_pairs
+from megatron_sp.attention.blockwise import blockwise_attention, blockwise_pairs
 from megatron_sp.errors import ConfigError
 from megatron_sp.memory.accounting import SavedTensorAccountant
 
@@ -170,9 +170,9 @@ def test_auto_picks_blockwise_on_cpu_and_flex_on_cuda(monkeypatch):
     assert get_attention_backend("sdpa").long_documents == "blockwise"
     line = describe_attention("sdpa", requested="auto", device=torch.device("cpu"),
                               dtype=torch.float32, seq_len=8192, packed=True, dropout=0.0)
-    assert line == ("SDPA on CPU: flash kernel (fp32); packed documents: a [b, 1, s, s] mask up "
-                    "to 4096 tokens, blockwise attention (attention/lse.py) beyond (no s x s "
-                    "tensor)")
+    assert line == ("SDPA on CPU: flash kernel (fp32); packed documents: each document's causal "
+                    "square through aten's CPU flash kernel, one call per segment (blockwise "
+                    "attention, no mask)")
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -193,14 +193,15 @@ def test_startup_lines_name_the_ring_once(packed, capsys):
                      "--attention-dropout", "0"] + (["--reset-attention-mask"] if packed else []))
     config = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512,
                        attention_dropout=0.0)
-    chunk = SimpleNamespace(attention_backend_name="ring over cp=4 (attention/lse.py blocks)",
+    name = "ring over cp=4 (segments, attention/block_kernels.py)"
+    chunk = SimpleNamespace(attention_backend_name=name,
                             parameters=lambda: iter([torch.zeros(1)]))
     pretrain_gpt.say_startup(job, ParallelMesh.single(), config, [chunk])
     lines = capsys.readouterr().out.splitlines()
-    assert lines.count("> attention backend: ring over cp=4 (attention/lse.py blocks)") == 1
+    assert lines.count(f"> attention backend: {name}") == 1
     assert sum("ring over cp=4" in line for line in lines) == 1, lines
     described = [line for line in lines if line.startswith("> attention: ")]
     assert len(described) == 1 and "log-sum-exp" in described[0], lines
-    assert ("document index travels with the blocks" in described[0]) is packed
+    assert ("packed documents as segments planned once per step" in described[0]) is packed
     said = [line.split(": ", 1)[-1] for line in lines]
     assert len(set(lines)) == len(lines) and len(set(said)) == len(said), lines

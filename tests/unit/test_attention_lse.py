@@ -12,11 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from megatron_sp.attention.documents import document_causal_mask
+from megatron_sp.attention.blockwise import blockwise_attention
 from megatron_sp.attention.lse import (_backward_math, _forward_math, attention_backward_with_lse,
-                                       attention_with_lse, blockwise_attention, blockwise_pairs,
-                                       document_index, merge_partials)
-from megatron_sp.context_parallel import (step_pairs, zigzag_merge, zigzag_positions,
-                                          zigzag_split)
+                                       attention_with_lse, merge_partials)
+from megatron_sp.context_parallel import zigzag_merge, zigzag_positions, zigzag_split
 from megatron_sp.mesh import LayoutError
 
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -257,22 +256,6 @@ def test_blockwise_matches_reference(seed, documents, causal):
             _assert_close(t.grad, want, GRAD_TOL, f"d{name}, block {block}")
 
 
-def test_blockwise_skips_pairs_nothing_attends():
-    s, block = 32, 8                                           # 4 x 4 blocks
-    assert len(blockwise_pairs(s, block, causal=True)) == 10   # the lower triangle
-    assert len(blockwise_pairs(s, block, causal=False)) == 16
-    ids = torch.tensor([[0] * 8 + [1] * 8 + [2] * 16])         # blocks: doc 0 | 1 | 2 | 2
-    pairs = blockwise_pairs(s, block, causal=True, doc=document_index(ids))
-    kept = {(p.q.start // block, p.k.start // block): p for p in pairs}
-    assert sorted(kept) == [(0, 0), (1, 1), (2, 2), (3, 2), (3, 3)]
-    assert not any(p.documents for p in pairs)                 # each pair in one document
-    ids = torch.tensor([[0] * 4 + [1] * 12 + [2] * 16])        # doc 1 crosses blocks 0 and 1
-    kept = {(p.q.start // block, p.k.start // block): p
-            for p in blockwise_pairs(s, block, causal=True, doc=document_index(ids))}
-    assert sorted(kept) == [(0, 0), (1, 0), (1, 1), (2, 2), (3, 2), (3, 3)]
-    assert kept[(0, 0)].documents and kept[(1, 0)].documents and not kept[(1, 1)].documents
-
-
 class _SavedSizes:
     """Numbers of elements of every tensor saved for backward inside the context."""
 
@@ -333,49 +316,3 @@ def test_zigzag_refuses_a_length_with_the_numbers():
         zigzag_split(torch.zeros(1, 30), cp=4, rank=0)
     with pytest.raises(LayoutError, match="multiple of 4"):
         zigzag_positions(6, cp=2, rank=1)
-
-
-@pytest.mark.parametrize("cp", [1, 2, 3, 4, 5])
-def test_ring_step_pairs_cover_the_causal_triangle_once(cp):
-    """Over the cp steps, every (query, key) pair with key <= query is computed exactly once,
-    no pair above the diagonal ever, and every rank does the same work each step (balance)."""
-    c = 2
-    s = 2 * cp * c
-    for r in range(cp):
-        seen = torch.zeros(s, s, dtype=torch.int64)
-        q_pos = zigzag_positions(s, cp, r)
-        work = []
-        for i in range(cp):
-            src = (r - i) % cp
-            k_pos = zigzag_positions(s, cp, src)
-            pairs = step_pairs(r, src, c, causal=True)
-            work.append(sum((p.q.stop - p.q.start) * (p.k.stop - p.k.start) for p in pairs))
-            for p in pairs:
-                qp, kp = q_pos[p.q], k_pos[p.k]
-                sees = kp[None, :] <= qp[:, None]
-                if p.causal:
-                    sees &= torch.ones_like(sees).tril()
-                else:
-                    assert sees.all(), "a full pair holds masked positions"
-                seen[qp[:, None], kp[None, :]] += sees.long()
-        want = torch.ones(s, s, dtype=torch.int64).tril()[q_pos]
-        assert torch.equal(seen[q_pos], want), f"rank {r}"
-        assert work[0] == 3 * c * c and work[1:] == [2 * c * c] * (cp - 1)
-
-
-def test_ring_skips_block_pairs_whose_documents_never_meet():
-    """Packed documents under the ring: a pair of zigzag chunks that share no document in any row
-    is skipped (both forward and backward use the same filter), one that shares one in some row is
-    kept; the skipped pairs are exactly those whose [first, last] document ranges do not overlap."""
-    from megatron_sp.context_parallel.ring import _meeting, step_pairs
-    c = 4
-    # rank 1 of cp 2 holds chunks 1 and 2 (of 4); the kv block of rank 0 holds chunks 0 and 3
-    doc_q = torch.tensor([[1, 1, 1, 1, 2, 2, 2, 2]])       # chunk 1: doc 1, chunk 2: doc 2
-    doc_k = torch.tensor([[0, 0, 0, 1, 3, 3, 3, 3]])       # chunk 0: docs 0-1, chunk 3: doc 3
-    pairs = step_pairs(1, 0, c, causal=True, documents=True)    # src < rank: both x head
-    assert len(_meeting(pairs, doc_q, doc_k)) == 1            # chunk 1 meets doc 1 of chunk 0
-    doc_k = torch.tensor([[0, 0, 0, 0, 3, 3, 3, 3]])          # no document in common
-    assert _meeting(pairs, doc_q, doc_k) == []
-    two_rows = torch.stack([doc_k[0], torch.tensor([1, 1, 1, 1, 3, 3, 3, 3])])
-    assert len(_meeting(pairs, torch.cat([doc_q, doc_q]), two_rows)) == 1   # row 1 meets
-    assert _meeting(pairs, None, None) == pairs
