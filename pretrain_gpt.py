@@ -236,6 +236,32 @@ def check_model_fits(job: JobConfig, config: GPTConfig, tokenizer, mesh) -> None
                           f"--cp-comm-type {job.parallel.cp_comm_type}): dropout on the attention "
                           f"probabilities is not implemented in the ring; pass --attention-dropout 0 "
                           f"or --cp-comm-type a2a.")
+    if mesh.cp_size > 1 and _ring_is_transformer_engine(job):
+        check_te_context_parallel(job, config, mesh)
+
+
+def _ring_is_transformer_engine(job: JobConfig) -> bool:
+    """Whether the model's ring will be TE's context parallelism (models.gpt.ring_attention_for):
+    Transformer Engine asked for, or picked by auto on a GPU where it is installed."""
+    import importlib.util
+    from megatron_sp.training import fp8
+    backend = fp8.attention_backend(job.model)
+    return backend == "te" or (backend == "auto" and torch.cuda.is_available()
+                               and importlib.util.find_spec("transformer_engine") is not None)
+
+
+def check_te_context_parallel(job: JobConfig, config, mesh) -> None:
+    """A ring layout Transformer Engine's context parallelism refuses, in one sentence at
+    start-up (heads per rank after our Ulysses exchange, the head size, packed documents)."""
+    from megatron_sp.context_parallel.te import te_cp_problem
+    tp, sp = mesh.tp_size, mesh.sp_size
+    dtype = (torch.bfloat16 if job.precision.bf16 else torch.float16 if job.precision.fp16
+             else torch.float32)
+    problem = te_cp_problem("p2p", mesh.cp_size, config.num_attention_heads // (tp * sp),
+                            max(config.num_query_groups // tp, sp) // sp, None,
+                            job.data.reset_attention_mask, dtype, head_dim=config.kv_channels)
+    if problem:
+        raise ConfigError(problem)
 
 
 # Processes, model, optimizer, trainer -----------------------------------------------------------

@@ -31,6 +31,7 @@ from megatron_sp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear
 from megatron_sp.tensor_parallel import mappings
 from megatron_sp.tensor_parallel.layers import sequence_parallel_linear
 from megatron_sp.context_parallel import RingLocalAttention, zigzag_split
+from megatron_sp.context_parallel.te import TEContextParallelAttention
 from megatron_sp.ulysses import UlyssesAttention
 
 from .config import GPTConfig
@@ -171,6 +172,22 @@ def make_head_norm(config: GPTConfig) -> nn.Module:
     return norm
 
 
+def ring_attention_for(backend, mesh: ParallelMesh):
+    """The local attention after Ulysses' exchange when a ring splits the context (cp > 1): our
+    ring (RingLocalAttention), or with Transformer Engine as the backend TE's own context
+    parallelism over the same ring group (its p2p exchange; our Ulysses stays outside, as our
+    hybrid layout is TE's p2p layout per ring). Selective recompute (the backend comes wrapped)
+    then recomputes the ring itself, its kv blocks sent again in backward (the planner counts
+    the ring's bytes twice)."""
+    recompute = isinstance(backend, RecomputedAttention)
+    inner = backend.backend if recompute else backend
+    if getattr(inner, "name", None) == "te":
+        ring = TEContextParallelAttention(mesh.cp_group)
+    else:
+        ring = RingLocalAttention(mesh.cp_group)
+    return RecomputedAttention(ring) if recompute else ring
+
+
 class SelfAttention(nn.Module):
     """Causal self-attention: column-parallel QKV, Ulysses attention, row-parallel output."""
 
@@ -189,8 +206,7 @@ class SelfAttention(nn.Module):
         qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         self.qkv = ColumnParallelLinear(config.hidden_size, qkv_out, mesh=mesh,
                                         bias=config.add_qkv_bias, sequence_parallel=sequence_parallel)
-        # With a ring (cp > 1) the local attention after Ulysses' exchange is the ring over cp.
-        local = RingLocalAttention(mesh.cp_group) if mesh.cp_size > 1 else backend
+        local = ring_attention_for(backend, mesh) if mesh.cp_size > 1 else backend
         self.core = UlyssesAttention(local, mesh.sp_group)
         # --qk-layernorm (Qwen3): one norm over d shared by every head; each tp rank normalises its
         # own heads, so the weights' gradients are partial over tp and summed there (grad_sync).

@@ -39,6 +39,15 @@ def ring_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def group_global_ranks(group) -> list[int]:
+    """Global ranks of `group`'s members in group rank order (entry i is group rank i), what
+    Transformer Engine's cp_global_ranks takes; [this rank] for None (a group of one)."""
+    if group is None:
+        return [dist.get_rank() if dist.is_initialized() else 0]
+    ranks = dist.get_process_group_ranks(group)
+    return sorted(ranks, key=lambda rank: dist.get_group_rank(group, rank))
+
+
 def ring_neighbours(group) -> tuple[int, int]:
     """Global ranks of (next, previous) in the ring of `group` (group ranks r+1 and r-1 mod cp)."""
     cp, r = group_size(group), group_rank(group)

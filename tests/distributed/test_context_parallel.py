@@ -36,6 +36,9 @@ def test_four_rank_context_parallel_layouts():
         dict(GPT2, name="gpt2 ring cp4 learned positions", cp=4, micro_batch=2, **common),
         dict(LLAMA, name="llama ring cp2 x dp2 full recompute", cp=2, micro_batch=2,
              model_kwargs={"memory": MemoryOptions(recompute_granularity="full")}, **common),
+        dict(LLAMA_GQA2, name="llama ring cp4 packed documents, selective recompute (the ring "
+             "recomputed)", cp=4, micro_batch=2, packed=True,
+             model_kwargs={"memory": MemoryOptions(recompute_granularity="selective")}, **common),
     ])
 
 
