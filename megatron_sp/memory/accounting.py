@@ -226,3 +226,58 @@ def measure_saved_bytes(model, input_ids, labels, reduce: str = "sum") -> tuple[
         loss.backward()
     acct.detach()
     return loss.detach(), acct.report()
+
+
+class LiveTensorPeak:
+    """The peak of live tensor bytes created inside the context, on any device (CPU included,
+    where torch has no allocator statistics): a TorchDispatchMode adds every op output's storage
+    once and drops it when its storage is freed (checked after every op), so `peak` is the most
+    bytes alive at once beyond what existed before, and `largest` the largest single tensor's
+    elements. Kernels' internal scratch (the fused kernels' tiles) is not seen. For tests and
+    benchmarks (every op pays a sweep over the live storages).
+
+        with LiveTensorPeak() as tracker:
+            loss = f(x); loss.backward()
+        tracker.peak, tracker.largest
+    """
+
+    def __init__(self):
+        self.peak = self.live = self.largest = 0
+        self._storages = {}
+        self._mode = None
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.multiprocessing.reductions import StorageWeakRef
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tracker._sweep()
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                        tracker._add(t, StorageWeakRef)
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def _add(self, t: torch.Tensor, weak_ref) -> None:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._storages or storage.nbytes() == 0:
+            return
+        self._storages[key] = (weak_ref(storage), storage.nbytes())
+        self.live += storage.nbytes()
+        self.peak = max(self.peak, self.live)
+        self.largest = max(self.largest, t.numel())
+
+    def _sweep(self) -> None:
+        for key in [k for k, (ref, _) in self._storages.items() if ref.expired()]:
+            self.live -= self._storages.pop(key)[1]
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        return False
