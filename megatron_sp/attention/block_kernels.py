@@ -10,7 +10,9 @@ softmax) and added into fp32 dq, dk, dv. Kernels, chosen by `block_kernel`:
                          and its _backward
     CUDA, fp16 / bf16    aten._flash_attention_forward / _backward          one per      as is
                          (FlashAttention-2, varlen: the batch's segments    batch
-                         packed, cum_seq_q / cum_seq_k; ring-flash-attention's approach)
+                         packed, cum_seq_q / cum_seq_k, at most PACK_TOKENS
+                         queries per batch; a batch of one segment on views;
+                         ring-flash-attention's approach)
     CUDA, fp32           aten._scaled_dot_product_efficient_attention       per segment  kv heads
                          and its _backward (lse padded to a multiple of 32)              repeated
     anything else        the fp32 math path (attention/lse.py): the tests' reference; a
@@ -88,7 +90,7 @@ def _merge_into(out, lse, o, l) -> None:
     hi, lo = torch.maximum(lse, l), torch.minimum(lse, l)
     new = hi + torch.log1p(torch.exp(lo - _safe(hi)))
     out.mul_(torch.exp(lse - _safe(new)).unsqueeze(-1))
-    out.add_(o.float() * torch.exp(l - _safe(new)).unsqueeze(-1))
+    out.addcmul_(o, torch.exp(l - _safe(new)).unsqueeze(-1))        # no fp32 copy of o
     lse.copy_(new)
 
 
@@ -114,7 +116,15 @@ def _segment_forward(kernel, q, k, v, causal, scale, mask):
 
 
 def _flash_forward(q, k, v, batch, scale, out, lse) -> None:
-    """All of a batch's segments in one varlen FlashAttention-2 call, merged by token index."""
+    """All of a batch's segments in one varlen FlashAttention-2 call, merged by token index; a
+    batch of one segment (every row, or one row) runs on views, nothing copied."""
+    if len(batch.segments) == 1:
+        (rows, q0, q1, k0, k1), = batch.rows(q.shape[0])
+        o, l = _aten("_flash_attention_forward")(
+            q[rows, q0:q1], k[rows, k0:k1], v[rows, k0:k1], None, None, q1 - q0, k1 - k0, 0.0,
+            batch.causal, False, scale=scale)[:2]                   # o [b', L, h, d], l [b', h, L]
+        _merge_into(out[rows, q0:q1], lse[rows, q0:q1], o, l.float().transpose(1, 2))
+        return
     (b, nq, h, d), (nk, g) = q.shape, k.shape[1:3]
     q_idx, k_idx, cu_q, cu_k, max_q, max_k = batch.packed(b, nq, nk, q.device)
     qp = q.reshape(b * nq, h, d).index_select(0, q_idx)             # [b, nq, h, d] -> [Tq, h, d]
@@ -174,14 +184,25 @@ def _segment_backward(kernel, q, k, v, out, dout, lse, causal, scale, mask):
 
 def _flash_backward(q, k, v, out, dout, lse, batch, scale, dq, dk, dv) -> None:
     """All of a batch's segments in one varlen FlashAttention-2 backward, from the global out
-    and lse; gradients added by token index (index_add_: keys may repeat across segments)."""
+    and lse; gradients added by token index (index_add_: keys may repeat across segments). A
+    batch of one segment runs on views (only its lse is made contiguous, [b', h, L])."""
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)       # no dropout: unused
+    unused = torch.empty(0, device=q.device)
+    if len(batch.segments) == 1:
+        (rows, q0, q1, k0, k1), = batch.rows(q.shape[0])
+        gq, gk, gv = _aten("_flash_attention_backward")(
+            dout[rows, q0:q1], q[rows, q0:q1], k[rows, k0:k1], v[rows, k0:k1], out[rows, q0:q1],
+            lse[rows, q0:q1].transpose(1, 2).contiguous(), None, None, q1 - q0, k1 - k0, 0.0,
+            batch.causal, rng_state, unused, scale=scale)
+        dq[rows, q0:q1] += gq
+        dk[rows, k0:k1] += gk
+        dv[rows, k0:k1] += gv
+        return
     (b, nq, h, d), (nk, g) = q.shape, k.shape[1:3]
     q_idx, k_idx, cu_q, cu_k, max_q, max_k = batch.packed(b, nq, nk, q.device)
     qp, op, dop = (t.reshape(b * nq, h, d).index_select(0, q_idx) for t in (q, out, dout))
     kp, vp = (t.reshape(b * nk, g, d).index_select(0, k_idx) for t in (k, v))   # [Tk, g, d]
     lp = lse.reshape(b * nq, h).index_select(0, q_idx).t().contiguous()   # [Tq, h] -> [h, Tq]
-    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)       # no dropout: unused
-    unused = torch.empty(0, device=q.device)
     gq, gk, gv = _aten("_flash_attention_backward")(dop, qp, kp, vp, op, lp, cu_q, cu_k,
                                                     max_q, max_k, 0.0, batch.causal, rng_state,
                                                     unused, scale=scale)

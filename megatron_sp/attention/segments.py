@@ -23,7 +23,8 @@ Without documents a row is one document, so the same code gives the plain pairs:
 rectangle, or one causal square.
 
 A `SegmentBatch` is what one kernel call (or one loop of calls) takes: segments of one kind
-(causal squares or dense rectangles), their queries disjoint, as (row, q0, q1, k0, k1) in the
+(causal squares or dense rectangles), their queries disjoint, at most PACK_TOKENS query tokens
+(a larger segment alone), as (row, q0, q1, k0, k1) in the
 LOCAL indices of the query and key tensors (row None: every row of the batch, as without
 documents). For varlen kernels it packs the segments into flat token indices and cumulative
 lengths (`packed`), built once per device and reused by every layer.
@@ -36,7 +37,7 @@ document index.
 """
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left, bisect_right, insort
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,7 @@ import torch
 from megatron_sp.attention.documents import document_starts
 
 Segment = tuple  # (row | None, q0, q1, k0, k1), local indices
+PACK_TOKENS = 1 << 16  # query tokens per batch at most: what a varlen call packs (copies) at once
 
 
 def document_bounds(document_ids: torch.Tensor | None, seq_len: int | None = None):
@@ -158,21 +160,48 @@ def _coalesce(dense: list) -> list:
 
 def _disjoint_batches(causal: bool, segments: list) -> list[SegmentBatch]:
     """Split segments into batches whose queries never overlap within a row (a batch's partial
-    results are merged by index, once per query)."""
-    batches: list[list] = []
+    results are merged by index, once per query): each segment joins the first batch where its
+    query range is free (per row, sorted ranges and a bisect; row None is every row)."""
+    batches: list[tuple[list, dict]] = []          # (segments, {row: sorted [(q0, q1)]})
     for seg in segments:
-        for batch in batches:
-            if all(not _overlap(seg, other) for other in batch):
-                batch.append(seg)
+        for members, taken in batches:
+            if _free(taken, seg):
                 break
         else:
-            batches.append([seg])
-    return [SegmentBatch(causal, tuple(batch)) for batch in batches]
+            members, taken = [], {}
+            batches.append((members, taken))
+        members.append(seg)
+        insort(taken.setdefault(seg[0], []), (seg[1], seg[2]))
+    return [SegmentBatch(causal, tuple(part)) for members, _ in batches
+            for part in _within_budget(members)]
 
 
-def _overlap(a, b) -> bool:
-    same_row = a[0] is None or b[0] is None or a[0] == b[0]
-    return same_row and a[1] < b[2] and b[1] < a[2]
+def _within_budget(members: list) -> list[list]:
+    """A batch cut into parts of at most PACK_TOKENS query tokens (per row), so a varlen call's
+    packed copies stay bounded; a segment larger than that is a part alone (run on views)."""
+    parts, size = [[]], 0
+    for seg in members:
+        n = seg[2] - seg[1]
+        if parts[-1] and size + n > PACK_TOKENS:
+            parts.append([])
+            size = 0
+        parts[-1].append(seg)
+        size += n
+    return parts
+
+
+def _free(taken: dict, seg) -> bool:
+    """Whether seg's query range [q0, q1) overlaps nothing taken in its row (or, for row None,
+    in any row; every row's ranges also meet row None's)."""
+    rows = list(taken) if seg[0] is None else [seg[0], None]
+    for row in rows:
+        ranges = taken.get(row, ())
+        i = bisect_left(ranges, (seg[1], seg[1]))
+        if i < len(ranges) and ranges[i][0] < seg[2]:
+            return False                           # the next range starts inside seg
+        if i > 0 and ranges[i - 1][1] > seg[1]:
+            return False                           # the previous range reaches into seg
+    return True
 
 
 def make_batches(segments: list) -> list[SegmentBatch]:

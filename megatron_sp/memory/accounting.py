@@ -230,10 +230,10 @@ def measure_saved_bytes(model, input_ids, labels, reduce: str = "sum") -> tuple[
 
 class LiveTensorPeak:
     """The peak of live tensor bytes created inside the context, on any device (CPU included,
-    where torch has no allocator statistics): a TorchDispatchMode adds every op output's storage
-    once and drops it when its storage is freed (checked after every op), so `peak` is the most
-    bytes alive at once beyond what existed before, and `largest` the largest single tensor's
-    elements. Kernels' internal scratch (the fused kernels' tiles) is not seen. For tests and
+    where torch has no allocator statistics): a TorchDispatchMode adds every op output's new
+    storage once (a view or an in-place result shares its input's and is not counted) and drops it
+    when the storage is freed (checked after every op), so `peak` is the most bytes alive at once
+    beyond what existed before, and `largest` the largest single new tensor's elements. Kernels' internal scratch (the fused kernels' tiles) is not seen. For tests and
     benchmarks (every op pays a sweep over the live storages).
 
         with LiveTensorPeak() as tracker:
@@ -255,8 +255,12 @@ class LiveTensorPeak:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 tracker._sweep()
+                inputs = {t.untyped_storage().data_ptr()
+                          for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor) and t.device.type != "meta"}
                 for t in torch.utils._pytree.tree_leaves(out):
-                    if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    if (isinstance(t, torch.Tensor) and t.device.type != "meta"
+                            and t.untyped_storage().data_ptr() not in inputs):   # views, in-place
                         tracker._add(t, StorageWeakRef)
                 return out
 

@@ -147,6 +147,10 @@ def _segments_of(cu):
 
 
 def _flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, debug, *, scale):
+    if cu_q is None:                    # one segment on views: [b, L, heads, d], lse [b, h, L]
+        assert cu_k is None and q.dim() == 4 and q.stride(-1) == 1 and max_q == q.shape[1]
+        o, l = _forward_math(q, k, v, is_causal, scale, None)
+        return o, l, torch.zeros(2), torch.empty(0), torch.empty(0)
     assert q.dim() == 3 and k.shape[1] <= q.shape[1] and q.is_contiguous()   # GQA as is
     assert cu_q.dtype == cu_k.dtype == torch.int32 and dropout_p == 0.0
     out, lse = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0])       # lse [h, Tq]
@@ -160,6 +164,9 @@ def _flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, debu
 
 def _flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal,
                     rng_state, unused, *, scale):
+    if cu_q is None:
+        assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.is_contiguous()
+        return _backward_math(q, k, v, out, dout, lse, is_causal, scale, None)
     assert lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous()
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for (a0, a1), (b0, b1) in zip(_segments_of(cu_q), _segments_of(cu_k)):
@@ -256,13 +263,25 @@ def test_cuda_kernel_glue_matches_the_cpu_kernel(cuda_stand_ins, kind, seed):
             x, y = (t.masked_fill(~torch.isfinite(t), 0) for t in (x, y))
             err = (x - y).abs().max().item()
             assert err <= tol, f"{kernel} {name}: max error {err:.3g} > {tol}"
-    if kind != "none":     # varlen: one call per batch, not per segment
-        flash_calls = []
-        for batches in steps:
-            flash_calls += batches
-        cuda_stand_ins.clear()
-        _run_ring_rank(qs, ks, vs, ds, steps, "flash", scale)
-        assert cuda_stand_ins.count("_flash_attention_forward") == len(flash_calls)
+    batches = [batch for step in steps for batch in step]
+    cuda_stand_ins.clear()                 # varlen: one call per batch, not per segment
+    _run_ring_rank(qs, ks, vs, ds, steps, "flash", scale)
+    assert cuda_stand_ins.count("_flash_attention_forward") == len(batches)
+    assert cuda_stand_ins.count("_flash_attention_backward") == len(batches)
+    if kind == "hundreds":
+        assert len(batches) < sum(len(batch.segments) for batch in batches)
+
+
+def test_batches_stay_within_the_token_budget(monkeypatch):
+    """A batch packs at most PACK_TOKENS query tokens (a larger segment alone), so a varlen call's
+    copies stay bounded; the segments are all still there."""
+    from megatron_sp.attention import segments
+    monkeypatch.setattr(segments, "PACK_TOKENS", 16)
+    bounds = [[0, 5, 30, 34, 40, 64]]                   # documents of 5, 25, 4, 6, 24 tokens
+    batches = ranges_batches(bounds, [(0, 0, 64)], [(0, 0, 64)], True)
+    sizes = [sum(q1 - q0 for _, q0, q1, _, _ in batch.segments) for batch in batches]
+    assert sizes == [5, 25, 10, 24], sizes
+    assert sum(len(batch.segments) for batch in batches) == 5
 
 
 def test_math_path_refuses_a_long_block_on_an_accelerator():
