@@ -11,6 +11,20 @@ Items, in order (each a subprocess with its own time limit, cut to what the time
   cuda tests     tests/gpu (bf16 vs fp32, SDPA flash kernel, RNG tracker, pinned offload, fused
                  AdamW, exact resume on device, TE and flash-attn backends): one row per test
   te, flash-attn "not installed", or the result of their backend test
+  attention      three rows, each a subprocess of this file (`--attention KEY`), its rows saved
+                 after every measurement and each measurement guarded (one failure or OOM does
+                 not stop the others):
+                   schemas    the aten kernels block_kernels.py calls, their schemas on this torch
+                              and whether block_kernels' calls fit them (runs on CPU too)
+                   kernels    forward + backward of the block kernels (blockwise_attention) vs
+                              SDPA and FlexAttention at 8K, 32K, 128K tokens, bf16, b 1, h 32,
+                              g 8, d 128, without and with 300 packed documents
+                   rehearsal  the one-process ring (context_parallel/rehearsal.py) at 32K vs
+                              per-document SDPA in fp32 (cp 4, 8; bf16 tolerances: out max abs
+                              error 2e-2, gradients 5e-2 of their max), and one rank's peak
+                              memory at 1M tokens, cp 8, beside the planner's ring buffers
+                 kernels and rehearsal write bench/results/gpu_block_kernels_<gpu>.json and
+                 gpu_ring_rehearsal_<gpu>.json
   nccl smoke     pretrain_gpt.py as a world of one over NCCL (torch.distributed.run): llama-1b at
                  8K, bf16, 6 iterations; its loss, ms/iter, MFU and peak memory are the unsharded row
   long context   bench/gpu_long_context.py: MFU of llama-1b at 8K and 32K, the longest trainable
@@ -23,13 +37,17 @@ Items, in order (each a subprocess with its own time limit, cut to what the time
   sharded        the same run with --use-torch-fsdp2, --use-distributed-optimizer, and each with
                  --optimizer-cpu-offload ("not available" when pretrain_gpt.py lacks the flag)
 
+GPU_CHECKS_ONLY=key,key,... runs only those items (keys: cuda, schemas, kernels, rehearsal, nccl,
+long, throughput, documents, sharded; install and probe always run), e.g.
+`GPU_CHECKS_ONLY=cuda,schemas,kernels,rehearsal bash tests/gpu/run_gpu_checks.sh`.
 Subprocesses run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set (long
 sequences: fewer unusable split blocks). Without CUDA every GPU item is skipped with one line, and
 the run exits 0 (the CPU rehearsal, tests/gpu/test_rehearsal.py). A failed or timed-out item
 makes the exit status 1. Results: $OUT/gpu_checks.json (rewritten after every item; OUT defaults to runs/gpu_checks) and a table;
 the benches also write their rows under bench/results/ (docs/performance.md's schema: regenerate the
 page with `python bench/performance_table.py` and commit both).
-This file imports nothing from the project: it must start before the project is importable.
+This file imports nothing from the project at its top: it must start before the project is
+importable (the `--attention` subprocess modes import it inside their functions).
 """
 from __future__ import annotations
 
@@ -348,6 +366,478 @@ def _bench_table(text: str) -> str:
     return "\n".join(lines[start:]) if start is not None else ""
 
 
+# Attention items (block kernels, ring rehearsal) -------------------------------------------------
+#
+# Each runs as `gpu_checks.py --attention KEY --json PATH --budget-s N` in its own process (the
+# project imported there, not here); every measurement is one row, guarded (an error or an OOM
+# is that row's status) and saved at once, so a timeout keeps what was measured.
+
+ONLY_KEYS = ("cuda", "schemas", "kernels", "rehearsal", "nccl", "long", "throughput",
+             "documents", "sharded")
+# key: (item name, needs CUDA, time limit s)
+ATTENTION_ITEMS = {
+    "schemas": ("aten attention schemas", False, 60),
+    "kernels": ("block kernels vs sdpa/flex (bf16)", True, 200),
+    "rehearsal": ("ring rehearsal (32K docs, 1M peak)", True, 150),
+}
+LATER_RESERVE = 240      # s kept for the pretrain_gpt.py / bench items when they are selected
+ATTENTION_OPS = {   # what block_kernels.py passes: positional arguments, keywords
+    "_flash_attention_forward": (10, {"scale"}),
+    "_flash_attention_backward": (14, {"scale"}),
+    "_scaled_dot_product_efficient_attention": (7, {"scale"}),
+    "_scaled_dot_product_efficient_attention_backward": (12, {"scale"}),
+}
+KERNEL_SIZES = (8192, 32768, 131072)
+KERNEL_SHAPE = (32, 8, 128)          # h, g, d
+DOCUMENTS = 300                      # "hundreds" of packed documents
+SDPA_MASK_MAX = 32768                # SDPA with documents takes an s x s mask: not past this
+REHEARSAL_SEQ, REHEARSAL_CPS = 32768, (4, 8)
+PEAK_SEQ, PEAK_CP = 1 << 20, 8
+OUT_TOL, GRAD_REL_TOL = 2e-2, 5e-2   # bf16 rehearsal vs fp32 reference
+
+
+def _selected() -> set:
+    raw = os.environ.get("GPU_CHECKS_ONLY", "").strip()
+    if not raw:
+        return set(ONLY_KEYS)
+    keys = {k.strip() for k in raw.split(",") if k.strip()}
+    unknown = keys - set(ONLY_KEYS)
+    if unknown:
+        print(f"  GPU_CHECKS_ONLY: unknown {', '.join(sorted(unknown))} (keys: {', '.join(ONLY_KEYS)})")
+    print(f"  GPU_CHECKS_ONLY: running {', '.join(k for k in ONLY_KEYS if k in keys)}")
+    return keys
+
+
+def attention_item(c: Checks, info: dict, key: str, only: set) -> None:
+    """One attention item, its time cut so that the selected items after it keep theirs."""
+    name, needs_cuda, limit = ATTENTION_ITEMS[key]
+    keys = list(ATTENTION_ITEMS)
+    later = sum(ATTENTION_ITEMS[k][2] for k in keys[keys.index(key) + 1:] if k in only
+                and (info["cuda"] or not ATTENTION_ITEMS[k][1]))
+    if only & {"nccl", "long", "throughput", "documents", "sharded"} and info["cuda"]:
+        later += LATER_RESERVE
+    if needs_cuda and not info["cuda"]:
+        c.add(name, "skipped", "no CUDA device")
+        return
+    out_json = os.path.join(c.out_dir, f"attention_{key}.json")
+    if os.path.exists(out_json):
+        os.remove(out_json)
+    budget = max(30.0, min(limit, c.left() - later) - 20)
+    status, dt, text = c.run([PY, os.path.abspath(__file__), "--attention", key, "--json",
+                              out_json, "--budget-s", f"{budget:.0f}"], budget + 40,
+                             log=f"attention_{key}")
+    rows = []
+    if os.path.exists(out_json):
+        with open(out_json) as fh:
+            rows = json.load(fh)
+    c.extra[f"attention_{key}"] = rows
+    bad = [r for r in rows if str(r.get("status", "")).startswith("failed")]
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if status == "ok" and bad:
+        status = "failed"
+    detail = f"{len(ok)} of {len(rows)} rows ok" if rows else _failure(text)
+    if bad:
+        detail += f"; {_row_label(bad[0])}: {bad[0]['status']}"
+    summary = _attention_summary(key, rows)
+    if summary:
+        detail += f"; {summary}"
+    c.add(name, {"ok": "ok", "failed": "FAILED"}.get(status, status), detail[:200], dt)
+    print("\n".join(ln for ln in text.splitlines() if ln.startswith("  ")))
+
+
+def _row_label(row: dict) -> str:
+    return " ".join(str(row[k]) for k in ("op", "check", "attention", "seq", "documents", "cp")
+                    if row.get(k) is not None)
+
+
+def _attention_summary(key: str, rows: list) -> str:
+    if key == "schemas":
+        misfit = [r["op"] for r in rows if r.get("fits_block_kernels") is False]
+        return f"block_kernels' calls do not fit {', '.join(misfit)}" if misfit else (
+            "block_kernels' calls fit" if rows else "")
+    if key == "kernels":
+        by = {(r["seq"], r["documents"], r["attention"]): r for r in rows if r.get("ms")}
+        parts = []
+        for (seq, docs, path), r in sorted(by.items()):
+            other = by.get((seq, docs, "sdpa")) or by.get((seq, docs, "flex"))
+            if path == "blockwise" and other:
+                parts.append(f"{seq // 1024}K{'d' if docs else ''} {r['ms']:.0f}/{other['ms']:.0f} ms")
+        return ("blockwise/sdpa|flex " + ", ".join(parts)) if parts else ""
+    if key == "rehearsal":
+        peak = next((r for r in rows if r.get("peak_gib") is not None), None)
+        return (f"1M cp{PEAK_CP} rank peak {peak['peak_gib']:.1f} GiB (planner ring buffers "
+                f"{peak['planner_backward_gib']:.1f})") if peak else ""
+    return ""
+
+
+def attention_main(key: str, json_path: str | None, budget_s: float) -> int:
+    """One attention item in this process (the project importable). Exit 1 on a failed row."""
+    rows: list[dict] = []
+    deadline = time.time() + budget_s
+
+    def save():
+        if json_path:
+            with open(json_path + ".tmp", "w") as fh:
+                json.dump(rows, fh, indent=1)
+            os.replace(json_path + ".tmp", json_path)
+
+    {"schemas": _item_schemas, "kernels": _item_kernels, "rehearsal": _item_rehearsal}[key](
+        rows, save, deadline)
+    save()
+    return 1 if any(str(r.get("status", "")).startswith("failed") for r in rows) else 0
+
+
+def _guard(rows: list, save, row: dict, fn, deadline: float | None = None, need_s: float = 10):
+    """Run fn(row) (it fills the row); the row's status: ok, OOM, failed: ..., or no time."""
+    import torch
+    rows.append(row)
+    if deadline is not None and time.time() > deadline - need_s:
+        row["status"] = "no time"
+    else:
+        t0 = time.time()
+        try:
+            fn(row)
+            row.setdefault("status", "ok")
+        except torch.cuda.OutOfMemoryError:
+            row["status"] = "OOM"
+        except Exception as err:                       # noqa: BLE001 - the row says what
+            row["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
+        row["seconds"] = round(time.time() - t0, 1)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    shown = {k: v for k, v in row.items() if k != "schema"}
+    print("  " + ", ".join(f"{k} {_fmt(v)}" for k, v in shown.items()), flush=True)
+    save()
+    return row
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _item_schemas(rows, save, deadline) -> None:
+    import torch
+    print(f"  torch {torch.__version__}")
+    for op, (positional, keywords) in ATTENTION_OPS.items():
+        def fill(row, op=op, positional=positional, keywords=keywords):
+            schema = getattr(torch.ops.aten, op).default._schema
+            row["schema"] = str(schema)
+            print(f"  {row['schema']}")
+            args = [a for a in schema.arguments if not a.kwarg_only]
+            required = [a for a in args if not a.has_default_value()]
+            names = {a.name for a in schema.arguments}
+            row["fits_block_kernels"] = (len(required) <= positional <= len(args)
+                                         and keywords <= names)
+        _guard(rows, save, {"op": op}, fill)
+
+
+def _documents(s: int, n: int, device, seed: int = 0):
+    """[1, s] ids of n packed documents (random boundaries), or None for n = 0."""
+    import torch
+    if not n:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randperm(s - 1, generator=gen)[:n - 1] + 1
+    ids = torch.zeros(s, dtype=torch.int64)
+    ids[starts] = 1
+    return ids.cumsum(0)[None].to(device)
+
+
+def _pairs(s: int, ids) -> int:
+    """(query, key) pairs of causal attention over rows of documents (the work)."""
+    if ids is None:
+        return s * (s + 1) // 2
+    import torch
+    lengths = torch.unique_consecutive(ids[0].cpu(), return_counts=True)[1]
+    return int((lengths * (lengths + 1) // 2).sum())
+
+
+def _sync(device):
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fwd_bwd(fn, tensors, dout, reps: int, device) -> dict:
+    """First call (compiles included), then the median of reps forward and backward times, and
+    the peak memory above the inputs during them (CUDA)."""
+    import torch
+    leaves = [t.detach().requires_grad_() for t in tensors]
+
+    def once():
+        for t in leaves:
+            t.grad = None
+        t0 = time.perf_counter()
+        out = fn(*leaves)
+        _sync(device)
+        t1 = time.perf_counter()
+        out.backward(dout)
+        _sync(device)
+        return t1 - t0, time.perf_counter() - t1
+
+    first = once()
+    for t in leaves:
+        t.grad = None
+    cuda = device.type == "cuda"
+    if cuda:
+        _sync(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times = sorted((once() for _ in range(reps)), key=sum)
+    fwd, bwd = times[len(times) // 2]
+    out = {"first_ms": round(1e3 * sum(first), 2), "fwd_ms": round(1e3 * fwd, 3),
+           "bwd_ms": round(1e3 * bwd, 3), "ms": round(1e3 * (fwd + bwd), 3)}
+    if cuda:
+        out["peak_memory_gib"] = round((torch.cuda.max_memory_allocated(device) - base) / 2**30, 3)
+    return out
+
+
+def _gpu_tag() -> str:
+    import torch
+    return torch.cuda.get_device_name(0).split()[-1].lower() if torch.cuda.is_available() else "cpu"
+
+
+def _write_bench(name: str, bench: str, rows: list, title: str, columns, notes) -> None:
+    """bench/results/<name>.json in docs/performance.md's schema (GPU runs only)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from performance_table import write_results
+    flat = [{k: v for k, v in r.items() if v is None or isinstance(v, (str, int, float, bool))}
+            for r in rows]
+    path = write_results(name, bench, flat, title=title, columns=columns, notes=notes,
+                         command="bash tests/gpu/run_gpu_checks.sh")
+    print(f"  results: {os.path.relpath(path, ROOT)}")
+
+
+def _sdpa_fn(h: int, g: int, mask, device):
+    """SDPA over [b, s, n, d] tensors, kv heads repeated; on CUDA never the math kernel (an
+    error instead of [b, h, s, s] scores)."""
+    import torch.nn.functional as F
+
+    def fn(q, k, v):
+        kr, vr = (t.repeat_interleave(h // g, dim=2) for t in (k, v))
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, kr, vr))
+        ctx = _nullcontext()
+        if device.type == "cuda":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            ctx = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                               SDPBackend.CUDNN_ATTENTION])
+        with ctx:
+            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask,
+                                                 is_causal=mask is None)
+        return out.transpose(1, 2)
+    return fn
+
+
+def _item_kernels(rows, save, deadline, *, device="cuda", sizes=KERNEL_SIZES, shape=KERNEL_SHAPE,
+                  dtype=None, paths=("blockwise", "sdpa", "flex"), documents=DOCUMENTS, reps=3,
+                  write=True) -> None:
+    import torch
+    from megatron_sp.attention.block_kernels import block_kernel
+    from megatron_sp.attention.blockwise import blockwise_attention, blockwise_plan
+    from megatron_sp.attention.documents import document_causal_mask
+    device, dtype = torch.device(device), dtype or torch.bfloat16
+    h, g, d = shape
+    kernel = block_kernel(device, dtype, d)
+    print(f"  block kernel for {dtype} d {d} on {device.type}: {kernel}")
+    inputs = {}
+
+    def tensors(s):
+        if inputs.get("seq") != s:
+            inputs.clear()
+            gen = torch.Generator(device=device).manual_seed(s)
+            inputs["qkv"] = [torch.randn(1, s, n, d, generator=gen, device=device, dtype=dtype)
+                             for n in (h, g, g)]
+            inputs["dout"] = torch.randn(1, s, h, d, generator=gen, device=device, dtype=dtype)
+            inputs["seq"] = s
+        return inputs["qkv"], inputs["dout"]
+
+    def run(row, path, s, ids):
+        (q, k, v), dout = tensors(s)
+        row["pairs"] = _pairs(s, ids)
+        if path == "blockwise":
+            t0 = time.perf_counter()
+            plan = blockwise_plan(ids, s, min(s, 512), True)     # once per step in training
+            row["plan_ms"] = round(1e3 * (time.perf_counter() - t0), 2)
+            row["kernel"] = kernel
+            fn = lambda q, k, v: blockwise_attention(q, k, v, causal=True,   # noqa: E731
+                                                     document_ids=ids, plan=plan)
+        elif path == "sdpa":
+            mask = None if ids is None else document_causal_mask(ids)      # [1, 1, s, s]
+            fn = _sdpa_fn(h, g, mask, device)
+            row["kernel"] = "sdpa " + ("s x s mask" if ids is not None else "causal")
+        else:
+            from megatron_sp.attention.flex import FlexAttention
+            backend = FlexAttention()
+            fn = lambda q, k, v: backend(q, k, v, document_ids=ids)         # noqa: E731
+            row["kernel"] = "flex (compiled)"
+        row.update(_fwd_bwd(fn, (q, k, v), dout, reps, device))
+        flops = 4 * d * h * row["pairs"]
+        row["fwd_tflops"] = round(flops / (row["fwd_ms"] * 1e-3) / 1e12, 1)
+        row["tflops"] = round(3.5 * flops / (row["ms"] * 1e-3) / 1e12, 1)
+
+    # flex last: it compiles for every shape and mask
+    order = [p for p in paths if p != "flex"], [p for p in paths if p == "flex"]
+    for group in filter(None, order):
+        for s in sizes:
+            for n_docs in (0, min(documents, s // 8)):
+                ids = _documents(s, n_docs, device)
+                for path in group:
+                    row = {"seq": s, "documents": n_docs, "attention": path,
+                           "dtype": str(dtype).replace("torch.", ""), "heads": h,
+                           "kv_heads": g, "head_dim": d}
+                    skip = None
+                    if path == "sdpa" and n_docs and s > SDPA_MASK_MAX:
+                        skip = f"an s x s mask past {SDPA_MASK_MAX}"
+                    elif path == "flex" and device.type != "cuda":
+                        skip = "flex has no CPU backward"
+                    if skip:
+                        rows.append(dict(row, status=f"skipped: {skip}"))
+                        print(f"  {_row_label(row)}: skipped ({skip})")
+                        continue
+                    need = (60 if s >= 131072 else 15) + (45 if path == "flex" else 0)
+                    _guard(rows, save, row, lambda row, path=path, s=s, ids=ids:
+                           run(row, path, s, ids), deadline, need)
+    inputs.clear()
+    if write and device.type == "cuda":
+        _write_bench(f"gpu_block_kernels_{_gpu_tag()}", "gpu_block_kernels", rows,
+                     "Block kernels (blockwise_attention) vs SDPA and FlexAttention, forward + "
+                     "backward, bf16, b 1, h 32, g 8, d 128",
+                     [["seq", "seq"], ["documents", "documents"], ["attention", "attention"],
+                      ["kernel", "kernel"], ["fwd_ms", "fwd ms"], ["bwd_ms", "bwd ms"],
+                      ["ms", "fwd+bwd ms"], ["tflops", "TFLOP/s"], ["first_ms", "first call ms"],
+                      ["peak_memory_gib", "peak GiB"], ["status", "status"]],
+                     ["causal; documents: random boundaries; TFLOP/s counts 4 d h per computed "
+                      "(query, key) pair forward and 3.5x that forward + backward",
+                      "sdpa: kv heads repeated, flash / efficient / cuDNN only (no math "
+                      "fallback); with documents the s x s bool mask, not past 32K",
+                      "first call: compiles included (flex); ms: median of 3"])
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _per_document_reference(q, k, v, ids, dout):
+    """Full causal attention under the block-diagonal document mask, in fp32, by SDPA per
+    document (documents are independent under that mask) or over the row without documents;
+    kv heads repeated. (out, dq, dk, dv) fp32, by autograd."""
+    import torch
+    import torch.nn.functional as F
+    h, g = q.shape[2], k.shape[2]
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    qf, kf, vf = leaves
+    kf, vf = (t.repeat_interleave(h // g, dim=2) for t in (kf, vf))
+    if ids is None:
+        bounds = [0, q.shape[1]]
+    else:
+        lengths = torch.unique_consecutive(ids[0].cpu(), return_counts=True)[1]
+        bounds = [0] + torch.cumsum(lengths, 0).tolist()
+    pieces = []
+    ctx = _nullcontext()
+    if q.is_cuda:                       # the efficient kernel or an error, never an s x s math
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        ctx = sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])
+    with ctx:
+        for a, b in zip(bounds, bounds[1:]):
+            qt, kt, vt = (t[:, a:b].transpose(1, 2) for t in (qf, kf, vf))
+            pieces.append(F.scaled_dot_product_attention(qt, kt, vt,
+                                                         is_causal=True).transpose(1, 2))
+        out = torch.cat(pieces, dim=1)
+        out.backward(dout.float())
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _item_rehearsal(rows, save, deadline, *, device="cuda", seq=REHEARSAL_SEQ, cps=REHEARSAL_CPS,
+                    shape=KERNEL_SHAPE, dtype=None, documents=DOCUMENTS, peak_seq=PEAK_SEQ,
+                    peak_cp=PEAK_CP, write=True) -> None:
+    import types
+    import torch
+    from megatron_sp.context_parallel.rehearsal import rehearse_rank_peak, ring_rehearsal
+    from megatron_sp.memory.planner import ring_buffer_bytes
+    device, dtype = torch.device(device), dtype or torch.bfloat16
+    h, g, d = shape
+    old_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False              # an fp32 reference
+    cases = [(documents, cp) for cp in cps] + [(0, max(cps))]
+    refs = {}
+    for n_docs, cp in cases:
+        row = {"check": "rehearsal vs fp32 reference", "seq": seq, "documents": n_docs, "cp": cp,
+               "dtype": str(dtype).replace("torch.", ""), "heads": h, "kv_heads": g,
+               "head_dim": d}
+
+        def run(row, n_docs=n_docs, cp=cp):
+            ids = _documents(seq, n_docs, device)
+            gen = torch.Generator(device=device).manual_seed(1)
+            q, k, v = (torch.randn(1, seq, n, d, generator=gen, device=device, dtype=dtype)
+                       for n in (h, g, g))
+            dout = torch.randn(1, seq, h, d, generator=gen, device=device, dtype=dtype)
+            if n_docs not in refs:
+                refs.clear()
+                refs[n_docs] = _per_document_reference(q, k, v, ids, dout)
+            want, want_grads = refs[n_docs]
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            _sync(device)
+            t0 = time.perf_counter()
+            out = ring_rehearsal(*leaves, cp, document_ids=ids)
+            out.backward(dout)
+            _sync(device)
+            row["ms"] = round(1e3 * (time.perf_counter() - t0), 1)
+            row["out_max_abs_err"] = round((out.float() - want).abs().max().item(), 5)
+            rel = [((t.grad.float() - w).abs().max() / w.abs().max().clamp_min(1e-30)).item()
+                   for t, w in zip(leaves, want_grads)]
+            row["dq_rel_err"], row["dk_rel_err"], row["dv_rel_err"] = (round(x, 5) for x in rel)
+            row["tolerance"] = f"out {OUT_TOL} abs, grads {GRAD_REL_TOL} of max"
+            if not (row["out_max_abs_err"] <= OUT_TOL and max(rel) <= GRAD_REL_TOL):
+                row["status"] = "failed: beyond the bf16 tolerances"
+        _guard(rows, save, row, run, deadline, 15)
+    refs.clear()
+    for n_docs in (0, documents):
+        row = {"check": "one rank's peak memory", "seq": peak_seq, "documents": n_docs,
+               "cp": peak_cp, "rank": 0, "dtype": str(dtype).replace("torch.", ""), "heads": h,
+               "kv_heads": g, "head_dim": d}
+
+        def peak(row, n_docs=n_docs):
+            ids = _documents(peak_seq, n_docs, "cpu")
+            t0 = time.perf_counter()
+            got = rehearse_rank_peak(1, peak_seq, h, g, d, peak_cp, 0, dtype, device,
+                                     document_ids=ids)
+            row["ms"] = round(1e3 * (time.perf_counter() - t0), 1)
+            planner = ring_buffer_bytes(types.SimpleNamespace(num_query_groups=g, kv_channels=d),
+                                        peak_seq / peak_cp, cp=peak_cp,
+                                        dtype_bytes=torch.finfo(dtype).bits // 8)
+            row["planner_forward_gib"] = round(planner["forward"] / 2**30, 3)
+            row["planner_backward_gib"] = round(planner["backward"] / 2**30, 3)
+            n = peak_seq // peak_cp
+            e = torch.finfo(dtype).bits // 8
+            row["rank_q_kv_gib"] = round(n * (h + 2 * g) * d * e / 2**30, 3)
+            if got is None:
+                row["status"] = "skipped: no CUDA peak"
+            else:
+                row["peak_gib"] = round(got / 2**30, 3)
+        _guard(rows, save, row, peak, deadline, 45)
+    torch.backends.cuda.matmul.allow_tf32 = old_tf32
+    if write and device.type == "cuda":
+        _write_bench(f"gpu_ring_rehearsal_{_gpu_tag()}", "gpu_ring_rehearsal", rows,
+                     "Ring rehearsal (context_parallel/rehearsal.py): cp virtual ranks in one "
+                     "process vs fp32 attention, and one rank's peak memory at 1M tokens",
+                     [["check", "check"], ["seq", "seq"], ["documents", "documents"],
+                      ["cp", "cp"], ["out_max_abs_err", "out err"], ["dq_rel_err", "dq rel"],
+                      ["dk_rel_err", "dk rel"], ["dv_rel_err", "dv rel"], ["ms", "ms"],
+                      ["peak_gib", "rank peak GiB"], ["planner_backward_gib",
+                                                      "planner ring bwd GiB"],
+                      ["rank_q_kv_gib", "rank q, k, v GiB"], ["status", "status"]],
+                     ["bf16, h 32, g 8, d 128; reference: SDPA per document in fp32 (TF32 off)",
+                      f"tolerances: out max abs error {OUT_TOL}, dq / dk / dv max error "
+                      f"{GRAD_REL_TOL} of the reference's max",
+                      "rank peak: max_memory_allocated above the rank's own q, k, v during its "
+                      "forward + backward, the other ranks' blocks random, one at a time; "
+                      "planner: memory/planner.ring_buffer_bytes (buffers in flight only)"])
+
+
 def pretrain_results(c: Checks, info: dict) -> None:
     """The pretrain_gpt.py rows (NCCL smoke, sharded modes) as bench/results/gpu_pretrain_<gpu>.json
     in docs/performance.md's schema (written here without importing the project)."""
@@ -457,9 +947,14 @@ def main(argv=None) -> int:
     p.add_argument("--install", default="unknown", help="how the shell installed the project")
     p.add_argument("--install-seconds", type=float, default=0.0)
     p.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_CHECKS_BUDGET_S", 720)))
+    p.add_argument("--attention", choices=sorted(ATTENTION_ITEMS),
+                   help="(used by the attention items) run one of them in this process")
+    p.add_argument("--json", help="(with --attention) where its rows go")
     args = p.parse_args(argv)
     if args.install_fallback:
         return install_fallback()
+    if args.attention:
+        return attention_main(args.attention, args.json, args.budget_s)
     start = float(os.environ.get("GPU_CHECKS_START", time.time()))
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "runs", "gpu_checks")
     c = Checks(out_dir, args.budget_s - 15, start)
@@ -472,13 +967,23 @@ def main(argv=None) -> int:
               args.install, args.install), args.install_seconds)
     info = probe(c)
     if info is not None:
-        results = cuda_tests(c, info)
-        fused_backends(c, info, results)
-        nccl_and_sharded(c, info, first=True)
-        long_context(c, info)
-        throughput(c, info)
-        documents_longest(c, info)
-        nccl_and_sharded(c, info, first=False)
+        only = _selected()
+        results = cuda_tests(c, info) if "cuda" in only else {}
+        if "cuda" in only:
+            fused_backends(c, info, results)
+        for key in ATTENTION_ITEMS:
+            if key in only:
+                attention_item(c, info, key, only)
+        if "nccl" in only:
+            nccl_and_sharded(c, info, first=True)
+        if "long" in only:
+            long_context(c, info)
+        if "throughput" in only:
+            throughput(c, info)
+        if "documents" in only:
+            documents_longest(c, info)
+        if "sharded" in only:
+            nccl_and_sharded(c, info, first=False)
         pretrain_results(c, info)
     copy_results(c)
     c.extra["seconds"] = round(time.time() - start, 1)

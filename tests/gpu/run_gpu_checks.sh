@@ -7,9 +7,11 @@
 # offline first (pip editable, no dependencies, no build isolation; if pip cannot build it, a
 # meta-path finder for this checkout through a .pth file), prints the versions it finds, then runs
 # tests/gpu/gpu_checks.py: one line per item (CUDA-path tests, NCCL smoke run, MFU and longest
-# sequence, sharded-state modes, TE / flash-attn), a JSON file and a table. Without CUDA it skips the
-# GPU items with one line each and exits 0 (the CPU rehearsal: tests/gpu/test_rehearsal.py).
-# Environment: PYTHON (default python3), OUT, GPU_CHECKS_BUDGET_S (default 720).
+# sequence, sharded-state modes, TE / flash-attn, the block kernels vs SDPA / flex, the one-process
+# ring rehearsal), a JSON file and a table. Without CUDA it skips the GPU items with one line each
+# and exits 0 (the CPU rehearsal: tests/gpu/test_rehearsal.py).
+# Environment: PYTHON (default python3), OUT, GPU_CHECKS_BUDGET_S (default 720), GPU_CHECKS_ONLY
+# (default every item; e.g. cuda,schemas,kernels,rehearsal: see tests/gpu/gpu_checks.py).
 set -u
 cd "$(dirname "$0")/../.." || exit 2
 export GPU_CHECKS_START="${GPU_CHECKS_START:-$(date +%s)}"

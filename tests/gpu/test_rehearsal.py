@@ -5,8 +5,13 @@ Runs in the normal suite, on CPU (no GPU needed, not skipped). It copies the che
 sentencepiece and tqdm (and what they need to import: a folder of links to exactly those
 distributions, named in a .pth file; nothing is downloaded), puts only `python3` on PATH (no
 `python`), and runs `bash tests/gpu/run_gpu_checks.sh` with PIP_NO_INDEX=1. Expected: the project
-installs offline, every CUDA item is skipped with one line, the JSON is written, the exit status is 0.
-About 30-60 s (most of it creating the venv and importing torch in a few processes).
+installs offline, every CUDA item is skipped with one line, the attention schemas item (no GPU
+needed) runs in its subprocess and finds block_kernels' calls fitting this torch's aten schemas,
+the JSON is written, the exit status is 0. About 30-60 s (most of it creating the venv and
+importing torch in a few processes).
+
+The attention items' bodies (gpu_checks.py --attention kernels / rehearsal) are also run here in
+process at toy sizes on CPU (their GPU sizes need the H200): rows made, guarded, summarised.
 """
 import importlib.metadata
 import json
@@ -20,7 +25,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WANTED = ["torch", "numpy", "pytest", "sentencepiece", "tqdm"]
-GPU_ITEMS = ["cuda tests", "nccl smoke (llama-1b 8K, world of 1)", "long context (MFU, longest seq)",
+GPU_ITEMS = ["cuda tests", "block kernels vs sdpa/flex (bf16)", "ring rehearsal (32K docs, 1M peak)",
+             "nccl smoke (llama-1b 8K, world of 1)", "long context (MFU, longest seq)",
              "throughput (compile, flex, vs HF)", "longest with documents (flex)"]
 
 
@@ -142,4 +148,44 @@ def test_gpu_script_rehearsal_on_a_bare_cpu_machine(tmp_path):
     for item in ("fsdp2", "distributed optimizer", "fsdp2 + optimizer cpu offload",
                  "distopt + optimizer cpu offload"):
         assert status[item] in ("skipped", "not available"), (item, status)
+    assert status["aten attention schemas"] == "ok", status
+    schemas = report["attention_schemas"]
+    assert len(schemas) == 4 and all(r["fits_block_kernels"] for r in schemas), schemas
+    assert all(r["schema"].startswith("aten::_") for r in schemas)
     assert "cuda tests" in text and "items, 0 failed" in text
+
+
+def test_attention_items_at_toy_sizes_on_cpu():
+    """The kernels and rehearsal items' code, in process on CPU: rows ok or skipped with the
+    reason, none failed; a failing measurement is its row's status, not the item's end."""
+    import sys
+    import time
+
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+    import gpu_checks as gc
+    rows = []
+    saved = []
+    deadline = time.time() + 120
+    gc._item_kernels(rows, lambda: saved.append(len(rows)), deadline, device="cpu", sizes=(64,),
+                     shape=(4, 2, 16), reps=1, documents=6)
+    gc._item_rehearsal(rows, lambda: saved.append(len(rows)), deadline, device="cpu", seq=64,
+                       cps=(2, 4), shape=(4, 2, 16), documents=5, peak_seq=64, peak_cp=4)
+    status = [r["status"] for r in rows]
+    assert not [s for s in status if s.startswith("failed")], rows
+    kernels = [r for r in rows if r.get("attention")]
+    assert {(r["attention"], r["documents"]) for r in kernels if r["status"] == "ok"} == {
+        ("blockwise", 0), ("blockwise", 6), ("sdpa", 0), ("sdpa", 6)}
+    assert all(r["status"] == "skipped: flex has no CPU backward" for r in kernels
+               if r["attention"] == "flex")
+    checks = [r for r in rows if r.get("check") == "rehearsal vs fp32 reference"]
+    assert [(r["cp"], r["documents"], r["status"]) for r in checks] == [
+        (2, 5, "ok"), (4, 5, "ok"), (4, 0, "ok")]
+    assert all(r["out_max_abs_err"] <= gc.OUT_TOL for r in checks)
+    peaks = [r for r in rows if r.get("check") == "one rank's peak memory"]
+    assert [r["status"] for r in peaks] == ["skipped: no CUDA peak"] * 2
+    assert saved, "rows were never saved"
+    assert "blockwise/sdpa|flex" in gc._attention_summary("kernels", kernels)
+    # one guarded failure is that row's status
+    bad = gc._guard([], lambda: None, {"check": "x"}, lambda row: torch.zeros(2) @ torch.zeros(3))
+    assert bad["status"].startswith("failed: RuntimeError")
