@@ -24,7 +24,8 @@ rectangle, or one causal square.
 
 A `SegmentBatch` is what one kernel call (or one loop of calls) takes: segments of one kind
 (causal squares or dense rectangles), their queries disjoint, at most PACK_TOKENS query tokens
-(a larger segment alone), as (row, q0, q1, k0, k1) in the
+(segments of ALONE_TOKENS and up, and every segment without documents, alone: kernels run them
+on views), as (row, q0, q1, k0, k1) in the
 LOCAL indices of the query and key tensors (row None: every row of the batch, as without
 documents). For varlen kernels it packs the segments into flat token indices and cumulative
 lengths (`packed`), built once per device and reused by every layer.
@@ -45,7 +46,8 @@ import torch
 from megatron_sp.attention.documents import document_starts
 
 Segment = tuple  # (row | None, q0, q1, k0, k1), local indices
-PACK_TOKENS = 1 << 16  # query tokens per batch at most: what a varlen call packs (copies) at once
+PACK_TOKENS = 1 << 14  # query tokens per batch at most: what a varlen call packs (copies) at once
+ALONE_TOKENS = 1 << 12  # a segment this long runs alone, on views (packing it would copy it)
 
 
 def document_bounds(document_ids: torch.Tensor | None, seq_len: int | None = None):
@@ -178,16 +180,20 @@ def _disjoint_batches(causal: bool, segments: list) -> list[SegmentBatch]:
 
 def _within_budget(members: list) -> list[list]:
     """A batch cut into parts of at most PACK_TOKENS query tokens (per row), so a varlen call's
-    packed copies stay bounded; a segment larger than that is a part alone (run on views)."""
+    packed copies stay bounded. Segments of every row (no documents) and segments of at least
+    ALONE_TOKENS are parts alone: they run on views, nothing packed or copied."""
+    alone = [[seg] for seg in members if seg[0] is None or seg[2] - seg[1] >= ALONE_TOKENS]
     parts, size = [[]], 0
     for seg in members:
         n = seg[2] - seg[1]
+        if seg[0] is None or n >= ALONE_TOKENS:
+            continue
         if parts[-1] and size + n > PACK_TOKENS:
             parts.append([])
             size = 0
         parts[-1].append(seg)
         size += n
-    return parts
+    return alone + [part for part in parts if part]
 
 
 def _free(taken: dict, seg) -> bool:

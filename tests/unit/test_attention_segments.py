@@ -268,7 +268,7 @@ def test_cuda_kernel_glue_matches_the_cpu_kernel(cuda_stand_ins, kind, seed):
     _run_ring_rank(qs, ks, vs, ds, steps, "flash", scale)
     assert cuda_stand_ins.count("_flash_attention_forward") == len(batches)
     assert cuda_stand_ins.count("_flash_attention_backward") == len(batches)
-    if kind == "hundreds":
+    if kind == "hundreds":       # short documents share calls
         assert len(batches) < sum(len(batch.segments) for batch in batches)
 
 
@@ -277,11 +277,13 @@ def test_batches_stay_within_the_token_budget(monkeypatch):
     copies stay bounded; the segments are all still there."""
     from megatron_sp.attention import segments
     monkeypatch.setattr(segments, "PACK_TOKENS", 16)
-    bounds = [[0, 5, 30, 34, 40, 64]]                   # documents of 5, 25, 4, 6, 24 tokens
+    monkeypatch.setattr(segments, "ALONE_TOKENS", 24)
+    bounds = [[0, 5, 30, 34, 40, 52, 64]]               # documents of 5, 25, 4, 6, 12, 12 tokens
     batches = ranges_batches(bounds, [(0, 0, 64)], [(0, 0, 64)], True)
-    sizes = [sum(q1 - q0 for _, q0, q1, _, _ in batch.segments) for batch in batches]
-    assert sizes == [5, 25, 10, 24], sizes
-    assert sum(len(batch.segments) for batch in batches) == 5
+    sizes = [[q1 - q0 for _, q0, q1, _, _ in batch.segments] for batch in batches]
+    assert sizes == [[25], [5, 4, 6], [12], [12]], sizes     # 25 >= ALONE_TOKENS: alone
+    plain = ranges_batches(None, [(0, 0, 8), (16, 8, 8)], [(0, 0, 8), (16, 8, 8)], True)
+    assert [len(batch.segments) for batch in plain] == [1, 1, 1]   # no documents: each alone
 
 
 def test_math_path_refuses_a_long_block_on_an_accelerator():
