@@ -23,7 +23,12 @@ Per-rank device memory = model state on device + activations + reserve:
                 what the forward keeps + the larger of the output layer's and one layer's backward.
                 bf16 matmul inputs; residual stream and norms fp32 under autocast, bf16 under FSDP2.
                 With a ring: b*s/(sp*cp) tokens per rank, + the ring's kv blocks and fp32 dk, dv in
-                flight in one layer's backward (planner.ring_buffer_bytes).
+                flight in one layer's backward (planner.ring_buffer_bytes). The attention kernel
+                assumed is printed under the table (planner.attention_kernel): SDPA without a
+                ring or documents, else the block kernels (FlashAttention-2 varlen in bf16 on
+                CUDA), whose GQA buffers the backward counts.
+  documents     --reset-attention-mask: packed documents as segments, never a mask (no s^2 term);
+                their one cost is the plans' int64 token indices (planner.plan_index_bytes).
   reserve       --reserve-gb (CUDA context, NCCL and cuBLAS workspaces) + --fragmentation x the rest
                 (the caching allocator's split blocks).
 Host memory per node: offloaded optimizer state and activations of the node's ranks, pinned buffers
@@ -106,6 +111,9 @@ def parse_args(argv=None):
                    help="no ring of context parallelism (cp = 1): tp, Ulysses sp, pp, dp only")
     p.add_argument("--global-batch-size", type=int, default=1, help="sequences per step (default 1)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="(default 1)")
+    p.add_argument("--reset-attention-mask", action="store_true",
+                   help="packed documents (pretrain_gpt.py's flag): attention as segments, whose "
+                        "one memory term is the plans' index tensors")
     p.add_argument("--num-gpus", type=int, required=True)
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="per GPU (default 80)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="(default 8)")
@@ -155,7 +163,8 @@ def hardware(args) -> Hardware:
 
 def workload(args, seq: int) -> Workload:
     """The job the flags describe, at sequence length seq."""
-    return Workload(seq=seq, global_batch=args.global_batch_size, micro_batch=args.micro_batch_size)
+    return Workload(seq=seq, global_batch=args.global_batch_size, micro_batch=args.micro_batch_size,
+                    documents=args.reset_attention_mask)
 
 
 def search(args) -> dict:
@@ -209,9 +218,25 @@ def describe(cfg, args, seq) -> list[str]:
             f"V={cfg.vocab_size}",
             f"run: seq {seq}, global batch {args.global_batch_size}, {args.num_gpus} GPUs x "
             f"{args.gpu_memory_gb:g} GB ({args.gpus_per_node} per node, host {args.host_memory_gb:g} GB "
-            f"per node), sharding {args.sharding}",
+            f"per node), sharding {args.sharding}"
+            + (", packed documents" if args.reset_attention_mask else ""),
             f"reserve: {args.reserve_gb:g} GB + {args.fragmentation:.0%} fragmentation; activations bf16 "
             f"(residual fp32 under autocast, bf16 under fsdp2; fused RMSNorm)"]
+
+
+KERNEL_LABEL = "attention kernel: "
+
+
+def kernel_lines(plans) -> list[str]:
+    """The attention kernel the listed plans assume (Plan.attention_kernel): one line, or one per
+    kind in the plans' order where they differ (plans with a ring and without), within WIDTH."""
+    kinds = dict.fromkeys(pl.attention_kernel for pl in plans if pl.attention_kernel)
+    lines = []
+    for i, kind in enumerate(kinds):
+        lines += textwrap.wrap(kind, WIDTH, break_on_hyphens=False,
+                               initial_indent=KERNEL_LABEL if i == 0 else " " * len(KERNEL_LABEL),
+                               subsequent_indent=" " * (len(KERNEL_LABEL) + 2))
+    return lines
 
 
 def print_table(plans, top: int, model=()) -> None:
@@ -220,6 +245,7 @@ def print_table(plans, top: int, model=()) -> None:
     for i, pl in enumerate(plans[:top]):
         print(format_row(i + 1, pl, cp_column))
         print(format_flags(pl, model))
+    print(*kernel_lines(plans[:top]), sep="\n")
 
 
 class ProgressLine(SearchProgress):

@@ -47,6 +47,44 @@ The backward's are added to one layer's attention backward (`_layer_backward_pea
 never set the peak: the backward holds the same two kv blocks, and its dq fp32 accumulator is as
 large as the forward's fp32 out accumulator, on top of gradients the forward does not have.
 
+The attention kernel (`attention_kernel`: its description, printed with every plan;
+`attention_kernel_name`): without a ring and without packed documents SDPA
+(F.scaled_dot_product_attention: on CUDA cuDNN attention, else FlashAttention-2, else the
+memory-efficient kernel; on CPU aten's CPU flash kernel); a ring's blocks and packed documents run
+as segments through the fused block kernels (attention/block_kernels.block_kernel): on CUDA
+FlashAttention-2 varlen in fp16/bf16 (a head dim that is a multiple of 8, at most 256), else the
+memory-efficient kernel, on CPU aten's CPU flash kernel. Their buffers in one attention backward
+(`_layer_backward_peak`), beyond dout, dq, its fp32 accumulator, dk and dv, with q = T*hl*d
+elements and GQA meaning more local query heads than key/value heads (`_kernel_gqa_bytes`):
+  FlashAttention-2 (SDPA's, varlen)  k, v go in as they are; under GQA its backward expands dk,
+                                     dv to the query heads (dk_expanded, dv_expanded): 2 q e
+  memory-efficient (block kernel)    k, v repeated to the query heads per segment (a copy even at
+                                     one query head per key/value head) and their gradients at the
+                                     query heads before the sum: 4 q e (a segment's keys are at
+                                     most the held block, so its repeat is at most q)
+  CPU flash (SDPA's, per segment)    none: GQA is reduced inside the kernel (measured: the
+                                     backward's peak above dq, dk, dv is the same for every g)
+
+Packed documents (Workload.documents; --reset-attention-mask) are segments, never a mask: no
+s^2 term anywhere. Their one memory term is the plans' int64 token indices for the varlen kernel
+(`plan_index_bytes`; CUDA fp16/bf16 only: the CPU and memory-efficient kernels run per segment on
+slices of q, k, v and index nothing), made once per step and shared by every layer:
+  cp = 1   blockwise attention: q and k indices of every token, at most 2*b*s (b*s tokens at
+           the kernel, with Ulysses too), only with documents (without them SDPA runs, no plan)
+  cp > 1   the ring's plan, only with documents (without them every segment runs on views): per
+           step at most the indices of its batches' queries and keys, step 0 (the diagonal:
+           causal squares A x a and B x b, rectangle B x a) 6c per row, every other step 3c
+           ([A B] x a or B x [a b]), c = s/(2cp): at most b*3c*(cp+1) in all (~1.5*b*s); an
+           upper bound, as segments of 4096 tokens and up run on views too
+  + cu_seqlens (int32, one per segment and batch): not counted; nor the varlen call's packed
+    copies of q, out, dout, k, v and its merged rows, bounded by one batch (at most
+    segments.PACK_TOKENS = 16K query tokens), not by s.
+Each micro-batch in flight keeps its own plan (its autograd nodes hold it until its backward). At cp = 1 documents also move
+attention from SDPA to the block kernels: the same FlashAttention-2 count on CUDA in bf16 and the
+same CPU kernel on CPU, so there the index tensors are the only difference; on CUDA in fp32 the
+memory-efficient kernel's repeated key/value heads come on top. The kv blocks travel without any
+document index: the communication is the same.
+
 Korthikanti et al. (16-bit, attention matrix stored): `korthikanti_layer_bytes`.
 
 Element sizes: e for what the matmuls keep (their autocast copies: 2 under --bf16), r for the
@@ -67,7 +105,7 @@ aten::linear keep a bf16 copy of every weight: + 2 bytes/param (docs/design.md Â
 Peak of one step (`step_peak_bytes`): what the forward keeps for backward + the larger of the output
 layer's peak (its logits in flight, forward or backward) and one layer's backward (recomputed under
 full recompute), each with its working buffers (gradients, the attention kernel's dq accumulator,
-one MLP tile, one loss chunk's logits).
+one MLP tile, one loss chunk's logits), + the attention plans' index tensors (plan_index_bytes).
 The planner (`plan(cfg, Workload, Hardware)`: the job, the machine; each layout a ParallelDims) adds
 a reserve (fixed + a fragmentation fraction) and checks host memory per node (offloaded state and
 activations, pinned buffers rounded up to powers of two). With ring=True it also tries layouts with
@@ -76,6 +114,7 @@ by nothing but the sequence, which must divide into 2*cp*sp (*tp with --sequence
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -96,13 +135,15 @@ class Workload:
     """One optimizer step apart from the model: global_batch sequences of seq tokens, in micro-
     batches of micro_batch; dtype_bytes, the element size of what the matmuls keep (2: bf16
     autocast); memory, the techniques (recompute, MLP tiles, loss chunks, activation offload);
-    sequence_parallel, Megatron's tp sequence sharding (--sequence-parallel)."""
+    sequence_parallel, Megatron's tp sequence sharding (--sequence-parallel); documents, packed
+    documents (--reset-attention-mask: segments, whose one memory term is plan_index_bytes)."""
     seq: int
     global_batch: int = 1
     micro_batch: int = 1
     dtype_bytes: int = 2
     memory: MemoryOptions = field(default_factory=MemoryOptions)
     sequence_parallel: bool = False
+    documents: bool = False
 
     def tokens_per_rank(self, sp: int) -> float:
         """T = b*s/sp: the tokens of one micro-batch each rank holds outside attention, sp the
@@ -521,19 +562,110 @@ def ring_layer_bytes(cfg, T: float, tp: int, sp: int, cp: int, e: int,
     return forward * runs + backward
 
 
+# The attention kernel ---------------------------------------------------------------------------
+
+_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16",
+                "float": "float32"}
+_SDPA_CAPABILITY = (9, 0)   # the GPU the planner's defaults describe (H100/H200: 989 TFLOP/s)
+
+
+def _torch_dtype(dtype):
+    """A torch dtype from one (returned as is), a name ("bf16", "bfloat16", "fp32", ...) or the
+    planner's element size (2: bf16, its --bf16; 4: fp32)."""
+    import torch
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, int) and not isinstance(dtype, bool):
+        if dtype not in (2, 4):
+            raise ValueError(f"an element size of 2 (bf16) or 4 (fp32) bytes, got {dtype}.")
+        return torch.bfloat16 if dtype == 2 else torch.float32
+    name = _DTYPE_NAMES.get(str(dtype), str(dtype).replace("torch.", ""))
+    found = getattr(torch, name, None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"not a dtype: {dtype!r}.")
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def attention_kernel_name(device: str = "cuda", dtype=2, head_dim: int = 128, cp: int = 1,
+                          documents: bool = False) -> str:
+    """The attention kernel one layer runs (module docstring): "sdpa" (SDPA's own choice, cp = 1
+    without documents), else the block kernel of the ring's blocks and the documents' segments,
+    attention/block_kernels.block_kernel's "flash" (FlashAttention-2 varlen), "efficient" or
+    "cpu" ("math" for a dtype no fused kernel takes). dtype: a torch dtype, a name or the element
+    size (2: bf16, 4: fp32)."""
+    _check_device(device)
+    if cp == 1 and not documents:
+        return "sdpa"
+    import torch
+    from megatron_sp.attention.block_kernels import block_kernel
+    return block_kernel(torch.device(device), _torch_dtype(dtype), head_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def attention_kernel(device: str = "cuda", dtype=2, head_dim: int = 128, cp: int = 1,
+                     documents: bool = False) -> str:
+    """A short description of the attention kernel the plan assumes on `device` (pure: the same
+    choice as attention_kernel_name, in block_kernels.KERNEL_DESCRIPTIONS' words), e.g. on CUDA
+    in bf16 with a ring "FlashAttention-2 varlen (aten._flash_attention_forward/_backward), ring
+    blocks as segments"."""
+    kernel = attention_kernel_name(device, dtype, head_dim, cp, documents)
+    if kernel == "sdpa":
+        from megatron_sp.attention.kernels import sdpa_kernel_plan
+        capability = _SDPA_CAPABILITY if device == "cuda" else None
+        reason = sdpa_kernel_plan(capability, _torch_dtype(dtype), False, 0.0, 0)[1]
+        return f"SDPA without a ring or documents: {reason}"
+    from megatron_sp.attention.block_kernels import KERNEL_DESCRIPTIONS
+    name = KERNEL_DESCRIPTIONS[kernel].split(", one call")[0]
+    what = ("ring blocks and packed documents" if cp > 1 and documents
+            else "ring blocks" if cp > 1 else "packed documents")
+    return f"{name}, {what} as segments"
+
+
+def _kernel_gqa_bytes(kernel: str, device: str, q: float, e: int, gqa: bool) -> float:
+    """Bytes of the kernel's own key/value head handling in one attention backward (module
+    docstring): FlashAttention-2 (SDPA's on CUDA, or varlen) 2 q e under GQA (dk, dv expanded
+    to the query heads), the memory-efficient block kernel 4 q e (k, v repeated per segment and
+    their gradients at the query heads), aten's CPU flash kernel (SDPA's or per segment) none."""
+    if kernel == "math":
+        raise ValueError("attention in this dtype has no fused kernel (the math path keeps "
+                         "[b, h, sq, sk] scores): plan bf16 (2 bytes) or fp32 (4).")
+    if kernel == "cpu" or (kernel == "sdpa" and device == "cpu"):
+        return 0.0
+    if kernel == "efficient":
+        return 4 * q * e
+    return 2 * q * e if gqa else 0.0
+
+
+def plan_index_bytes(seq: int, micro_batch: int = 1, *, cp: int = 1, kernel: str = "flash",
+                     documents: bool = False, in_flight_micro_batches: int = 1) -> float:
+    """Bytes of the attention plans' int64 token indices per rank (module docstring): only for
+    the varlen kernel ("flash") and packed documents (without them every segment runs on views:
+    no indices); blockwise attention (cp = 1) at most 2*b*s, the ring's plan (cp > 1) at most
+    b*3c*(cp+1) with c = s/(2cp) (segments of 4096 tokens and up run on views and need none:
+    an upper bound), once per micro-batch in flight. Linear in s; cu_seqlens not counted."""
+    if kernel != "flash" or not documents:
+        return 0.0
+    b = micro_batch
+    indices = 2 * b * seq if cp == 1 else b * 3 * (seq / (2 * cp)) * (cp + 1)
+    return 8 * indices * in_flight_micro_batches
+
+
 # Peak device memory of one step -----------------------------------------------------------------
 
 def _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory: MemoryOptions,
-                         device="cuda", cp=1) -> float:
+                         device="cuda", cp=1, documents=False) -> float:
     """Bytes alive during one layer's backward, its own saved tensors included: the larger of
     - the MLP phase: every saved tensor + the residual-stream gradient (Ts*H*r) + the MLP's
       recomputed activations and their gradients (one tile's when tiled) + the tile input's gradient;
     - the attention kernel's backward: the MLP block's tensors and the out-projection input freed
       (sp > 1; with sp = 1 it is the kernel's saved output), attention's regenerated (selective), +
-      the residual gradient + the kernel's buffers: grad of its output, dq and its fp32 accumulator
-      (flash-attention 2), dk and dv expanded to the local query heads when they outnumber the
-      local key/value heads (GQA), and dk, dv; with a ring (cp > 1) + its backward buffers in
-      flight (ring_buffer_bytes: two kv blocks, three fp32 dk, dv blocks).
+      the residual gradient + the kernel's buffers: grad of its output, dq and its fp32 accumulator,
+      dk, dv, and the kernel's own key/value head handling (_kernel_gqa_bytes, by
+      attention_kernel_name(device, e, d, cp, documents): FlashAttention-2 expands dk, dv to the
+      local query heads under GQA, the memory-efficient block kernel repeats k, v per segment,
+      the CPU kernel neither); with a ring (cp > 1) + its backward buffers in flight
+      (ring_buffer_bytes: two kv blocks, three fp32 dk, dv blocks).
     Later phases (the Ulysses all-to-all of dq, dk, dv; the QKV and norm backward) hold less: the
     kernel's buffers and saved q, k, v are freed by then."""
     H, d, F = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
@@ -551,7 +683,8 @@ def _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory: MemoryOptions,
     mlp = saved + grads + (2 * act if tiles > 1 else act) + Tt * H * e
     kv = T * d * max(gl, sp)                  # k or v elements at the kernel (as _layer_terms)
     q = T * hl * d
-    expanded = 2 * q * e if hl > max(gl, sp) else 0
+    kernel = attention_kernel_name(device, e, d, cp, documents)
+    expanded = _kernel_gqa_bytes(kernel, device, q, e, gqa=hl > max(gl, sp))
     attn_bwd = q * (e + e + 4) + expanded + 2 * kv * e
     attention = (saved - terms["mlp_norm"] - terms["fc1_input"] - terms["mlp_act"]
                  - (terms["proj_input"] if sp > 1 else 0) + grads + attn_bwd)
@@ -583,7 +716,8 @@ def _output_peak(cfg, T, tp, seqpar, e, r, memory: MemoryOptions, saved: float) 
 def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int = 1, pp: int = 1,
                     sequence_parallel: bool = False, memory: MemoryOptions | None = None,
                     dtype_bytes: int = 2, residual_bytes: int = 4, in_flight_micro_batches: int = 1,
-                    pinned: bool = True, device: str = "cuda", cp: int = 1) -> dict:
+                    pinned: bool = True, device: str = "cuda", cp: int = 1,
+                    documents: bool = False) -> dict:
     """Peak activation bytes of one step on one rank (the heaviest pipeline stage), and host bytes.
 
     kept: what the forward leaves for backward (all layers', or only the checkpointed inputs under
@@ -593,6 +727,9 @@ def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int
     each rounded up to a power of two when pinned (torch's caching host allocator). device: "cuda"
     or "cpu", whose RMSNorm kernel (module docstring). cp: the ring's degree (T = b*s/(sp*cp); the
     ring's backward buffers join one layer's attention backward; "ring" in the result gives them).
+    documents: packed documents as segments. Over the whole step the attention plans' index
+    tensors (plan_index_bytes: the varlen kernel's, ring or documents; "index" in the result) are
+    added; "kernel" names the attention kernel (attention_kernel_name).
     """
     memory = memory or MemoryOptions()
     e, r = dtype_bytes, residual_bytes
@@ -605,7 +742,10 @@ def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int
     Ts = T / tp if seqpar else T
     ckpt_input = Ts * cfg.hidden_size * r
     kept = (act["layers"] + act["embedding"] + act["shared"]) * in_flight_micro_batches
-    layer_peak = _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory, device, cp)
+    layer_peak = _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory, device, cp, documents)
+    kernel = attention_kernel_name(device, e, cfg.kv_channels, cp, documents)
+    index = plan_index_bytes(seq, micro_batch, cp=cp, kernel=kernel, documents=documents,
+                             in_flight_micro_batches=in_flight_micro_batches)
     if memory.full_recompute:
         group = memory.recompute_num_layers if memory.recompute_method == "uniform" else 1
         # the group's input is the first norm's saved input: counted in kept unless offloaded
@@ -614,7 +754,7 @@ def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int
     else:
         working = layer_peak - (0 if memory.offload_activations else act["layer"])
     output = _output_peak(cfg, T, tp, seqpar, e, r, memory, act["output"])
-    on_device = kept + max(output, working)
+    on_device = kept + max(output, working) + index
     host = 0.0
     if memory.offload_activations:
         if memory.full_recompute:
@@ -627,7 +767,7 @@ def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int
         host *= in_flight_micro_batches
     return {"device": on_device, "host": host, "kept": kept, "layer_backward": working,
             "output_backward": output, "activations": act,
-            "ring": ring_buffer_bytes(cfg, T, tp, sp, cp, e)}
+            "ring": ring_buffer_bytes(cfg, T, tp, sp, cp, e), "index": index, "kernel": kernel}
 
 
 # Planner ----------------------------------------------------------------------------------------
@@ -648,7 +788,8 @@ class Plan:
     """One layout with its memory settings and sharding; sizes in GiB per rank unless said. cp: the
     ring's degree (context parallelism; 1: none), the sequence over sp x cp ranks; seq_length,
     max_position_embeddings and global_batch: the job it was planned for (0: not recorded, and
-    then not among the flags)."""
+    then not among the flags); documents: packed documents (--reset-attention-mask);
+    attention_kernel: the attention kernel the memory model assumes (attention_kernel)."""
     tp: int
     sp: int
     pp: int
@@ -672,6 +813,8 @@ class Plan:
     seq_length: int = 0
     max_position_embeddings: int = 0
     global_batch: int = 0
+    documents: bool = False
+    attention_kernel: str = ""
 
     @property
     def comm_total_gb(self) -> float:
@@ -692,7 +835,8 @@ class Plan:
     def job_flags(self) -> list[str]:
         """The job the plan was made for: --seq-length, --max-position-embeddings (the planned
         model's, which pretrain_gpt.py would otherwise take from the preset), --micro-batch-size
-        and --global-batch-size (the micro-batches per step set the pipeline's in flight)."""
+        and --global-batch-size (the micro-batches per step set the pipeline's in flight);
+        --reset-attention-mask when planned for packed documents."""
         parts = []
         if self.seq_length:
             parts += [f"--seq-length {self.seq_length}",
@@ -700,6 +844,8 @@ class Plan:
         parts.append(f"--micro-batch-size {self.micro_batch}")
         if self.global_batch:
             parts.append(f"--global-batch-size {self.global_batch}")
+        if self.documents:
+            parts.append("--reset-attention-mask")
         return parts
 
     def layout_flags(self) -> list[str]:
@@ -752,7 +898,8 @@ class Plan:
             "tp", "sp", "cp", "pp", "dp", "micro_batch", "global_batch", "seq_length",
             "max_position_embeddings", "sequence_parallel", "sharding", "cpu_offload",
             "state_device_gb", "state_host_gb", "activations_gb", "activations_host_gb",
-            "reserve_gb", "total_gb", "host_node_gb", "comm_gb", "score")}
+            "reserve_gb", "total_gb", "host_node_gb", "comm_gb", "score", "documents",
+            "attention_kernel")}
         out["memory"] = self.memory.to_dict()
         out["flags"] = self.flags()
         return out
@@ -880,7 +1027,9 @@ def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
     hw.host_budget_gb (the rest: OS, data loader, page cache).
     Activations: bf16 matmul inputs (work.dtype_bytes); the residual stream and norms in fp32 (bf16
     autocast over fp32 weights) except under FSDP2 with bf16 parameters (MixedPrecisionPolicy),
-    where the whole forward is bf16.
+    where the whole forward is bf16. work.documents: packed documents, as segments through the
+    block kernels (no s^2 term; the plans' index tensors, plan_index_bytes); each plan names the
+    attention kernel it assumes (Plan.attention_kernel).
 
     Score: estimated step seconds = model FLOPs / (GPUs x peak x mfu) x technique cost (recompute
     ~ +1/3) x (1 + pipeline bubble) + communication bytes / bandwidth (tp inside a node; sp, pp and dp
@@ -944,7 +1093,7 @@ def _fit(cfg, work: Workload, dims: ParallelDims, hw: Hardware, mode: str,
                                pp=dims.pp, sequence_parallel=work.sequence_parallel, memory=mem,
                                dtype_bytes=e, residual_bytes=r,
                                in_flight_micro_batches=work.in_flight(dims), device=hw.device,
-                               cp=dims.cp)
+                               cp=dims.cp, documents=work.documents)
         modelled = state_device + peak["device"]
         reserve = hw.reserve_gb * GiB + hw.fragmentation * modelled
         host_node = hw.ranks_per_node * (state_host + peak["host"])
@@ -956,7 +1105,9 @@ def _fit(cfg, work: Workload, dims: ParallelDims, hw: Hardware, mode: str,
                         reserve_gb=reserve / GiB, total_gb=(modelled + reserve) / GiB,
                         host_node_gb=host_node / GiB, cost=cost, cp=dims.cp,
                         seq_length=work.seq, max_position_embeddings=cfg.max_position_embeddings,
-                        global_batch=work.global_batch)
+                        global_batch=work.global_batch, documents=work.documents,
+                        attention_kernel=attention_kernel(hw.device, e, cfg.kv_channels, dims.cp,
+                                                          work.documents))
     return None
 
 

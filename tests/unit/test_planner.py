@@ -2,9 +2,12 @@
 bytes, the activation model against the bytes measured under bf16 (autocast and bf16 weights), the
 three Arctic Long Sequence Training configurations feasible, --max-seq consistent with feasibility,
 each plan's flags accepted by pretrain_gpt.py's parser, and the table's layout."""
+import contextlib
+import io
 import json
 import shlex
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ import torch
 from megatron_sp.cli.arguments import build_parser
 from megatron_sp.cli.build import job_config
 from megatron_sp.memory import MemoryOptions, SavedTensorAccountant
+from megatron_sp.mesh import ParallelDims
 from megatron_sp.memory.planner import (Hardware, Workload, activation_bytes,
                                         host_state_pinned_bytes, max_feasible_seq,
                                         model_state_bytes, pinned_bytes, plan, step_peak_bytes)
@@ -485,3 +489,173 @@ def test_llama3_70b_preset_and_the_no_ring_flag(capsys):
                  "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 120
+
+
+# The attention kernel and packed documents (segments through the block kernels) ---------------
+
+def test_each_plan_names_its_attention_kernel():
+    """attention_kernel (a pure function) names the kernel in block_kernels' words: SDPA without a
+    ring or documents, else block_kernel's choice, FlashAttention-2 varlen on CUDA in bf16 (a head
+    dim that is a multiple of 8), the memory-efficient kernel in fp32 or for other head dims, the
+    CPU flash kernel on CPU; each plan carries it (and its JSON), and the table prints it on one
+    line within 120 columns."""
+    from megatron_sp.attention.block_kernels import KERNEL_DESCRIPTIONS, block_kernel
+    from megatron_sp.memory.planner import attention_kernel, attention_kernel_name
+    flash = KERNEL_DESCRIPTIONS["flash"].split(", one call")[0]
+    assert attention_kernel("cuda", torch.bfloat16, 128, 4) == (
+        "FlashAttention-2 varlen (aten._flash_attention_forward/_backward), ring blocks as "
+        "segments")
+    assert attention_kernel("cuda", 2, 128, 4, documents=True) == (
+        f"{flash}, ring blocks and packed documents as segments")
+    assert attention_kernel("cuda", "bf16", 128, 1, documents=True) == (
+        f"{flash}, packed documents as segments")
+    assert attention_kernel("cpu", 2, 128, 2).startswith("aten's CPU flash kernel, ring blocks")
+    assert attention_kernel("cuda", 4, 128, 2).startswith("the memory-efficient kernel (aten.")
+    assert attention_kernel("cuda", 2, 128, 1).startswith("SDPA without a ring or documents: cuDNN")
+    assert attention_kernel("cpu", 4, 64, 1).startswith("SDPA without a ring or documents: flash")
+    for device in ("cuda", "cpu"):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for d in (64, 128, 100, 512):
+                assert attention_kernel_name(device, dtype, d, 2) == \
+                    block_kernel(torch.device(device), dtype, d)
+                assert attention_kernel_name(device, dtype, d, 1) == "sdpa"
+    with pytest.raises(ValueError, match="device must be one of"):
+        attention_kernel("gpu", 2, 128, 2)
+    plans = plan(_llama8b(131072), Workload(131072), Hardware(8), ring=True)
+    assert {p.attention_kernel for p in plans} == {attention_kernel("cuda", 2, 128, 1),
+                                                   attention_kernel("cuda", 2, 128, 2)}
+    assert all(p.to_dict()["attention_kernel"] == p.attention_kernel for p in plans)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert plan_parallel.main(["--model", "llama-8b", "--seq-length", "131072",
+                                   "--num-gpus", "8", "--top", "3", "--no-ring"]) == 0
+    lines = out.getvalue().splitlines()
+    assert f"attention kernel: {attention_kernel('cuda', 2, 128, 1)}" in lines
+    assert max(len(line) for line in lines) <= 120
+
+
+def test_attention_backward_counts_the_kernels_own_gqa_buffers():
+    """b s = 128 tokens, h = 8 query heads, g = 4 (GQA) or 8, d = 64 (q = T h d elements, T =
+    b s/cp; d large against the hidden size 64, so that attention sets the layer's peak):
+    one layer's attention backward holds the kernel's own key/value head buffers on top of the
+    common ones: FlashAttention-2 (SDPA's at cp = 1, varlen in the ring, bf16) dk, dv expanded to
+    the query heads under GQA, 2 q e; the memory-efficient block kernel (fp32 on CUDA) k, v
+    repeated per segment and their gradients at the query heads, 4 q e, even without GQA; aten's
+    CPU flash kernel nothing. The ring's own buffers come on top, the same for every kernel
+    (LayerNorm: the same norm kernel on both devices)."""
+    from megatron_sp.memory.planner import _layer_backward_peak, ring_buffer_bytes
+    b, s, mem = 2, 64, MemoryOptions()
+    for groups in (4, 8):
+        cfg = replace(_gqa(groups=groups), normalization="LayerNorm", kv_channels=64)
+        gqa = groups < 8
+        for cp in (1, 2, 4):
+            T = b * s / cp
+            q = T * 8 * 64
+
+            def peak(device, e):
+                return _layer_backward_peak(cfg, T, 1, 1, False, e, 4, mem, device, cp)
+
+            def common(device, e):        # the same layer with no kernel-specific buffers
+                return peak(device, e) - ring_buffer_bytes(cfg, T, cp=cp, dtype_bytes=e)["backward"]
+            flash, cpu = common("cuda", 2), common("cpu", 2)
+            assert flash - cpu == (2 * q * 2 if gqa else 0)          # the same saved terms
+            if cp > 1:                                               # the block kernel in fp32
+                assert common("cuda", 4) - common("cpu", 4) == 4 * q * 4
+            else:                                                    # SDPA's on CUDA in fp32
+                assert common("cuda", 4) - common("cpu", 4) == (2 * q * 4 if gqa else 0)
+
+
+def _index_elements(plan_steps, b, n):
+    """q and k token indices the varlen kernel's packed batches hold (segments.SegmentBatch; a
+    batch of one segment runs on views and packs nothing)."""
+    return sum(x.numel() for batches in plan_steps for batch in batches
+               if len(batch.segments) > 1 for x in batch.packed(b, n, n, "cpu")[:2])
+
+
+def test_plan_index_bytes_count_the_segment_plans_indices():
+    """plan_index_bytes against the plans the kernels run (attention/segments.py): the ring's
+    plan without documents holds no indices (every segment runs on views); with random packed
+    documents never more than b 3c (cp + 1) on every rank (c = s/(2cp)); blockwise attention over
+    packed documents (cp = 1) at most 2 b s; cu_seqlens aside. Nothing for the kernels that run
+    per segment on slices."""
+    from megatron_sp.attention.blockwise import blockwise_plan
+    from megatron_sp.attention.segments import document_bounds, ring_plan
+    from megatron_sp.memory.planner import plan_index_bytes
+    gen = torch.Generator().manual_seed(0)
+    for cp in (2, 3, 4):
+        for b in (1, 2):
+            s = 2 * cp * 16
+            c, n = s // (2 * cp), s // cp
+            formula = plan_index_bytes(s, b, cp=cp, documents=True)
+            assert formula == 8 * b * 3 * c * (cp + 1) and plan_index_bytes(s, b, cp=cp) == 0
+            ids = (torch.rand(b, s, generator=gen) < 0.05).long().cumsum(1)   # random documents
+            for rank in range(cp):
+                assert _index_elements(ring_plan(None, b, s, cp, rank, True).steps, b, n) == 0
+                assert 8 * _index_elements(ring_plan(document_bounds(ids), b, s, cp, rank,
+                                                     True).steps, b, n) <= formula
+    b, s = 2, 256
+    ids = (torch.rand(b, s, generator=gen) < 0.05).long().cumsum(1)
+    batches = [[batch for batch, _ in blockwise_plan(ids, s, s, True)]]
+    assert 0 < 8 * _index_elements(batches, b, s) <= plan_index_bytes(s, b, documents=True) \
+        == 8 * 2 * b * s
+    assert plan_index_bytes(s, b) == 0                                  # SDPA: no plan
+    for kernel in ("cpu", "efficient"):
+        assert plan_index_bytes(s, b, cp=2, kernel=kernel, documents=True) == 0
+
+
+def test_documents_cost_only_their_index_tensors_and_grow_linearly():
+    """Packed documents are segments, never a mask: the step's peak with documents is the peak
+    without + their plans' index tensors (plan_index_bytes: blockwise attention's 2 b s at
+    cp = 1, the ring plan's b 3c (cp + 1) at cp > 1, per micro-batch in flight), on CUDA in
+    bf16 (FlashAttention-2 both ways; without documents every segment runs on views, no index);
+    on CPU, where the kernel indexes nothing, the same bytes.
+    That term is linear in s (no s^2): doubling the sequence doubles it. The planner's plans with
+    documents differ from those without by the term (and its fragmentation share) only, and print
+    --reset-attention-mask, which pretrain_gpt.py takes."""
+    from megatron_sp.memory.planner import plan_index_bytes
+    cfg = preset("llama-tiny", max_position_embeddings=16384)
+    mem = MemoryOptions(recompute_granularity="full")
+    diffs = {}
+    for seq in (4096, 8192):
+        for sp, cp in ((1, 1), (2, 1), (1, 2), (2, 2), (1, 4)):
+            for in_flight in (1, 2):
+                def peak(documents, device="cuda"):
+                    return step_peak_bytes(cfg, seq, 2, sp=sp, cp=cp, memory=mem,
+                                           in_flight_micro_batches=in_flight, device=device,
+                                           documents=documents)
+                with_docs, without = peak(True), peak(False)
+                index = [plan_index_bytes(seq, 2, cp=cp, documents=d,
+                                          in_flight_micro_batches=in_flight)
+                         for d in (True, False)]
+                assert with_docs["device"] - without["device"] == index[0] - index[1]
+                assert (with_docs["index"], without["index"]) == tuple(index)
+                assert with_docs["host"] == without["host"]
+                assert peak(True, "cpu")["device"] == peak(False, "cpu")["device"]
+                assert peak(True, "cpu")["index"] == 0
+                diffs[seq, sp, cp, in_flight] = (index[0] - index[1], index[0])
+        assert diffs[seq, 1, 1, 1][0] == 8 * 2 * 2 * seq                # 2 b s int64, cp = 1
+        assert diffs[seq, 1, 2, 1][0] == 8 * 2 * 3 * seq / 4 * 3        # b 3c (cp+1), c = s/4
+        assert diffs[seq, 1, 2, 2][0] == 2 * diffs[seq, 1, 2, 1][0]     # one plan per in flight
+    for key in diffs:
+        if key[0] == 4096:
+            assert diffs[(8192,) + key[1:]] == tuple(2 * x for x in diffs[key])
+    # the planner: the same layouts and techniques, totals apart by the index term only
+    work, hw = Workload(8192, global_batch=2), Hardware(4, gpu_mem_gb=8)
+    plain = {(p.tp, p.sp, p.cp, p.pp): p for p in plan(cfg, work, hw, ring=True)}
+    packed = plan(cfg, replace(work, documents=True), hw, ring=True)
+    assert packed and len(packed) == len(plain)
+    parser = build_parser()
+    for p in packed:
+        q = plain[p.tp, p.sp, p.cp, p.pp]
+        assert (p.memory, p.sharding, p.cpu_offload, p.documents) == \
+            (q.memory, q.sharding, q.cpu_offload, True)
+        in_flight = work.in_flight(ParallelDims(4, tp=p.tp, sp=p.sp, cp=p.cp, pp=p.pp))
+        index = [plan_index_bytes(8192, 1, cp=p.cp, documents=d,
+                                  in_flight_micro_batches=in_flight) for d in (True, False)]
+        extra = (index[0] - index[1]) / GB
+        assert p.activations_gb - q.activations_gb == pytest.approx(extra, rel=1e-9, abs=1e-12)
+        assert p.total_gb - q.total_gb == pytest.approx(1.1 * extra, rel=1e-9, abs=1e-12)
+        assert p.comm_gb == q.comm_gb
+        assert "--reset-attention-mask" in p.flags() and "--reset-attention-mask" not in q.flags()
+        args, unknown = parser.parse_known_args(["--model", "llama-tiny"] + _flag_argv(p))
+        assert not unknown and args.reset_attention_mask

@@ -1,8 +1,8 @@
 """tools/plan_parallel.py's printed flags are the whole plan: each plan's printed line, read back
 by pretrain_gpt.py's own start-up (load_job: its parser, the Megatron-LM mapping, the JobConfig,
 the world-size check) and its model builder (model_config), gives every planned quantity: layout,
-ring, batch, sequence, positions, model, precision, sharding and each memory technique; and a long
-search says how far it is on stderr, never on stdout."""
+ring, batch, sequence, positions, packed documents, model, precision, sharding and each memory
+technique; and a long search says how far it is on stderr, never on stdout."""
 import contextlib
 import io
 import json
@@ -34,6 +34,9 @@ CASES = {
     # --max-seq with the ring and the distributed optimizer
     "max-seq ring": ["--model", "llama-tiny", "--num-gpus", "16", "--max-seq", "--sharding",
                      "distributed-optimizer", "--gpu-memory-gb", "8", "--global-batch-size", "2"],
+    # packed documents (--reset-attention-mask): Ulysses, the hybrid and the ring alone
+    "documents": ["--model", "llama-tiny", "--num-gpus", "4", "--seq-length", "16384",
+                  "--reset-attention-mask", "--top", "3"],
 }
 ROW = re.compile(r"^\s*\d+(\s+\d+){4}\s")          # "  1   1   8   1   1   1  none ..."
 # Printed for Megatron-LM's launchers (its full recompute needs a method and a layer count), but
@@ -89,7 +92,7 @@ def _world(name: str) -> int:
 def _expected(d: dict, cfg) -> dict:
     """The plan's quantities (its JSON), as _ran reports them."""
     keys = ("tp", "sp", "cp", "pp", "dp", "micro_batch", "global_batch", "seq_length",
-            "max_position_embeddings", "sequence_parallel", "sharding", "cpu_offload")
+            "max_position_embeddings", "sequence_parallel", "sharding", "cpu_offload", "documents")
     return {**{k: d[k] for k in keys}, "bf16": True, "memory": MemoryOptions(**d["memory"]),
             "model": cfg}
 
@@ -116,6 +119,7 @@ def _ran(flags: list[str], world: int, monkeypatch) -> dict:
             "seq_length": tr.seq_length,
             "max_position_embeddings": model and model.max_position_embeddings,
             "sequence_parallel": par.sequence_parallel, "sharding": sharding,
+            "documents": job.data.reset_attention_mask,
             "cpu_offload": par.optimizer_cpu_offload, "bf16": job.precision.bf16,
             "memory": MemoryOptions.from_config(job.memory), "model": model}
 
@@ -135,10 +139,11 @@ def test_printed_flags_run_each_plan(cases, monkeypatch):
                      (d["sharding"], True), ("optimizer offload", d["cpu_offload"]),
                      (m["recompute_granularity"], True), ("tiles", m["mlp_tiles"] > 1),
                      ("chunks", m["loss_chunks"] > 1), ("offload", m["offload_activations"]),
-                     ("max-seq", name.startswith("max-seq") and d["cp"] > 1)}
+                     ("max-seq", name.startswith("max-seq") and d["cp"] > 1),
+                     ("documents", d["documents"])}
     wanted = {"ring alone", "ring and Ulysses", "tp", "pp", "micro-batches", "none",
               "distributed-optimizer", "fsdp", "optimizer offload", "selective", "full", "tiles",
-              "chunks", "offload", "max-seq"}
+              "chunks", "offload", "max-seq", "documents"}
     assert {k for k, on in seen if on} >= wanted
 
 
@@ -174,7 +179,8 @@ def test_each_printed_flag_is_needed_by_some_plan(cases, monkeypatch):
     assert printed - needed == RESTATED_DEFAULTS & printed
     assert {"--seq-length", "--max-position-embeddings", "--global-batch-size", "--bf16",
             "--context-parallel-size", "--hierarchical-context-parallel-sizes", "--model",
-            "--vocab-size", "--offload-activations", "--mlp-tiles", "--loss-chunks"} <= needed
+            "--vocab-size", "--offload-activations", "--mlp-tiles", "--loss-chunks",
+            "--reset-attention-mask"} <= needed
 
 
 def test_progress_line_goes_to_stderr_and_json_stays_clean(capsys):
