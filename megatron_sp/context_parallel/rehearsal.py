@@ -1,10 +1,9 @@
 """The ring of context_parallel/ring.py rehearsed in ONE process: cp virtual ranks on one device.
 
 `ring_rehearsal` zigzag-splits full sequences into cp virtual ranks and runs, for every one of
-them, exactly what a rank of the real ring runs: the same plan (attention/segments.ring_plan, one
-per rank) through the same block kernels (attention/block_kernels.forward_batch /
-backward_batch), step by step in the same order as _ring_forward and _ring_backward. Only the
-exchange differs: instead of send_next_recv_prev over a process group, a local hand-over gives
+them, exactly what a rank of the real ring runs: the ring's own rank generators
+(context_parallel.ring.rank_forward / rank_backward: the same plan, attention/segments.ring_plan,
+through the same block kernels, step by step). Only the exchange differs: instead of send_next_recv_prev over a process group, a local hand-over gives
 every virtual rank what its previous neighbour posted (rank r receives from rank r - 1, so at
 step i it holds the kv block of rank (r - i) mod cp):
 
@@ -33,8 +32,8 @@ import math
 
 import torch
 
-from megatron_sp.attention.block_kernels import backward_batch, forward_batch
 from megatron_sp.attention.segments import RingPlan, document_bounds, ring_plan
+from megatron_sp.context_parallel.ring import rank_backward, rank_forward
 from megatron_sp.context_parallel.zigzag import check_zigzag_length, zigzag_merge, zigzag_split
 
 
@@ -78,7 +77,8 @@ def _lockstep(ranks: list, exchange) -> list:
         posted, done = [None] * len(ranks), 0
         for r, rank in enumerate(ranks):
             try:
-                posted[r] = next(rank) if handles[r] is None else rank.send(handles[r])
+                sent = next(rank) if handles[r] is None else rank.send(handles[r])
+                posted[r] = sent[0]                 # (tensors, tag): the tag orders real sends
             except StopIteration as stop:
                 results[r] = stop.value
                 done += 1
@@ -89,50 +89,6 @@ def _lockstep(ranks: list, exchange) -> list:
             return results
         handles = exchange(posted)
         del posted                                  # not held past the exchange here
-
-
-# One rank: _ring_forward and _ring_backward with the exchange as a yield -----------------------
-
-def _rank_forward(q, k, v, plan: RingPlan, scale):
-    """context_parallel.ring._ring_forward of one virtual rank: (out in q's dtype, lse fp32)."""
-    cp = plan.cp
-    b, n, h, d = q.shape
-    out = torch.zeros(b, n, h, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((b, n, h), float("-inf"), dtype=torch.float32, device=q.device)
-    held = (k.contiguous(), v.contiguous())
-    for i in range(cp):
-        pending = (yield held) if i < cp - 1 else None          # the next block, posted first
-        for batch in plan.steps[i]:
-            forward_batch(q, held[0], held[1], batch, scale=scale, out=out, lse=lse)
-        if pending is not None:
-            held = pending.wait()
-    return out.to(q.dtype), lse
-
-
-def _rank_backward(q, k, v, out, dout, lse, plan: RingPlan, scale):
-    """context_parallel.ring._ring_backward of one virtual rank: (dq, dk, dv) fp32, the dk, dv
-    of the held block travelling with it."""
-    cp = plan.cp
-    f32 = torch.float32
-    dq = torch.zeros(q.shape, dtype=f32, device=q.device)
-    held = (k.contiguous(), v.contiguous())
-    grads = None
-    for i in range(cp):
-        pending = (yield held) if i < cp - 1 else None
-        dk = torch.zeros(k.shape, dtype=f32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=f32, device=v.device)
-        for batch in plan.steps[i]:
-            backward_batch(q, held[0], held[1], out, dout, lse, batch, scale=scale, dq=dq,
-                           dk=dk, dv=dv)
-        if grads is not None:                # the other ranks' share of this block so far
-            dk_in, dv_in = grads.wait()
-            dk, dv = dk + dk_in, dv + dv_in
-            del dk_in, dv_in
-        grads = yield (dk, dv)               # on around the ring / home after the last step
-        if pending is not None:
-            held = pending.wait()
-    dk, dv = grads.wait()                    # this rank's own block, complete, back home
-    return dq, dk, dv
 
 
 # The rehearsal ----------------------------------------------------------------------------------
@@ -159,7 +115,7 @@ class RingRehearsal(torch.autograd.Function):
     def forward(ctx, q, k, v, plans, scale):
         cp = len(plans)
         qs, ks, vs = _split(q, cp), _split(k, cp), _split(v, cp)
-        results = _lockstep([_rank_forward(qs[r], ks[r], vs[r], plans[r], scale)
+        results = _lockstep([rank_forward(qs[r], ks[r], vs[r], plans[r], scale)
                              for r in range(cp)], _from_previous)
         outs = [o for o, _ in results]
         lses = [lse for _, lse in results]
@@ -173,7 +129,7 @@ class RingRehearsal(torch.autograd.Function):
         q, k, v, *rest = ctx.saved_tensors
         outs, lses = rest[:cp], rest[cp:]
         qs, ks, vs, douts = _split(q, cp), _split(k, cp), _split(v, cp), _split(dout, cp)
-        results = _lockstep([_rank_backward(qs[r], ks[r], vs[r], outs[r], douts[r], lses[r],
+        results = _lockstep([rank_backward(qs[r], ks[r], vs[r], outs[r], douts[r], lses[r],
                                             plans[r], ctx.scale) for r in range(cp)],
                             _from_previous)
         dq, dk, dv = (zigzag_merge([res[i] for res in results], cp) for i in range(3))
@@ -253,8 +209,8 @@ def rehearse_rank_peak(b: int, s: int, h: int, g: int, d: int, cp: int, rank: in
 def _rank_alone(q, k, v, plan: RingPlan, scale):
     """One virtual rank's forward and backward, the other ranks' blocks and accumulators random:
     the gradients (dq, dk, dv) in q's dtype, as RingAttention.backward returns them."""
-    (out, lse), = _lockstep([_rank_forward(q, k, v, plan, scale)], _random_arrival)
+    (out, lse), = _lockstep([rank_forward(q, k, v, plan, scale)], _random_arrival)
     dout = torch.randn_like(out)                       # the gradient arriving from above
-    (dq, dk, dv), = _lockstep([_rank_backward(q, k, v, out, dout, lse, plan, scale)],
+    (dq, dk, dv), = _lockstep([rank_backward(q, k, v, out, dout, lse, plan, scale)],
                               _random_arrival)
     return tuple(t.to(q.dtype) for t in (dq, dk, dv))

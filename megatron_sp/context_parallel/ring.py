@@ -60,16 +60,19 @@ def plan_ring(document_ids, b: int, n: int, group, causal: bool) -> RingPlan:
     return ring_plan(document_bounds(document_ids), b, n * cp, cp, r, causal)
 
 
-def _ring_forward(q, k, v, plan, group, scale):
-    """(out [b, 2c, h, d] in q's dtype, lse [b, 2c, h] fp32, token-major) of this rank's
-    queries: step i merges the segments of plan.steps[i] against the held kv block."""
-    cp = group_size(group)
+def rank_forward(q, k, v, plan: RingPlan, scale):
+    """One rank's forward ring as a generator: (out [b, 2c, h, d] in q's dtype, lse [b, 2c, h]
+    fp32, token-major) of its queries, step i merging the segments of plan.steps[i] against the
+    held kv block. At every exchange it yields (tensors to send on, tag) and is sent back the
+    posted exchange (whose wait() returns what the previous rank sent): _over_group posts it with
+    send_next_recv_prev, the rehearsal (rehearsal.py) hands it over locally."""
+    cp = plan.cp
     b, n, h, d = q.shape
     out = torch.zeros(b, n, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, n, h), float("-inf"), dtype=torch.float32, device=q.device)
     held = (k.contiguous(), v.contiguous())
     for i in range(cp):
-        pending = send_next_recv_prev(held, group, KV_TAG) if i < cp - 1 else None  # next block
+        pending = (yield held, KV_TAG) if i < cp - 1 else None   # the next block, posted first
         for batch in plan.steps[i]:
             forward_batch(q, held[0], held[1], batch, scale=scale, out=out, lse=lse)
         if pending is not None:
@@ -77,15 +80,16 @@ def _ring_forward(q, k, v, plan, group, scale):
     return out.to(q.dtype), lse
 
 
-def _ring_backward(q, k, v, out, dout, lse, group, plan, scale):
-    """(dq, dk, dv) of this rank's tokens, fp32: dk, dv of the held block travel with it."""
-    cp = group_size(group)
+def rank_backward(q, k, v, out, dout, lse, plan: RingPlan, scale):
+    """One rank's backward ring as a generator (the protocol of rank_forward): (dq, dk, dv) of
+    its tokens, fp32; the dk, dv of the held block travel with it."""
+    cp = plan.cp
     f32 = torch.float32
     dq = torch.zeros(q.shape, dtype=f32, device=q.device)
     held = (k.contiguous(), v.contiguous())
     grads = None                           # the exchange bringing the next block's dk, dv
     for i in range(cp):
-        pending = send_next_recv_prev(held, group, KV_TAG) if i < cp - 1 else None
+        pending = (yield held, KV_TAG) if i < cp - 1 else None
         dk = torch.zeros(k.shape, dtype=f32, device=k.device)
         dv = torch.zeros(v.shape, dtype=f32, device=v.device)
         for batch in plan.steps[i]:
@@ -95,11 +99,22 @@ def _ring_backward(q, k, v, out, dout, lse, group, plan, scale):
             dk_in, dv_in = grads.wait()
             dk, dv = dk + dk_in, dv + dv_in
             del dk_in, dv_in               # not held into the next step (one fp32 pair fewer)
-        grads = send_next_recv_prev((dk, dv), group, GRAD_TAG)   # on around the ring / home
+        grads = yield (dk, dv), GRAD_TAG   # on around the ring / home after the last step
         if pending is not None:
             held = pending.wait()
     dk, dv = grads.wait()                  # this rank's own block, complete, back home
     return dq, dk, dv
+
+
+def _over_group(rank, group):
+    """Run a rank_forward / rank_backward generator over the ring of `group`: every exchange it
+    yields is posted with send_next_recv_prev (the transfer overlaps the next block's work)."""
+    try:
+        tensors, tag = next(rank)
+        while True:
+            tensors, tag = rank.send(send_next_recv_prev(tensors, group, tag))
+    except StopIteration as done:
+        return done.value
 
 
 class RingAttention(torch.autograd.Function):
@@ -107,7 +122,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan, group, scale):
-        out, lse = _ring_forward(q, k, v, plan, group, scale)
+        out, lse = _over_group(rank_forward(q, k, v, plan, scale), group)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.plan, ctx.scale = group, plan, scale
         return out
@@ -115,8 +130,8 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(q, k, v, out, dout.contiguous(), lse, ctx.group,
-                                    ctx.plan, ctx.scale)
+        dq, dk, dv = _over_group(rank_backward(q, k, v, out, dout.contiguous(), lse, ctx.plan,
+                                               ctx.scale), ctx.group)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_sp.attention.documents import document_causal_mask
-from megatron_sp.context_parallel import rehearsal
+from megatron_sp.context_parallel import rehearsal, ring
 from megatron_sp.context_parallel.rehearsal import (rehearsal_plans, rehearse_rank_peak,
                                                     ring_rehearsal)
 from megatron_sp.mesh import LayoutError
@@ -111,7 +111,7 @@ def test_rehearsal_runs_the_ring_plan_and_block_kernels(monkeypatch, seed):
     ids = (torch.rand(b, s, generator=gen) < 0.15).long().cumsum(1)
     plans = rehearsal_plans(ids, b, s, cp, True)
     calls = {"forward": [], "backward": []}
-    real_forward, real_backward = rehearsal.forward_batch, rehearsal.backward_batch
+    real_forward, real_backward = ring.forward_batch, ring.backward_batch
 
     def forward(q_, k_, v_, batch, **kw):
         calls["forward"].append((id(batch), k_))
@@ -121,8 +121,8 @@ def test_rehearsal_runs_the_ring_plan_and_block_kernels(monkeypatch, seed):
         calls["backward"].append((id(args[3]), k_))
         return real_backward(q_, k_, v_, *args, **kw)
 
-    monkeypatch.setattr(rehearsal, "forward_batch", forward)
-    monkeypatch.setattr(rehearsal, "backward_batch", backward)
+    monkeypatch.setattr(ring, "forward_batch", forward)
+    monkeypatch.setattr(ring, "backward_batch", backward)
     import torch.distributed as dist
 
     def no_distributed(*a, **kw):
