@@ -190,3 +190,26 @@ class FaultInjection:
                   f"{'in the evaluation after' if evaluating else 'at'} iteration {iteration} "
                   f"(t={time.time():.3f})", file=sys.stderr, flush=True)
             os.kill(os.getpid(), self.signal)
+
+
+def packed_document_ids(kind: str, gen: torch.Generator, b: int, s: int, rate: float = 0.1,
+                        device=None):
+    """[b, s] int64 document ids of one kind, for the attention tests (None for "none"):
+    "one-token" (a run of one-token documents, then one long one), "whole-row" (one document per
+    row, spanning every rank's chunks), "hundreds" (~3-token documents), "random" (a document
+    starts at each token with probability `rate`; the last row differs from the others)."""
+    if kind == "none":
+        return None
+    if kind == "one-token":
+        ids = torch.arange(s).expand(b, s).clone()
+        ids[:, s // 2:] = s
+    elif kind == "whole-row":
+        ids = torch.full((b, s), 3)
+    elif kind == "hundreds":
+        ids = (torch.rand(b, s, generator=gen) < 0.3).long().cumsum(1)
+    elif kind == "random":
+        ids = (torch.rand(b, s, generator=gen) < rate).long().cumsum(1)
+        ids[-1, : s // 3] = -1
+    else:
+        raise ValueError(f"unknown kind of documents {kind!r}.")
+    return ids.to(device)

@@ -60,14 +60,6 @@ def _close(got, want, tol, what):
     assert err <= tol, f"{what}: max error {err:.3g} > {tol}"
 
 
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
-
-
 def test_flex_and_blockwise_gradients_match_the_reference():
     """Documents and a sliding window together (each flex mask compiles its kernels: one case)."""
     window = 300

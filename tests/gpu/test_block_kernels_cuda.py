@@ -24,28 +24,13 @@ from megatron_sp.attention import block_kernels  # noqa: E402
 from megatron_sp.attention.segments import SegmentBatch, document_bounds, ring_plan  # noqa: E402
 from megatron_sp.context_parallel.rehearsal import ring_rehearsal  # noqa: E402
 from megatron_sp.context_parallel.zigzag import zigzag_split  # noqa: E402
+from megatron_sp.testing import packed_document_ids  # noqa: E402
 
 TOL = {"flash": (torch.bfloat16, 3e-2, 3e-2), "efficient": (torch.float32, 1e-4, 1e-3)}
 
 
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
-
-
 def _documents(kind, gen, b, s):
-    if kind == "none":
-        return None
-    if kind == "one-token":
-        ids = torch.arange(s).expand(b, s).clone()
-        ids[:, s // 2:] = s                           # one-token documents, then a long one
-        return ids
-    ids = (torch.rand(b, s, generator=gen) < 0.02).long().cumsum(1)
-    ids[-1, : s // 3] = -1                            # rows differ
-    return ids
+    return packed_document_ids(kind, gen, b, s, rate=0.02)
 
 
 def _rank_steps(q, k, v, plan, kernel, dtype, cp, rank):

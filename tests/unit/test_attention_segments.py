@@ -25,6 +25,7 @@ from megatron_sp.attention.segments import (document_bounds, range_segments, ran
                                             ring_plan, zigzag_ranges)
 from megatron_sp.context_parallel import zigzag_positions
 from megatron_sp.errors import ConfigError
+from megatron_sp.testing import packed_document_ids
 
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
 
@@ -44,19 +45,7 @@ def test_range_segments_are_one_rectangle_or_causal_squares():
 
 
 def _documents(kind, gen, b, s):
-    if kind == "none":
-        return None
-    if kind == "one-token":
-        ids = torch.arange(s).expand(b, s).clone()
-        ids[:, s // 2:] = s                             # one-token documents, then a long one
-        return ids
-    if kind == "whole-row":
-        return torch.full((b, s), 3)
-    if kind == "hundreds":                              # ~3-token documents
-        return (torch.rand(b, s, generator=gen) < 0.3).long().cumsum(1)
-    ids = (torch.rand(b, s, generator=gen) < 0.1).long().cumsum(1)
-    ids[1:, : s // 3] = -1                              # rows differ
-    return ids
+    return packed_document_ids(kind, gen, b, s)
 
 
 def _cover(batches, b, q_pos, k_pos):
