@@ -207,9 +207,10 @@ def _train_layout(rank, groups, family, layout, seed, inner="sdpa"):
 
 
 PACKED = [[5, 14, 9, 4], [17, 15]]     # documents of the two rows, crossing the sp chunks
+SHORT = [[1] * 8 + [2] * 4 + [16], [32]]  # one-token documents; one spanning every rank's chunk
 
 
-def _packed(rank, groups, family, layout, seed, inner="sdpa"):
+def _packed(rank, groups, family, layout, seed, inner="sdpa", packed=PACKED):
     """Packed documents: one step, loss and gradients against the per-document reference."""
     from megatron_sp.hf import loss, shard_batch
     sp_key, dp_key, n_avg = LAYOUTS[layout]
@@ -218,7 +219,7 @@ def _packed(rank, groups, family, layout, seed, inner="sdpa"):
     sequence_parallel(model, sp_group)
     gen = torch.Generator().manual_seed(seed)
     rows = 2 if dp_key is None else 4
-    lengths = PACKED * (rows // 2)
+    lengths = packed * (rows // 2)
     batch = random_batch(gen, rows, SEQ)
     batch["position_ids"] = packed_positions(lengths)
     ref_loss = reference_packed(ref, batch, lengths)
@@ -366,6 +367,8 @@ def _rank_main(rank, world, seed):
     results[("mistral", "packed dp2 x sp2 blockwise")] = _packed(rank, groups, "mistral",
                                                                  "dp2 x sp2", seed)
     backends.MASK_TOKENS = 4096
+    results[("llama", "packed sp4 one-token and whole-row documents")] = _packed(
+        rank, groups, "llama", "sp4", seed, packed=SHORT)
     # the flash_attention_2 path (cu_seq_lens varlen kwargs) with a stand-in kernel
     from transformers import AttentionInterface
     AttentionInterface._global_mapping["flash_attention_2"], real = (
