@@ -64,10 +64,13 @@ class UserError(Exception):
     """A mistake the user can fix; the message is one sentence: what, where, what to do.
 
     `same_on_every_rank`: every rank finds it at the same point (flags, shared files), so rank 0
-    alone reports it before the ranks can compare notes. `consequence`: caused by another rank's
+    alone reports it before the ranks can compare notes. `found_together`: every rank decides it
+    from the same reduced values (a non-finite global loss), so the first to post says it
+    without waiting for agreement (a loaded rank seconds behind does not make it "rank N: ..."). `consequence`: caused by another rank's
     failure (quiet when that rank reported its own error).
     """
     same_on_every_rank = True
+    found_together = False
     consequence = False
 
 
@@ -90,7 +93,10 @@ class UsageError(ConfigError):
 
 
 class NonFiniteLossError(UserError, RuntimeError):
-    """The loss or gradient norm was NaN/inf and --nonfinite-loss is stop (or too many skips)."""
+    """The loss or gradient norm was NaN/inf and --nonfinite-loss is stop (or too many skips):
+    decided from the loss and norm reduced over every rank, so found by all together."""
+
+    found_together = True
 
 
 class CollectiveFailure(UserError, RuntimeError):
@@ -253,6 +259,8 @@ class Notes:
         if self._count(f"claims/{slot}", 1) > 1:     # another rank says it: stay until it has
             _wait(lambda: self._said(slot), 2 * GRACE_S)
             return None, slot
+        if error.same_on_every_rank and error.found_together:
+            return message, slot                     # every rank found it: no need to compare
         if error.same_on_every_rank:                 # does another rank find the same?
             _wait(lambda: self._count(f"claims/{slot}") > 1 or self._count("causes") >= self.world)
             if self._count(f"claims/{slot}") > 1:

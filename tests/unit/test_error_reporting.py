@@ -107,6 +107,18 @@ def test_a_sentence_no_other_rank_finds_carries_its_rank():
     assert out == {0: "rank 0: mine.", 1: "rank 1: yours."}   # both posted: no wait
 
 
+def test_an_error_found_together_is_said_at_once_without_a_rank():
+    """A non-finite global loss is decided from values reduced over every rank: the first rank to
+    post says it at once and unprefixed, even when the others are slow (loaded) to post theirs;
+    a late rank then stays quiet."""
+    from megatron_sp.errors import NonFiniteLossError
+    store = FakeStore()
+    t0 = time.monotonic()
+    assert line_of(NonFiniteLossError("iteration 2: nan."), 1, 2, store) == "iteration 2: nan."
+    assert time.monotonic() - t0 < errors.GRACE_S                  # no wait for agreement
+    assert line_of(NonFiniteLossError("iteration 2: nan."), 0, 2, store) is None
+
+
 def test_consequences_are_quiet_after_a_cause_and_said_once_otherwise():
     store = FakeStore()
     assert line_of(ConfigError("rank 1's data file is bad."), 1, 2, store)
