@@ -5,7 +5,8 @@ Every rank draws the same full q, k, v (same seed), zigzag-splits them, runs rin
 gathers every rank's output and gradients over its ring; zigzag-merged, they must equal full
 causal attention (SDPA, fp32) on one rank: forward 1e-5, gradients 1e-4. MHA and GQA with 2 kv
 heads (cp = 4 > 2 kv heads), causal and not, and packed documents (the reference then has a
-block-diagonal causal mask; one-token documents and a document spanning a whole row included).
+block-diagonal causal mask; one-token documents, a document spanning a whole row, and a 512-token
+row of ~3-token documents, hundreds of them, at cp 4 and 2).
 The bytes the ring sends are checked exactly: forward 2 (cp-1) x (kv elements per rank) x element
 size; backward (cp-1) kv blocks plus cp fp32 dk, dv blocks; with documents too (the segments are
 planned from the full rows' ids every rank has: nothing but the kv blocks travels).
@@ -18,11 +19,12 @@ import torch.nn.functional as F
 from megatron_sp import comm_stats
 from megatron_sp.attention.documents import document_causal_mask
 from megatron_sp.context_parallel import COMM_KIND, ring_attention, zigzag_merge, zigzag_split
-from megatron_sp.testing import run_distributed
+from megatron_sp.testing import packed_document_ids, run_distributed
 
 WORLD = 4
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
 B, S, D = 2, 32, 8
+S_LONG = 512                                                        # hundreds of documents
 CASES = [(4, 4, True, False), (4, 2, True, False), (4, 1, True, False), (2, 2, False, False),
          (4, 2, True, True), (2, 1, False, True)]                   # (h, g, causal, documents)
 
@@ -65,11 +67,15 @@ def _gather_merge(t, group, cp):
     return zigzag_merge(parts, cp)
 
 
-def _check_case(rank, group, cp, h, g, causal, documents, seed):
+def _check_case(rank, group, cp, h, g, causal, documents, seed, s=S):
     r = dist.get_rank(group)
     gen = torch.Generator().manual_seed(seed + 100 * h + 10 * g + causal)
-    q, k, v, dout = (torch.randn(B, S, n, D, generator=gen) for n in (h, g, g, h))
-    docs = _documents(gen) if documents else None
+    q, k, v, dout = (torch.randn(B, s, n, D, generator=gen) for n in (h, g, g, h))
+    docs = None
+    if documents == "hundreds":     # ~3-token documents, dozens in every rank's chunks
+        docs = packed_document_ids("hundreds", gen, B, s)
+    elif documents:
+        docs = _documents(gen)
     want = _reference(q, k, v, dout, causal, docs)
     mine = [zigzag_split(t, cp, r).requires_grad_() for t in (q, k, v)]
     comm_stats.reset()
@@ -101,6 +107,8 @@ def _ring_checks(rank, world, seed):
         for h, g, causal, documents in CASES:
             results[(cp, h, g, causal, documents)] = _check_case(rank, rings[cp], cp, h, g, causal,
                                                                  documents, seed)
+        results[(cp, 4, 2, True, "hundreds")] = _check_case(rank, rings[cp], cp, 4, 2, True,
+                                                            "hundreds", seed, s=S_LONG)
     return results
 
 
@@ -108,6 +116,6 @@ def _ring_checks(rank, world, seed):
 def test_ring_attention_matches_full_attention(seed):
     results = run_distributed(_ring_checks, WORLD, seed)
     for rank_result in results:
-        assert len(rank_result) == 2 * len(CASES)
+        assert len(rank_result) == 2 * (len(CASES) + 1)
         for case, errors in rank_result.items():
             assert errors["out"] <= FWD_TOL and max(errors.values()) <= GRAD_TOL, (case, errors)
