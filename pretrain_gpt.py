@@ -238,6 +238,38 @@ def check_model_fits(job: JobConfig, config: GPTConfig, tokenizer, mesh) -> None
                           f"or --cp-comm-type a2a.")
     if mesh.cp_size > 1 and _ring_is_transformer_engine(job):
         check_te_context_parallel(job, config, mesh)
+    elif torch.cuda.is_available() and (mesh.cp_size > 1 or _documents_run_blockwise(job)):
+        problem = block_kernel_problem(config, mesh)
+        if problem:
+            raise ConfigError(problem)
+
+
+def _documents_run_blockwise(job: JobConfig) -> bool:
+    """Packed documents through SDPA's blockwise attention (the block kernels): SDPA asked for,
+    or auto where neither Transformer Engine nor flash-attn is installed (they take cu_seqlens)."""
+    import importlib.util
+    from megatron_sp.training import fp8
+    backend = fp8.attention_backend(job.model)
+    fused = any(importlib.util.find_spec(m) is not None for m in ("transformer_engine",
+                                                                   "flash_attn"))
+    return job.data.reset_attention_mask and (backend == "sdpa" or (backend == "auto"
+                                                                     and not fused))
+
+
+def block_kernel_problem(config, mesh) -> str | None:
+    """Why the fused block kernels (the ring's, and blockwise attention's for packed documents;
+    megatron_sp/attention/block_kernels.py) cannot take this run on CUDA, in one sentence: a head
+    size FlashAttention-2 and the memory-efficient kernel refuse (not a multiple of 8); None when
+    they can."""
+    d = config.kv_channels
+    where = (f"ring attention (--context-parallel-size {mesh.cp_size})" if mesh.cp_size > 1
+             else "packed documents (--reset-attention-mask)")
+    if d % 8:
+        return (f"{where} runs the fused block kernels (FlashAttention-2 varlen, the "
+                f"memory-efficient kernel), which need a head size that is a multiple of 8, got "
+                f"{d}: use --kv-channels {8 * math.ceil(d / 8)}"
+                + ("." if mesh.cp_size > 1 else ", or --attention-backend te / flash-attn."))
+    return None
 
 
 def _ring_is_transformer_engine(job: JobConfig) -> bool:
