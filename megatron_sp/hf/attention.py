@@ -1,4 +1,4 @@
-"""Ulysses around the attention function a transformers model was loaded with (design.md §4, §15).
+"""Ulysses (x ring) around the attention function a transformers model was loaded with (§4, §15).
 
 transformers routes every attention layer of llama / mistral / qwen2 / qwen3 / gpt2 through
 `ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, query, key, value, attention_mask,
@@ -26,7 +26,25 @@ the mask itself from the whole sequence's position_ids (all-gathered once per st
 A padding attention_mask is not used by the attention under sp > 1: shard_batch gives padding
 tokens position 0 (each its own document), which makes the same mask.
 
-sp_group None or of size 1: the model is checked and returned unchanged (its own attention).
+Past the head count, `sequence_parallel(model, sp_group, cp_group)` adds a ring of cp ranks
+(Megatron-LM's a2a+p2p, megatron_sp.context_parallel): shard_batch gives each rank its tokens of
+the hybrid zigzag layout, and every layer runs the Megatron side's own composition,
+
+    q, k, v [b, heads, n, d] -> [b, n, heads, d]     (n = s/(sp cp) tokens of this rank)
+    UlyssesAttention(RingLocalAttention(cp_group), sp_group):
+        seq->head all-to-all over sp                 [b, s/cp, heads/sp, d]
+        ring attention over cp (fused block kernels, fp32 lse merge), against the whole sequence
+        head->seq all-to-all over sp                 [b, n, h, d]
+
+so an HF model trains one sequence on more ranks than it has heads (cp alone needs no head
+rule). Packed documents are the FULL rows' document ids (the positions gathered over sp and cp
+once per step, put back in sequence order), planned by the ring as segments (attention/segments.py):
+no [chunk, chunk] mask. The ring computes its attention itself (not the loaded sdpa /
+flash_attention_2 function), refuses attention dropout and sliding windows shorter than the
+sequence, as the Megatron side does.
+
+sp_group and cp_group None or of size 1: the model is checked and returned unchanged (its own
+attention).
 """
 from __future__ import annotations
 
@@ -36,10 +54,11 @@ import torch
 
 from megatron_sp.attention.backends import SDPAAttention
 from megatron_sp.attention.documents import cu_seqlens_from_document_ids
+from megatron_sp.context_parallel.attention import RingLocalAttention
 from megatron_sp.hf.batch import SequenceParallelError, document_ids, has_documents
-from megatron_sp.hf.comm import gather_sequence
+from megatron_sp.hf.comm import gather_context
 from megatron_sp.mesh import group_size, head_layout_problem
-from megatron_sp.ulysses.attention import expand_kv_heads
+from megatron_sp.ulysses.attention import UlyssesAttention, expand_kv_heads
 from megatron_sp.ulysses.comm import head_to_seq_all_to_all, seq_to_head_qkv_all_to_all
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
@@ -49,14 +68,16 @@ _STATE = "_megatron_sp_ulysses"          # the attribute each attention module c
 
 
 class _Documents:
-    """The whole sequence's document ids, from the local position_ids chunk every layer passes:
-    all-gathered once per step (the same tensor object reaches every layer; keyed on it and its
-    version, like megatron_sp.attention.backends' cu_seqlens cache)."""
+    """The whole sequence's document ids, from the local position_ids every layer passes:
+    all-gathered over sp (and cp, put back in sequence order) once per step (the same tensor
+    object reaches every layer; keyed on it and its version, like megatron_sp.attention.backends'
+    cu_seqlens cache). `seen`: whether any step so far had documents (the trainers' start-up line)."""
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, sp_group, cp_group=None):
+        self.sp_group, self.cp_group = sp_group, cp_group
         self._key = None
         self._value = None
+        self.seen = None
 
     def __call__(self, position_ids, batch: int):
         """(global position_ids [b, s], document ids [b, s] or None when no row restarts)."""
@@ -64,20 +85,35 @@ class _Documents:
             return None, None
         key = (position_ids, position_ids._version)
         if self._key is None or self._key[0] is not key[0] or self._key[1] != key[1]:
-            full = gather_sequence(position_ids.expand(batch, -1), self.group)    # [b, s]
+            local = position_ids.expand(batch, -1)                               # [b, n]
+            full = gather_context(local, self.sp_group, self.cp_group)          # [b, s]
             self._key = key
             self._value = (full, document_ids(full) if has_documents(full) else None)
+            self.seen = bool(self.seen) or self._value[1] is not None
         return self._value
 
 
 class _State:
-    def __init__(self, group, inner: str):
+    def __init__(self, group, inner: str, cp_group=None):
         self.group = group
         self.sp = group_size(group)
+        self.cp_group = cp_group
+        self.cp = group_size(cp_group)
         self.inner = inner
         self.inner_fn = _original(inner)       # the function the model was loaded with
-        self.documents = _Documents(group)
+        self.documents = _Documents(group, cp_group)
         self.sdpa = SDPAAttention()
+        # under a ring: the Megatron side's composition (context_parallel/hybrid.py)
+        self.ring = (UlyssesAttention(RingLocalAttention(cp_group), group) if self.cp > 1
+                     else None)
+
+    def describe(self) -> str:
+        """What each attention layer runs, for the trainers' start-up line."""
+        if self.ring is not None:
+            ulysses = f"Ulysses over sp {self.sp} around " if self.sp > 1 else ""
+            return (f"{ulysses}ring attention over cp {self.cp} (megatron_sp's block kernels; "
+                    f"the model's {self.inner} is not called)")
+        return f"Ulysses over sp {self.sp} around the model's {self.inner}"
 
 
 class _InnerView:
@@ -122,6 +158,8 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout: float 
     """The registered attention function (signature of transformers' attention interface):
     query [b, h, s/sp, d], key/value [b, g, s/sp, d] -> (out [b, s/sp, h, d], None)."""
     state: _State = getattr(module, _STATE)
+    if state.ring is not None:
+        return _ring_attention(state, query, key, value, dropout, scaling, kwargs)
     sp, group = state.sp, state.group
     b = query.shape[0]
     # [b, heads, s/sp, d] -> [b, s/sp, heads, d] views
@@ -146,6 +184,22 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout: float 
             view, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),   # [b, heads, s, d]
             None, dropout=dropout, scaling=scaling, **kwargs)    # -> [b, s, h/sp, d]
     return head_to_seq_all_to_all(out.contiguous(), group), None  # [b, s/sp, h, d]
+
+
+def _ring_attention(state: "_State", query, key, value, dropout, scaling, kwargs):
+    """Under a ring: query [b, h, n, d], key/value [b, g, n, d] of this rank's n hybrid-layout
+    tokens -> (out [b, n, h, d], None), attended against the whole sequence."""
+    if dropout:
+        raise SequenceParallelError(
+            f"megatron_sp.hf: attention dropout ({dropout}) is not implemented under ring context "
+            f"parallelism; set the config's attention_dropout to 0 or use cp_size 1.")
+    b, n = query.shape[0], query.shape[2]
+    _check_window(kwargs, n * state.sp * state.cp)
+    _, documents = state.documents(kwargs.get("position_ids"), b)     # full rows [b, s] or None
+    # [b, heads, n, d] -> [b, n, heads, d] views
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    out = state.ring(q, k, v, softmax_scale=scaling, document_ids=documents)   # [b, n, h, d]
+    return out, None
 
 
 def _heads(config) -> tuple[int, int]:
@@ -179,14 +233,33 @@ def _refusal(config, sp: int) -> str | None:
     return None
 
 
+def _ring_refusal(config, cp: int) -> str | None:
+    dropout = getattr(config, "attention_dropout", 0.0) or getattr(config, "attn_pdrop", 0.0)
+    if dropout:
+        return (f"megatron_sp.hf.sequence_parallel (cp = {cp}): ring attention has no attention "
+                f"dropout, but the config's is {dropout}; set attention_dropout=0 (or attn_pdrop "
+                f"for gpt2) or use cp_size 1.")
+    return None
+
+
+def layout_of(model) -> "_State | None":
+    """The sequence-parallel state sequence_parallel gave `model` (None if it was not wrapped)."""
+    for module in model.modules():
+        state = getattr(module, _STATE, None)
+        if state is not None:
+            return state
+    return None
+
+
 def _register(name: str) -> None:
     from transformers import AttentionInterface
     if AttentionInterface._global_mapping.get(name) is not ulysses_attention:
         AttentionInterface.register(name, ulysses_attention)
 
 
-def sequence_parallel(model, sp_group):
-    """Make a transformers causal LM sequence-parallel (DeepSpeed-Ulysses) over `sp_group`.
+def sequence_parallel(model, sp_group, cp_group=None):
+    """Make a transformers causal LM sequence-parallel (DeepSpeed-Ulysses) over `sp_group`, and
+    over a ring of `cp_group` ranks past it (context parallelism; module docstring).
 
     The model's attention layers (config._attn_implementation sdpa or flash_attention_2) then
     expect this rank's sequence chunk from megatron_sp.hf.shard_batch (input_ids, global
@@ -194,20 +267,21 @@ def sequence_parallel(model, sp_group):
     docstring). Query heads must be divisible by sp; key/value heads g either divisible by sp or
     dividing it (then each is replicated sp/g times, its gradient summed back). Refuses
     (SequenceParallelError, one sentence) an unknown model family, eager or another attention
-    implementation, and heads sp cannot split. Returns the model (changed in place). With
-    sp_group None or of size 1 the checks run and the model is returned unchanged.
+    implementation, heads sp cannot split, and attention dropout under a ring. Returns the model
+    (changed in place). With both groups None or of size 1 the checks run and the model is
+    returned unchanged.
     """
     config = model.config
-    sp = group_size(sp_group)
-    problem = _refusal(config, sp)
+    sp, cp = group_size(sp_group), group_size(cp_group)
+    problem = _refusal(config, sp) or (_ring_refusal(config, cp) if cp > 1 else None)
     if problem:
         raise SequenceParallelError(problem)
-    if sp == 1:
+    if sp * cp == 1:
         return model
     inner = config._attn_implementation
     name = PREFIX + inner
     _register(name)
-    state = _State(sp_group, inner)
+    state = _State(sp_group, inner, cp_group)
     for module in model.modules():               # the attention layers (their config is shared)
         if getattr(module, "config", None) is config and hasattr(module, "is_causal"):
             object.__setattr__(module, _STATE, state)

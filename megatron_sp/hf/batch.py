@@ -1,30 +1,41 @@
-"""A Hugging Face causal-LM batch cut into Ulysses sequence chunks (docs/design.md §15).
+"""A Hugging Face causal-LM batch cut into Ulysses (x ring) sequence chunks (docs/design.md §15).
 
-    shard_batch(batch, sp_group)    the batch every sp rank holds -> this rank's chunk
+    shard_batch(batch, sp_group)             the batch every sp rank holds -> this rank's chunk
+    shard_batch(batch, sp_group, cp_group)   ... of the Ulysses x ring layout (sp x cp ranks)
 
-Order of work, all on the FULL sequence before any cut (every sp rank holds the same full batch):
+Order of work, all on the FULL sequence before any cut (every rank of the context holds the same
+full batch):
 1. labels shifted over the whole sequence: shift_labels[:, i] = labels[:, i+1], -100 at the end
    of every row, at every packed document's last token (documents start where position_ids are
    0), and where attention_mask marks position i or i+1 as padding;
 2. position_ids made when absent: global positions 0..s-1 (a padding attention_mask: the
    positions count the real tokens, cumsum(mask) - 1, and every padding token gets position 0,
    a one-token document of its own, so that no real token attends to it even with left padding);
-3. a length that sp does not divide is padded at the end (pad=True) with pad_token_id tokens
-   (0 when None), shift_labels -100 (the loss ignores them), attention_mask 0, positions
-   continuing the row (causal attention: no real token attends to a later pad), or refused
-   (pad=False);
-4. rank r of sp keeps its contiguous chunk [r*s/sp, (r+1)*s/sp) of input_ids, shift_labels,
-   position_ids and attention_mask (when given).
+3. a length that the layout does not divide (sp, or 2 sp cp under a ring: its zigzag chunks) is
+   padded at the end (pad=True) with pad_token_id tokens (0 when None), shift_labels -100 (the
+   loss ignores them), attention_mask 0, positions continuing the row (causal attention: no real
+   token attends to a later pad), or refused (pad=False);
+4. the cut. Without a ring (cp = 1), rank r of sp keeps its contiguous chunk [r*s/sp,
+   (r+1)*s/sp). Under a ring of cp ranks (megatron_sp.context_parallel.hybrid, Megatron's
+   a2a+p2p): the sequence is cut into 2 cp zigzag chunks, ring rank j owns chunks j and
+   2cp-1-j (s/cp tokens, in that order) and splits them contiguously over its sp ranks:
+
+       s = 16, sp 2 x cp 2: zigzag chunks 0-3 | 4-7 | 8-11 | 12-15 (ring rank 0 1 1 0)
+       sp rank 0, cp rank 0: 0 1 2 3      sp rank 1, cp rank 0: 12 13 14 15
+       sp rank 0, cp rank 1: 4 5 6 7      sp rank 1, cp rank 1:  8  9 10 11
+
+   input_ids, shift_labels, position_ids (the GLOBAL positions of the kept tokens: RoPE and the
+   document starts follow) and attention_mask are cut alike.
 
 `labels` is never returned, so that a model's built-in loss (which would average per rank, the
 sp-size over-scaling bug) cannot be used by mistake: use megatron_sp.hf.loss. Other keys of the
 batch are dropped. Steps 1-4 are pure (rank, size) arithmetic (`shard_for_rank`), unit-tested
 without processes.
 
-That every sp rank holds the same full batch is checked (same_batch=True): a checksum of the
-batch's tensors (`batch_checksum`, O(tokens) integer arithmetic) compared over the sp group in
-one all-reduce of two int64 (megatron_sp.hf.comm.same_over_group). Different batches (a sampler
-sharded over the world instead of dp) would train on nonsense chunks without an error.
+That every rank of the context holds the same full batch is checked (same_batch=True): a checksum
+of the batch's tensors (`batch_checksum`, O(tokens) integer arithmetic) compared over sp and cp in
+one all-reduce of two int64 per group (megatron_sp.hf.comm.same_over_group). Different batches (a
+sampler sharded over the world instead of dp) would train on nonsense chunks without an error.
 """
 from __future__ import annotations
 
@@ -108,9 +119,17 @@ def _check(batch: dict) -> tuple[int, int]:
     return b, s
 
 
-def prepare_full(batch: dict, sp: int, *, pad_token_id=None, pad: bool = True) -> dict:
+def layout_multiple(sp: int, cp: int = 1) -> int:
+    """What the sequence length must be a multiple of: sp chunks, or 2 cp zigzag chunks each cut
+    over sp under a ring."""
+    return sp if cp == 1 else 2 * sp * cp
+
+
+def prepare_full(batch: dict, sp: int, *, pad_token_id=None, pad: bool = True,
+                 cp: int = 1) -> dict:
     """Steps 1-3 of the module docstring on the full batch: input_ids, shift_labels,
-    position_ids (and attention_mask when given), each [b, s'] with s' a multiple of sp."""
+    position_ids (and attention_mask when given), each [b, s'] with s' a multiple of
+    layout_multiple(sp, cp)."""
     b, s = _check(batch)
     ids = batch["input_ids"]
     mask = batch.get("attention_mask")
@@ -123,14 +142,16 @@ def prepare_full(batch: dict, sp: int, *, pad_token_id=None, pad: bool = True) -
     full = {"input_ids": ids, "shift_labels": targets, "position_ids": pos}
     if mask is not None:
         full["attention_mask"] = mask
-    extra = (-s) % sp
+    multiple = layout_multiple(sp, cp)
+    extra = (-s) % multiple
     if extra == 0:
         return full
     if not pad:
+        what = f"sp = {sp}" if cp == 1 else f"2*sp*cp = 2*{sp}*{cp} (the ring's zigzag chunks)"
         raise SequenceParallelError(
-            f"shard_batch: sequence length {s} is not divisible by sp = {sp} and pad=False; "
+            f"shard_batch: sequence length {s} is not divisible by {what} and pad=False; "
             f"pass pad=True (pads {extra} ignored tokens at the end) or make the collator pad to "
-            f"a multiple of {sp} (pad_to_multiple_of={sp}).")
+            f"a multiple of {multiple} (pad_to_multiple_of={multiple}).")
     return _pad_end(full, extra, 0 if pad_token_id is None else pad_token_id)
 
 
@@ -152,17 +173,38 @@ def _pad_end(full: dict, extra: int, pad_token_id: int) -> dict:
     return out
 
 
-def take_chunk(full: dict, rank: int, sp: int) -> dict:
-    """Rank `rank`'s contiguous chunk [r*s/sp, (r+1)*s/sp) of every [b, s] field."""
+def take_chunk(full: dict, rank: int, sp: int, cp: int = 1, cp_rank: int = 0) -> dict:
+    """This rank's tokens of every [b, s] field: sp rank `rank`'s contiguous chunk [r*s/sp,
+    (r+1)*s/sp) when cp = 1; under a ring, the hybrid layout's tokens of (sp rank, cp rank)."""
     s = full["input_ids"].shape[1]
-    chunk = s // sp
-    cut = slice(rank * chunk, (rank + 1) * chunk)
-    return {key: full[key][:, cut].contiguous() for key in KEYS if key in full}  # [b, s/sp]
+    if cp == 1:
+        chunk = s // sp
+        cut = slice(rank * chunk, (rank + 1) * chunk)
+        return {key: full[key][:, cut].contiguous() for key in KEYS if key in full}  # [b, s/sp]
+    from megatron_sp.context_parallel.hybrid import hybrid_positions
+    index = hybrid_positions(s, sp, cp, rank, cp_rank, device=full["input_ids"].device)   # [n]
+    return {key: full[key].index_select(1, index) for key in KEYS if key in full}  # [b, s/(sp cp)]
 
 
-def shard_for_rank(batch: dict, rank: int, sp: int, *, pad_token_id=None, pad: bool = True) -> dict:
-    """shard_batch as pure arithmetic: rank `rank` of `sp` (no process group)."""
-    return take_chunk(prepare_full(batch, sp, pad_token_id=pad_token_id, pad=pad), rank, sp)
+def shard_for_rank(batch: dict, rank: int, sp: int, *, pad_token_id=None, pad: bool = True,
+                   cp: int = 1, cp_rank: int = 0) -> dict:
+    """shard_batch as pure arithmetic: sp rank `rank` of `sp` (and ring rank cp_rank of cp), no
+    process group."""
+    full = prepare_full(batch, sp, pad_token_id=pad_token_id, pad=pad, cp=cp)
+    return take_chunk(full, rank, sp, cp, cp_rank)
+
+
+def count_targets(shard_or_full: dict, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Unmasked targets (shift_labels != ignore_index) of a prepared batch or shard: float32."""
+    return (shard_or_full["shift_labels"] != ignore_index).sum().to(torch.float32)
+
+
+def prepare_shard(batch: dict, sp: int, rank: int, *, cp: int = 1, cp_rank: int = 0,
+                  pad_token_id=None, pad: bool = True) -> tuple[dict, torch.Tensor]:
+    """(this rank's shard, the unmasked targets of the WHOLE batch): the batch prepared once (the
+    Trainer counts the step's targets and shards each micro-batch from the same preparation)."""
+    full = prepare_full(batch, sp, pad_token_id=pad_token_id, pad=pad, cp=cp)
+    return take_chunk(full, rank, sp, cp, cp_rank), count_targets(full)
 
 
 def batch_checksum(batch: dict) -> torch.Tensor:
@@ -183,26 +225,37 @@ def batch_checksum(batch: dict) -> torch.Tensor:
     return total
 
 
-def shard_batch(batch: dict, sp_group, *, pad_token_id=None, pad: bool = True,
+def shard_batch(batch: dict, sp_group, cp_group=None, *, pad_token_id=None, pad: bool = True,
                 same_batch: bool = True) -> dict:
-    """This sp rank's chunk of a causal-LM batch (the module docstring says exactly what).
+    """This rank's chunk of a causal-LM batch (the module docstring says exactly what).
 
     batch: input_ids [b, s] and labels [b, s] (HF convention: unshifted, -100 ignored; or
     shift_labels already shifted), optional position_ids ([b, s] or [1, s]; restarting at 0 per
     packed document) and attention_mask [b, s] (1 real, 0 padding). Every sp rank passes the same
-    full batch. Returns input_ids, shift_labels, position_ids and attention_mask (when given), each
-    [b, s/sp] (s rounded up to a multiple of sp when pad=True), and never `labels`: give the
-    model input_ids, position_ids (and attention_mask) and compute megatron_sp.hf.loss(logits,
-    shard, sp_group). sp_group None or of size 1 returns the whole (shifted) batch.
-    same_batch: check that the sp ranks passed the same batch (one all-reduce of two int64 over
-    sp_group; a SequenceParallelError on every rank of the group if not); False skips it.
+    full batch. cp_group: the ring (context parallelism past the head count) the model was made
+    sequence-parallel with, or None. Returns input_ids, shift_labels, position_ids and
+    attention_mask (when given), each [b, s/(sp cp)] (s rounded up to a multiple of sp, or of
+    2 sp cp under a ring, when pad=True), and never `labels`: give the model input_ids,
+    position_ids (and attention_mask) and compute megatron_sp.hf.loss(logits, shard, sp_group,
+    cp_group). Both groups None or of size 1 return the whole (shifted) batch.
+    same_batch: check that the sp x cp ranks passed the same batch (an all-reduce of two int64
+    over sp, then cp; a SequenceParallelError on every rank if not); False skips it.
     """
-    sp = group_size(sp_group)
-    shard = shard_for_rank(batch, group_rank(sp_group), sp, pad_token_id=pad_token_id, pad=pad)
-    if same_batch and sp > 1 and not same_over_group(batch_checksum(batch), sp_group):
+    sp, cp = group_size(sp_group), group_size(cp_group)
+    shard = shard_for_rank(batch, group_rank(sp_group), sp, pad_token_id=pad_token_id, pad=pad,
+                           cp=cp, cp_rank=group_rank(cp_group))
+    check_same_batch(batch_checksum(batch) if same_batch and sp * cp > 1 else None, sp_group,
+                     cp_group)
+    return shard
+
+
+def check_same_batch(checksum, sp_group, cp_group=None) -> None:
+    """Refuse, on every rank, sp x cp ranks whose batches' checksums differ (None: no check)."""
+    sp, cp = group_size(sp_group), group_size(cp_group)
+    if checksum is not None and sp * cp > 1 and not same_over_group(checksum, (sp_group, cp_group)):
+        ranks = f"{sp} sp" if cp == 1 else f"{sp * cp} sp x cp"
         raise SequenceParallelError(
-            f"shard_batch: the {sp} sp ranks of a data-parallel replica were given different "
+            f"shard_batch: the {ranks} ranks of a data-parallel replica were given different "
             f"batches, but each must pass the same full batch (it keeps its own chunk): shard the "
             f"data over the dp ranks, not the world (e.g. DistributedSampler(dataset, "
             f"num_replicas=dp_size, rank=dp_rank)) so that they load the same batches.")
-    return shard

@@ -3,7 +3,10 @@
     sum_over_groups(x, groups)       differentiable all-reduce sum; backward all-reduces the grad
     count_over_groups(x, groups)     all-reduce sum without autograd (token counts)
     gather_sequence(x, group)        all-gather [b, s/sp] along the sequence -> [b, s] (no autograd)
-    same_over_group(value, group)    whether an int64 (a batch checksum) is equal on every rank
+    gather_context(x, sp, cp)        all-gather a rank's [b, n] of the Ulysses x ring layout ->
+                                     the full [b, s] in sequence order (no autograd)
+    same_over_group(value, groups)   whether an int64 (a batch checksum) is equal on every rank of
+                                     the groups (one group, or sp then cp: the whole context)
 
 Why the backward of sum_over_groups is an all-reduce sum (not the identity): the loss
 L = (sum_r S_r) / N is computed on every rank of the group, each rank seeds its own backward with
@@ -75,14 +78,33 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
 
 
 @torch.no_grad()
+def gather_context(x: torch.Tensor, sp_group, cp_group) -> torch.Tensor:
+    """A rank's [b, n] of the Ulysses x ring layout (megatron_sp.hf.batch: ring rank j owns zigzag
+    chunks j and 2cp-1-j, cut contiguously over its sp ranks) -> the full [b, s] in sequence
+    order, on every rank. No autograd: for position ids."""
+    from megatron_sp.context_parallel.zigzag import zigzag_merge
+    portion = gather_sequence(x, sp_group)                # [b, n] -> ring rank's [b, sp n]
+    cp = group_size(cp_group)
+    if cp == 1:
+        return portion
+    portions = [torch.empty_like(portion) for _ in range(cp)]
+    dist.all_gather(portions, portion.contiguous(), group=cp_group)
+    return zigzag_merge(portions, cp, dim=1)              # cp x [b, s/cp] -> [b, s]
+
+
+@torch.no_grad()
 def same_over_group(value: torch.Tensor, group) -> bool:
-    """Whether the int64 scalar `value` is the same on every rank of `group`: one all-reduce (max)
-    of [value, -value], 16 bytes. Every rank computes the answer from the same reduced pair, so
-    all of them agree on it (none goes on while another raises)."""
-    if group_size(group) == 1:
+    """Whether the int64 scalar `value` is the same on every rank of `group` (or of a tuple of
+    groups, e.g. (sp, cp): the whole context): an all-reduce (max) of [value, -value], 16 bytes,
+    over each group in turn. Max over the rows, then over the columns, is the max over the grid,
+    so every rank computes the answer from the same reduced pair and all of them agree on it
+    (none goes on while another raises)."""
+    live = _live(group if isinstance(group, (tuple, list)) else (group,))
+    if not live:
         return True
-    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else value.device
+    device = torch.device("cpu") if dist.get_backend(live[0]) == "gloo" else value.device
     v = value.reshape(()).to(device=device, dtype=torch.int64) & ((1 << 62) - 1)   # -v fits
     pair = torch.stack([v, -v])
-    dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=group)
+    for g in live:
+        dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=g)
     return bool(pair[0] == -pair[1])                 # max == min

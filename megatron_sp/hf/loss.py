@@ -1,26 +1,29 @@
-"""The exact causal-LM loss over a sequence cut into Ulysses chunks (docs/design.md §4, §15).
+"""The exact causal-LM loss over a sequence cut into Ulysses (x ring) chunks (design.md §4, §15).
 
-    loss(logits, shard, sp_group)                    logits [b, s/sp, V] of this rank's chunk
+    loss(logits, shard, sp_group, cp_group)          logits [b, n, V] of this rank's n tokens
     tiled_loss(hidden, lm_head_weight, shard, ...)   the same from the final hidden states
-                                                     [b, s/sp, H], the logits one tile at a time
+                                                     [b, n, H], the logits one tile at a time
 
 Both return L = S / N on every rank: S the sum of token cross entropies (fp32) over the whole
 sequence's unmasked tokens (shift_labels != -100), N their count. Each rank computes its local sum
-S_r and count N_r; N is all-reduced without gradient, S with a differentiable all-reduce whose
-backward all-reduces the incoming gradients (megatron_sp/hf/comm.py). Never a mean of per-rank
-means (the sp-size over-scaling bug); an all-masked chunk contributes 0, and N = 0 over the whole
-group gives L = 0 with zero gradients, never NaN.
+S_r and count N_r; both go in ONE all-reduce per group (sp, then cp, then dp; the count without
+gradient), S's with a backward that all-reduces the incoming gradients (megatron_sp/hf/comm.py).
+Which tokens a rank holds (contiguous chunks, or the ring's zigzag ones) does not matter: sums
+are sums. Never a mean of per-rank means (the sp-size over-scaling bug); an all-masked chunk
+contributes 0, and N = 0 over the whole group gives L = 0 with zero gradients, never NaN.
+num_items_in_batch=N given (the Trainer's count of the optimizer step's targets, already known):
+only S is reduced, L = S / N.
 
 Gradient reduction. Every rank seeds its backward with dL = 1 and the all-reduce's backward sums
 those n seeds, so each rank's parameter gradient is n * (its share of dL/dtheta), where n is the
 number of ranks the sum was reduced over. Hence:
-- dp_group given (sum and count reduced over dp x sp): L is the mean over the GLOBAL batch's
-  tokens, and AVERAGING the gradients over the flattened dp x sp group (what DDP and FSDP2 do by
-  default over the world, or over a dp x sp mesh dimension) gives exactly one process's gradient
-  of that global mean, whatever the token counts of the dp replicas.
-- dp_group None (reduced over sp only): L is this replica's sequence mean; averaging over dp x sp
-  gives the mean over dp of the replicas' means (equal to the global token mean only when every
-  replica has the same token count: what DDP without sp computes too).
+- dp_group given (sum and count reduced over dp x sp x cp): L is the mean over the GLOBAL batch's
+  tokens, and AVERAGING the gradients over the flattened dp x sp x cp group (what DDP and FSDP2
+  do by default over the world, or over a dp x sp mesh dimension) gives exactly one process's
+  gradient of that global mean, whatever the token counts of the dp replicas.
+- dp_group None (reduced over sp x cp only): L is this replica's sequence mean; averaging over
+  dp x sp x cp gives the mean over dp of the replicas' means (equal to the global token mean only
+  when every replica has the same token count: what DDP without sp computes too).
 """
 from __future__ import annotations
 
@@ -52,22 +55,31 @@ def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: in
                            ignore_index=ignore_index, reduction="sum")
 
 
-def _reduce(local_sum: torch.Tensor, labels: torch.Tensor, groups, ignore_index: int):
-    """sum / count over the groups, both in one all-reduce (the count carries no gradient)."""
+def _reduce(local_sum: torch.Tensor, labels: torch.Tensor, groups, ignore_index: int,
+            num_items=None):
+    """sum / count over the groups, both in one all-reduce per group (the count carries no
+    gradient); with num_items (the count, known) only the sum is reduced."""
+    if num_items is not None:
+        total = sum_over_groups(local_sum.float(), groups)
+        return total / torch.as_tensor(num_items, dtype=torch.float32,
+                                       device=total.device).clamp(min=1.0)
     count = (labels != ignore_index).sum().to(torch.float32)
     both = sum_over_groups(torch.stack([local_sum.float(), count]), groups)   # [2]: sum, count
     return both[0] / both[1].detach().clamp(min=1.0)
 
 
-def loss(logits: torch.Tensor, batch: dict, sp_group, *, dp_group=None,
-         ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def loss(logits: torch.Tensor, batch: dict, sp_group, cp_group=None, *, dp_group=None,
+         num_items_in_batch=None, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """The exact mean token cross entropy over the whole sequence (over the global batch with
-    dp_group): logits [b, s/sp, V] of this rank's chunk, batch the dict shard_batch returned (or
-    its shift_labels). See the module docstring for the gradient reduction that makes the
-    gradients equal to one process's: average them over dp x sp."""
+    dp_group): logits [b, n, V] of this rank's tokens, batch the dict shard_batch returned (or
+    its shift_labels); cp_group the ring shard_batch was given (or None). See the module
+    docstring for the gradient reduction that makes the gradients equal to one process's: average
+    them over dp x sp x cp. num_items_in_batch: the denominator when already known (no count is
+    reduced)."""
     labels = _targets(batch, logits.shape[1])
     local = _token_loss_sum(logits, labels, ignore_index)
-    return _reduce(local, labels, (sp_group, dp_group), ignore_index)
+    return _reduce(local, labels, (sp_group, cp_group, dp_group), ignore_index,
+                   num_items_in_batch)
 
 
 def _tile_loss(hidden, labels, weight, bias, ignore_index):
@@ -75,10 +87,10 @@ def _tile_loss(hidden, labels, weight, bias, ignore_index):
     return _token_loss_sum(logits, labels, ignore_index)
 
 
-def tiled_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: dict, sp_group, *,
-               tiles="auto", lm_head_bias=None, dp_group=None,
-               ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """loss() from the final hidden states hidden [b, s/sp, H] and the output projection
+def tiled_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: dict, sp_group,
+               cp_group=None, *, tiles="auto", lm_head_bias=None, dp_group=None,
+               num_items_in_batch=None, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """loss() from the final hidden states hidden [b, n, H] and the output projection
     lm_head_weight [V, H] (model.lm_head.weight), without the [b, s/sp, V] logits ever existing
     whole: the chunk is cut into `tiles` sequence tiles ("auto": megatron_sp.memory's rule,
     about ceil(V / H) tiles of at least its minimum tokens) and each tile's projection + cross
@@ -94,4 +106,5 @@ def tiled_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: dict, 
     else:
         sums = [checkpoint(_tile_loss, x, y, lm_head_weight, lm_head_bias, ignore_index)
                 for x, y in pieces]
-    return _reduce(torch.stack(sums).sum(), labels, (sp_group, dp_group), ignore_index)
+    return _reduce(torch.stack(sums).sum(), labels, (sp_group, cp_group, dp_group), ignore_index,
+                   num_items_in_batch)
