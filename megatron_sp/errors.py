@@ -396,6 +396,27 @@ def exit_process(code: int = 0):
     os._exit(code)
 
 
+def say_user_errors() -> None:
+    """For library entry points inside a user's own script (megatron_sp.hf's trainers and
+    sequence_parallel): an uncaught UserError ends the script as run_main ends ours, one `error:`
+    line said once across the ranks, exit status 1, no traceback (MEGATRON_SP_DEBUG=1 keeps it).
+    A sys.excepthook, installed once: the script can still catch the error itself, and anything
+    else reaches the previous hook unchanged."""
+    previous = sys.excepthook
+    if getattr(previous, "_megatron_sp", False):
+        return
+
+    def hook(kind, value, tb):
+        error = as_user_error(value) if isinstance(value, BaseException) else None
+        if error is None or debug_requested([]):
+            return previous(kind, value, tb)
+        report(error)
+        exit_process(getattr(error, "exit_code", 1))
+
+    hook._megatron_sp = True
+    sys.excepthook = hook
+
+
 def run_main(main, argv=None):
     """Run `main(argv)` as a program: user errors as one sentence, bugs with their traceback, and
     the process always left through `exit_process` (0 when main returned). In a multi-rank run

@@ -281,8 +281,23 @@ class ParallelMesh:
     @classmethod
     def from_sizes(cls, tp: int = 1, sp: int = 1, pp: int = 1, dp: int | None = None,
                    device_type: str | None = None, cp: int = 1) -> "ParallelMesh":
-        """Build the mesh for the already initialised default process group (or one rank)."""
+        """Build the mesh for the default process group. None initialised yet: under a launcher
+        (torchrun, accelerate launch, srun: RANK / WORLD_SIZE or SLURM_PROCID / SLURM_NTASKS set,
+        more than one rank) it is initialised here from that environment (`init_distributed`:
+        nccl with CUDA, gloo without), so a plain loop needs no init_process_group of its own;
+        without one, the one-rank mesh."""
         if not (dist.is_available() and dist.is_initialized()):
+            env = distributed_env()
+            if env is not None and env["world_size"] > 1:
+                init_distributed()
+                return cls.from_sizes(tp=tp, sp=sp, pp=pp, dp=dp, device_type=device_type, cp=cp)
+            if tp * sp * pp * cp > 1:
+                raise LayoutError(
+                    f"ParallelMesh.from_sizes(tp={tp}, sp={sp}, cp={cp}, pp={pp}) needs "
+                    f"{tp * sp * cp * pp} ranks, but this process is alone: no process group is "
+                    f"initialised and no launcher's RANK / WORLD_SIZE is set; launch it with "
+                    f"torchrun --nproc-per-node {tp * sp * cp * pp} (or accelerate launch, srun), "
+                    f"or call torch.distributed.init_process_group first.")
             dims = ParallelDims(world_size=1, tp=tp, sp=sp, pp=pp, dp=dp, cp=cp)
             return cls(dims)
         if device_type is None:
@@ -338,6 +353,16 @@ class ParallelMesh:
         if getattr(self, "_background_group", None) is None:
             self._background_group = dist.new_group(backend="gloo")
         return self._background_group
+
+    def context_group(self):
+        """The sp x cp ranks that share one sequence as ONE group (sp_group when cp = 1, cp_group
+        when sp = 1), so that a reduction over the whole context is one collective. Flattened
+        from the DeviceMesh on first use: every rank must ask at the same point (collective)."""
+        if self.dims.sp == 1 or self.dims.cp == 1:
+            return self.cp_group if self.dims.sp == 1 else self.sp_group
+        if getattr(self, "_context_group", None) is None:
+            self._context_group = self.device_mesh["cp", "sp"]._flatten("context").get_group()
+        return self._context_group
 
     def check_sequence(self, seq_length: int, sequence_parallel: bool = False,
                        what: str = "--seq-length") -> None:

@@ -206,3 +206,40 @@ def test_barrier_names_the_gpu_under_nccl(monkeypatch):
         monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
         mesh.barrier()
         assert calls.pop() == expected
+
+
+def test_from_sizes_alone_says_how_to_launch(monkeypatch):
+    """A layout of several ranks asked for in a process with no process group and no launcher's
+    environment: one sentence naming the torchrun command and init_process_group (issue 35);
+    the one-rank layout is the one-rank mesh, with no torch.distributed call."""
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(LayoutError) as err:
+        ParallelMesh.from_sizes(sp=2, cp=2)
+    text = str(err.value)
+    assert "needs 4 ranks" in text and "torchrun --nproc-per-node 4" in text, text
+    assert "torch.distributed.init_process_group" in text and "\n" not in text, text
+    mesh = ParallelMesh.from_sizes()
+    assert mesh.world_size == 1 and mesh.sp_group is None and mesh.context_group() is None
+
+
+def test_from_sizes_starts_the_process_group_from_the_launchers_environment(monkeypatch):
+    """Under a launcher (RANK / WORLD_SIZE set, more than one rank) with no process group yet,
+    from_sizes initialises it from that environment (init_distributed) before building the mesh;
+    a one-rank launch (WORLD_SIZE 1) stays without torch.distributed."""
+    import megatron_sp.mesh as mesh_module
+    calls = []
+    monkeypatch.setattr(mesh_module, "init_distributed", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(mesh_module.dist, "is_initialized", lambda: bool(calls))
+    monkeypatch.setattr(mesh_module.dist, "get_world_size", lambda *a: 4)
+    monkeypatch.setattr(mesh_module.dist, "get_rank", lambda *a: 3)
+    monkeypatch.setattr(mesh_module.dist, "get_backend", lambda *a: "gloo")
+    monkeypatch.setattr(ParallelMesh, "_build_groups", lambda self: None)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    mesh = ParallelMesh.from_sizes(sp=2, cp=2)
+    assert calls == [()] and mesh.rank == 3 and (mesh.sp_rank, mesh.cp_rank) == (1, 1)
+    calls.clear()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert ParallelMesh.from_sizes().world_size == 1 and calls == []
