@@ -71,13 +71,12 @@ class _Documents:
     """The whole sequence's document ids, from the local position_ids every layer passes:
     all-gathered over sp (and cp, put back in sequence order) once per step (the same tensor
     object reaches every layer; keyed on it and its version, like megatron_sp.attention.backends'
-    cu_seqlens cache). `seen`: whether any step so far had documents (the trainers' start-up line)."""
+    cu_seqlens cache)."""
 
     def __init__(self, sp_group, cp_group=None):
         self.sp_group, self.cp_group = sp_group, cp_group
         self._key = None
         self._value = None
-        self.seen = None
 
     def __call__(self, position_ids, batch: int):
         """(global position_ids [b, s], document ids [b, s] or None when no row restarts)."""
@@ -89,7 +88,6 @@ class _Documents:
             full = gather_context(local, self.sp_group, self.cp_group)          # [b, s]
             self._key = key
             self._value = (full, document_ids(full) if has_documents(full) else None)
-            self.seen = bool(self.seen) or self._value[1] is not None
         return self._value
 
 
@@ -144,12 +142,12 @@ def _original(name: str):
     return AttentionInterface._global_mapping[name]
 
 
-def _check_window(kwargs, s: int):
+def _check_window(kwargs, s: int, what: str = "the Ulysses wrapper"):
     window = kwargs.get("sliding_window")
     if window is not None and window < s:
         raise SequenceParallelError(
             f"megatron_sp.hf: this model's sliding-window attention (window {window}) is shorter "
-            f"than the sequence ({s} tokens), which the Ulysses wrapper does not mask; use a "
+            f"than the sequence ({s} tokens), which {what} does not mask; use a "
             f"sequence of at most {window} tokens or a config without sliding windows.")
 
 
@@ -194,7 +192,7 @@ def _ring_attention(state: "_State", query, key, value, dropout, scaling, kwargs
             f"megatron_sp.hf: attention dropout ({dropout}) is not implemented under ring context "
             f"parallelism; set the config's attention_dropout to 0 or use cp_size 1.")
     b, n = query.shape[0], query.shape[2]
-    _check_window(kwargs, n * state.sp * state.cp)
+    _check_window(kwargs, n * state.sp * state.cp, "ring attention")
     _, documents = state.documents(kwargs.get("position_ids"), b)     # full rows [b, s] or None
     # [b, heads, n, d] -> [b, n, heads, d] views
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))

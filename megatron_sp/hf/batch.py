@@ -242,10 +242,16 @@ def shard_batch(batch: dict, sp_group, cp_group=None, *, pad_token_id=None, pad:
     over sp, then cp; a SequenceParallelError on every rank if not); False skips it.
     """
     sp, cp = group_size(sp_group), group_size(cp_group)
-    shard = shard_for_rank(batch, group_rank(sp_group), sp, pad_token_id=pad_token_id, pad=pad,
-                           cp=cp, cp_rank=group_rank(cp_group))
-    check_same_batch(batch_checksum(batch) if same_batch and sp * cp > 1 else None, sp_group,
-                     cp_group)
+    try:
+        shard, problem = shard_for_rank(batch, group_rank(sp_group), sp, pad_token_id=pad_token_id,
+                                        pad=pad, cp=cp, cp_rank=group_rank(cp_group)), None
+    except SequenceParallelError as err:    # said after the check, which every rank joins
+        shard, problem = None, err
+    if same_batch and sp * cp > 1:
+        checksum = batch_checksum(batch) if problem is None else torch.zeros((), dtype=torch.int64)
+        check_same_batch(checksum, sp_group, cp_group)
+    if problem is not None:
+        raise problem
     return shard
 
 

@@ -1,7 +1,10 @@
 """megatron_sp.hf.batch as pure (rank, size) arithmetic, and the sp = 1 path of the package
 (no process group): shifted labels with document ends and padding masked, positions made when
 absent, padding to a multiple of sp or the refusal, contiguous chunks that rebuild the batch,
-no `labels` key; sequence_parallel(model, None) is a no-op whose loss is transformers' own."""
+no `labels` key; under a ring (cp > 1) the hybrid zigzag layout's shards, whose union
+(hybrid_merge) is the batch padded to a multiple of 2 sp cp, with global positions, labels shifted
+before the cut and the padding mask cut alike; sequence_parallel(model, None) is a no-op whose
+loss is transformers' own."""
 from __future__ import annotations
 
 import pytest
@@ -151,3 +154,106 @@ def test_batch_checksum_tells_batches_apart():
     sums = {int(batch_checksum(b)) for b in [batch] + others}
     assert len(sums) == len(others) + 1
     assert shard_batch(batch, None, same_batch=True)["input_ids"].shape == (2, 12)   # sp 1
+
+
+# Under a ring (cp > 1): the Ulysses x ring hybrid layout, pure arithmetic ----------------------
+
+RING_LAYOUTS = [(1, 2), (2, 2), (1, 4), (2, 3), (4, 2)]     # (sp, cp)
+
+
+def _ring_shards(batch, sp, cp, **kw):
+    """Every rank's shard in context-rank order u + sp*j (what an all_gather over sp x cp gives)."""
+    return [shard_for_rank(batch, u, sp, cp=cp, cp_rank=j, **kw)
+            for j in range(cp) for u in range(sp)]
+
+
+def _merged(shards, key, sp, cp):
+    from megatron_sp.context_parallel.hybrid import hybrid_merge
+    return hybrid_merge([s[key] for s in shards], sp, cp)                 # -> [b, s]
+
+
+def test_hybrid_layout_is_the_docstring_example():
+    """s = 16, sp 2 x cp 2: (u, j) = (0, 0) 0-3, (1, 0) 12-15, (0, 1) 4-7, (1, 1) 8-11."""
+    batch = {"input_ids": torch.arange(16).view(1, 16), "labels": torch.arange(16).view(1, 16)}
+    got = [s["input_ids"].tolist() for s in _ring_shards(batch, 2, 2)]
+    assert got == [[[0, 1, 2, 3]], [[12, 13, 14, 15]], [[4, 5, 6, 7]], [[8, 9, 10, 11]]]
+    got = [s["input_ids"].tolist() for s in _ring_shards(batch, 1, 4)]     # ring alone
+    assert got == [[[0, 1, 14, 15]], [[2, 3, 12, 13]], [[4, 5, 10, 11]], [[6, 7, 8, 9]]]
+
+
+@pytest.mark.parametrize("sp, cp", RING_LAYOUTS)
+def test_ring_shards_rebuild_the_padded_batch(sp, cp):
+    """The union of every rank's tokens is the whole batch padded to a multiple of 2 sp cp (21 ->
+    24 or 32); each rank's position_ids are the global positions of the tokens it kept;
+    shift_labels were shifted over the whole row before the cut."""
+    from megatron_sp.context_parallel.hybrid import hybrid_positions
+    from megatron_sp.hf.batch import layout_multiple
+    batch = _batch(6, b=3, s=21)
+    multiple = 2 * sp * cp
+    assert layout_multiple(sp, cp) == multiple and layout_multiple(sp) == sp    # no ring: sp
+    s = -(-21 // multiple) * multiple
+    shards = _ring_shards(batch, sp, cp, pad_token_id=9)
+    for shard in shards:
+        assert set(shard) == {"input_ids", "shift_labels", "position_ids"}
+        assert shard["input_ids"].shape == (3, s // (sp * cp))
+    ids = _merged(shards, "input_ids", sp, cp)
+    assert ids.shape == (3, s)
+    assert torch.equal(ids[:, :21], batch["input_ids"]) and (ids[:, 21:] == 9).all()
+    for (j, u), shard in zip([(j, u) for j in range(cp) for u in range(sp)], shards):
+        kept = hybrid_positions(s, sp, cp, u, j)
+        assert torch.equal(shard["position_ids"], kept.expand(3, -1))           # global
+        assert torch.equal(shard["input_ids"], ids[:, kept])
+    assert torch.equal(_merged(shards, "position_ids", sp, cp), torch.arange(s).expand(3, s))
+    shifted = _merged(shards, "shift_labels", sp, cp)
+    assert torch.equal(shifted[:, :20], batch["labels"][:, 1:])              # shifted, then cut
+    assert (shifted[:, 20:] == IGNORE).all()                                 # row end and pads
+
+
+@pytest.mark.parametrize("sp, cp", [(2, 2), (1, 4)])
+def test_ring_shards_keep_document_ends_and_padding_masked(sp, cp):
+    """Packed documents whose ends fall on other ranks than their next token: each document's
+    last token is -100 wherever the cut puts it; a padding mask is cut with the tokens, and the
+    pads the layout adds continue the row's positions."""
+    b, s = 2, 14                                                      # padded to 16
+    batch = _batch(7, b=b, s=s)
+    batch["labels"] = batch["input_ids"].clone()                      # every target unmasked
+    lengths = [[3, 1, 5, 5], [1, 13]]
+    batch["position_ids"] = torch.stack([torch.cat([torch.arange(n) for n in row])
+                                         for row in lengths])
+    shards = _ring_shards(batch, sp, cp)
+    shifted = _merged(shards, "shift_labels", sp, cp)
+    positions = _merged(shards, "position_ids", sp, cp)
+    assert torch.equal(positions[:, :s], batch["position_ids"])
+    assert torch.equal(positions[:, s:], positions[:, s - 1:s] + torch.arange(1, 3))
+    for row, docs in enumerate(lengths):
+        ends = set(torch.tensor(docs).cumsum(0).sub(1).tolist())
+        for i in range(16):
+            expected = (IGNORE if i in ends or i >= s - 1
+                        else int(batch["labels"][row, i + 1]))
+            assert int(shifted[row, i]) == expected, (row, i)
+    # a padding mask (left on row 0, right on row 1): cut alike, its pads masked as targets
+    masked = _batch(8, b=b, s=s)
+    mask = torch.ones(b, s, dtype=torch.long)
+    mask[0, :5] = 0
+    mask[1, 9:] = 0
+    masked["attention_mask"] = mask
+    shards = _ring_shards(masked, sp, cp)
+    full_mask = _merged(shards, "attention_mask", sp, cp)
+    assert torch.equal(full_mask[:, :s].long(), mask) and not full_mask[:, s:].any()
+    shifted = _merged(shards, "shift_labels", sp, cp)
+    assert (shifted[0, :5] == IGNORE).all() and (shifted[1, 8:] == IGNORE).all()
+    assert torch.equal(shifted[0, 5:s - 1], masked["labels"][0, 6:])
+    positions = _merged(shards, "position_ids", sp, cp)
+    assert positions[0, :s].tolist() == [0] * 5 + list(range(9))
+    assert positions[1, :s].tolist() == list(range(9)) + [0] * 5
+
+
+def test_ring_length_refused_without_padding_names_the_multiple():
+    batch = _batch(9, b=1, s=12)
+    with pytest.raises(SequenceParallelError,
+                       match=r"12 is not divisible by 2\*sp\*cp = 2\*2\*2 .*multiple of 8"):
+        shard_for_rank(batch, 0, 2, cp=2, cp_rank=1, pad=False)
+    shard = shard_for_rank(batch, 0, 1, cp=3, cp_rank=2, pad=False)    # 12 = 2*1*3*2: fits
+    assert shard["position_ids"].tolist() == [[4, 5, 6, 7]]
+    # sp 4 alone divides 12, the same four ranks as sp 2 x cp 2 do not: the ring's multiple
+    assert shard_for_rank(batch, 3, 4, pad=False)["input_ids"].shape == (1, 3)
