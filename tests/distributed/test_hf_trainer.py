@@ -4,14 +4,18 @@ megatron_sp.hf.trainer reproduce the unmodified trainer's loss curve on one proc
 Reference: the unmodified Trainer / SFTTrainer, one process (this pytest process), same tiny random
 model (built from a config, seeded), same in-memory data, same TrainingArguments. Candidates: the
 same script with the two changed lines, under
-- 2 ranks spawned (megatron_sp.testing.run_distributed): sp 2 (Trainer on llama, SFTTrainer on
-  qwen3 with packing, documents crossing the sp chunk boundaries);
-- 4 ranks under `python -m torch.distributed.run`: sp 4 (Trainer, llama, GQA kv heads 2 < sp:
-  replicated), dp 2 x sp 2 (Trainer, qwen3; per-replica batch half the reference's, so tokens per
-  optimizer step are equal) and sp 4 (SFTTrainer, qwen3, packing).
+- 2 ranks spawned (megatron_sp.testing.run_distributed): sp 2 (Trainer on llama), cp 2 (the ring
+  alone: SFTTrainer on qwen3 with packing, documents crossing the zigzag chunks);
+- 4 ranks under `accelerate launch --multi_gpu --num_processes 4` (accelerate's launcher, torchrun
+  underneath; `--multi_gpu` with use_cpu=True is how accelerate starts several CPU processes: its
+  `--cpu` starts one): sp 2 x cp 2 (Trainer, llama, with activation checkpointing: the recompute
+  repeats the all-to-alls and the ring), dp 2 x cp 2 (Trainer, qwen3; per-replica batch half the
+  reference's, so tokens per optimizer step are equal), sp 4 (Trainer, llama, GQA kv heads 2 < sp:
+  replicated), sp 2 x cp 2 and dp 2 x cp 2 (SFTTrainer, qwen3, packing).
 Every run: 3 optimizer steps, gradient accumulation 2 (Trainer), padding (right), and an eval at
 the end. Tolerance: every logged training loss and the eval loss to 1e-5 relative; also
-max_steps, the Trainer's total batch size and every rank's identical curve.
+max_steps, the Trainer's total batch size and every rank's identical curve; rank 0 said the
+one start-up line (layout, attention, documents).
 """
 from __future__ import annotations
 
@@ -94,7 +98,8 @@ def sft_texts(n: int, seed: int):
     return Dataset.from_dict({"text": texts})
 
 
-def train_once(kind: str, family: str, sp_size: int | None, batch: int, out_dir: str) -> dict:
+def train_once(kind: str, family: str, sp_size: int | None, batch: int, out_dir: str,
+               cp_size: int = 1, checkpointing: bool = False) -> dict:
     """One run; sp_size None: the unmodified trainer. Returns the logged curve and step counts."""
     import logging
 
@@ -105,14 +110,14 @@ def train_once(kind: str, family: str, sp_size: int | None, batch: int, out_dir:
                   per_device_eval_batch_size=batch, max_steps=STEPS, learning_rate=2e-3,
                   logging_steps=1, eval_strategy="steps", eval_steps=STEPS, save_strategy="no",
                   report_to="none", use_cpu=True, seed=7, disable_tqdm=True,
-                  dataloader_num_workers=0)
+                  dataloader_num_workers=0, activation_checkpointing=checkpointing)
     model = tiny_model(family)
     if kind == "trainer":
         from transformers import Trainer, TrainingArguments
         from megatron_sp.hf.trainer import SequenceParallelTrainer
         args = TrainingArguments(gradient_accumulation_steps=2, remove_unused_columns=False, **common)
-        cls, extra = (Trainer, {}) if sp_size is None else (SequenceParallelTrainer,
-                                                            {"sp_size": sp_size})
+        cls, extra = (Trainer, {}) if sp_size is None else (
+            SequenceParallelTrainer, {"sp_size": sp_size, "cp_size": cp_size})
         trainer = cls(model=model, args=args, train_dataset=lm_examples(48, 1),
                       eval_dataset=lm_examples(8, 2), data_collator=pad_collate, **extra)
     else:
@@ -122,46 +127,59 @@ def train_once(kind: str, family: str, sp_size: int | None, batch: int, out_dir:
         args = SFTConfig(packing=True, max_length=48, gradient_accumulation_steps=1, bf16=False,
                          **common)
         cls, extra = (SFTTrainer, {}) if sp_size is None else (
-            sequence_parallel_trainer(SFTTrainer), {"sp_size": sp_size})
+            sequence_parallel_trainer(SFTTrainer), {"sp_size": sp_size, "cp_size": cp_size})
         trainer = cls(model=model, args=args, processing_class=word_tokenizer(),
                       train_dataset=sft_texts(40, 3), eval_dataset=sft_texts(8, 4), **extra)
-    trainer.train()
+    import contextlib
+    import io
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        trainer.train()
     history = trainer.state.log_history
     return {"loss": [h["loss"] for h in history if "loss" in h],
             "eval_loss": [h["eval_loss"] for h in history if "eval_loss" in h],
             "max_steps": trainer.state.max_steps,
-            "total_batch": trainer.get_total_train_batch_size(trainer.args)}
+            "total_batch": trainer.get_total_train_batch_size(trainer.args),
+            "said": [line for line in err.getvalue().splitlines()
+                     if line.startswith("megatron_sp.hf:")]}
 
 
-# Parallel jobs: (kind, family, sp, per-replica batch) -------------------------------------------
+# Parallel jobs: (kind, family, sp, cp, per-replica batch, activation checkpointing) -----------
 
-SPAWN_JOBS = [("trainer", "llama", 2, 4), ("sft", "qwen3", 2, 2)]
-TORCHRUN_JOBS = [("trainer", "llama", 4, 4), ("trainer", "qwen3", 2, 2), ("sft", "qwen3", 4, 2)]
+SPAWN_JOBS = [("trainer", "llama", 2, 1, 4, False), ("sft", "qwen3", 1, 2, 2, False)]
+LAUNCH_JOBS = [("trainer", "llama", 2, 2, 4, True), ("trainer", "qwen3", 1, 2, 2, False),
+               ("trainer", "llama", 4, 1, 4, False), ("sft", "qwen3", 2, 2, 2, False),
+               ("sft", "qwen3", 1, 2, 1, False)]
 
 
 def reference_key(job) -> tuple:
     """The one-process run a job compares to: the same kind and family, batch x dp."""
-    kind, family, sp, batch = job
-    return kind, family, batch * (WORLD[job] // sp)
+    kind, family, sp, cp, batch, _ = job
+    return kind, family, batch * (WORLD[job] // (sp * cp))
 
 
-WORLD = {**{job: 2 for job in SPAWN_JOBS}, **{job: 4 for job in TORCHRUN_JOBS}}
+WORLD = {**{job: 2 for job in SPAWN_JOBS}, **{job: 4 for job in LAUNCH_JOBS}}
+
+
+def _run_jobs(jobs, rank, out_dir):
+    return [train_once(kind, family, sp, batch, os.path.join(out_dir, f"r{rank}"), cp_size=cp,
+                       checkpointing=checkpointing)
+            for kind, family, sp, cp, batch, checkpointing in jobs]
 
 
 def _spawned(rank, world, jobs, out_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
-    return [train_once(kind, family, sp, batch, os.path.join(out_dir, f"r{rank}"))
-            for kind, family, sp, batch in jobs]
+    return _run_jobs(jobs, rank, out_dir)
 
 
 def _torchrun_main(out_path: str, out_dir: str):
-    """Entry point under torchrun: every rank writes its results to out_path.<rank>.json."""
+    """Entry point under accelerate launch: every rank writes its results to
+    out_path.<rank>.json."""
     import torch
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    results = [train_once(kind, family, sp, batch, os.path.join(out_dir, f"r{rank}"))
-               for kind, family, sp, batch in TORCHRUN_JOBS]
+    results = _run_jobs(LAUNCH_JOBS, rank, out_dir)
     with open(f"{out_path}.{rank}.tmp", "w") as f:
         json.dump(results, f)
     os.replace(f"{out_path}.{rank}.tmp", f"{out_path}.{rank}.json")
@@ -176,24 +194,39 @@ def _assert_close(name, ref, got):
         (name, ref, got)
 
 
+def _said_once(name, per_rank, job):
+    """Rank 0 said the start-up line (layout, attention, documents); the others nothing."""
+    kind, family, sp, cp, batch, _ = job
+    dp = WORLD[job] // (sp * cp)
+    (line,) = per_rank[0]["said"]
+    assert line.startswith(f"megatron_sp.hf: dp {dp} x sp {sp} x cp {cp} (world {WORLD[job]}); "
+                           f"attention: "), (name, line)
+    assert ("ring attention over cp" in line) == (cp > 1), (name, line)
+    said = "packed documents detected" if kind == "sft" else "padding detected"
+    assert said in line, (name, line)          # TRL's packing gives position_ids; pad_collate pads
+    assert all(r["said"] == [] for r in per_rank[1:]), (name, per_rank)
+
+
 @pytest.mark.timeout(600)      # 9 trainer processes' start-up (transformers, trl) on 2 cores
 def test_trainer_and_sft_trainer_match_one_process(tmp_path):
     from megatron_sp.testing import free_port, run_distributed
 
-    out = tmp_path / "torchrun"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--master-port", str(free_port()), os.path.abspath(__file__), str(out), str(tmp_path)]
+    out = tmp_path / "launch"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+           "4", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(free_port()), os.path.abspath(__file__), str(out),
+           str(tmp_path)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     launched = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
     try:
         spawned = run_distributed(_spawned, 2, SPAWN_JOBS, str(tmp_path / "spawn"),
                                   timeout_s=240.0, collective_timeout_s=120.0)
-        references = {reference_key(job): None for job in SPAWN_JOBS + TORCHRUN_JOBS}
+        references = {reference_key(job): None for job in SPAWN_JOBS + LAUNCH_JOBS}
         for kind, family, batch in references:
             references[(kind, family, batch)] = train_once(kind, family, None, batch,
                                                            str(tmp_path / "ref"))
-        log, _ = launched.communicate(timeout=240)
+        log, _ = launched.communicate(timeout=300)
     finally:
         if launched.poll() is None:
             launched.kill()
@@ -201,9 +234,11 @@ def test_trainer_and_sft_trainer_match_one_process(tmp_path):
     assert launched.returncode == 0, log[-6000:]
     ranks = [json.load(open(f"{out}.{r}.json")) for r in range(4)]
     results = {job: [spawned[r][i] for r in range(2)] for i, job in enumerate(SPAWN_JOBS)}
-    results.update({job: [ranks[r][i] for r in range(4)] for i, job in enumerate(TORCHRUN_JOBS)})
+    results.update({job: [ranks[r][i] for r in range(4)] for i, job in enumerate(LAUNCH_JOBS)})
     for job, per_rank in results.items():
-        assert all(r == per_rank[0] for r in per_rank), (job, per_rank)   # every rank the same
+        _said_once(job, per_rank, job)
+        curves = [{k: v for k, v in r.items() if k != "said"} for r in per_rank]
+        assert all(c == curves[0] for c in curves), (job, per_rank)   # every rank the same
         _assert_close(job, references[reference_key(job)], per_rank[0])
 
 
@@ -277,7 +312,7 @@ def test_resume_in_another_layout_and_different_batches_are_said(tmp_path):
     per_rank = run_distributed(_layout_and_batches, 2, str(tmp_path), timeout_s=240.0,
                                collective_timeout_s=120.0)
     zero, one = per_rank
-    assert zero["layout"] == {"sp": 2, "dp": 1, "global_batch": 4,
+    assert zero["layout"] == {"sp": 2, "cp": 1, "dp": 1, "global_batch": 4,
                               "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1}
     assert zero["first"] == ([], 4) and one["first"] == ([], 4)     # nothing said on a fresh run
     (note,), total = zero["resumed"]          # one note, on rank 0 only
@@ -294,5 +329,5 @@ def test_resume_in_another_layout_and_different_batches_are_said(tmp_path):
                 "batches") and "\n" not in said[name] and said[name].endswith("."), said
 
 
-if __name__ == "__main__":          # under torchrun (the test above launches it)
+if __name__ == "__main__":          # under accelerate launch (the test above launches it)
     _torchrun_main(sys.argv[1], sys.argv[2])
