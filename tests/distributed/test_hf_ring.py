@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp.testing import run_distributed
-from test_hf_ulysses import (_grad_diff, build, packed_positions, random_batch, reference_packed,
-                             reference_step)
+from test_hf_ulysses import (_grad_diff, build, packed_positions, padded_batch, random_batch,
+                             reference_packed, reference_step)
 
 WORLD = 4
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -156,17 +156,9 @@ def _padded(mesh, seed):
     from megatron_sp.context_parallel.hybrid import hybrid_positions
     ref, model = _pair("qwen3")
     hf.sequence_parallel(model, mesh.sp_group, mesh.cp_group)
-    s = 30
-    batch = random_batch(torch.Generator().manual_seed(seed + 7), 2, s)
-    mask = torch.ones(2, s, dtype=torch.long)
-    mask[0, :11] = 0                                      # left padding over two chunks
-    mask[1, 19:] = 0                                      # right padding into the added pads
-    batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
-    batch["labels"][0, 11] = -100                         # no target for the last left pad
-    batch["attention_mask"] = mask
-    positions = (mask.cumsum(1) - 1).clamp(min=0).masked_fill(mask == 0, 0)
-    ref_loss = ref(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions,
-                   labels=batch["labels"]).loss
+    # left padding over two chunks, right padding into the added pads
+    batch, positions, ref_loss = padded_batch(ref, seed, 30, 11, 19)
+    mask = batch["attention_mask"]
     shard = hf.shard_batch(batch, mesh.sp_group, mesh.cp_group)
     index = hybrid_positions(SEQ, mesh.sp_size, mesh.cp_size, mesh.sp_rank, mesh.cp_rank)
     full_positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, 3)], dim=1)

@@ -281,6 +281,23 @@ def _masked_chunks(rank, groups, seed):
                 padded=_padded(sp_group, seed))
 
 
+def padded_batch(ref, seed: int, s: int, left: int, right_from: int):
+    """Two rows of s tokens: row 0 padded on the left ([0, left)), row 1 on the right ([right_from,
+    s)) by attention_mask, labels -100 there and at the last left pad; and the unsharded model's
+    loss with that mask and the real tokens' positions. -> (batch, positions, reference loss)."""
+    batch = random_batch(torch.Generator().manual_seed(seed + 7), 2, s)
+    mask = torch.ones(2, s, dtype=torch.long)
+    mask[0, :left] = 0
+    mask[1, right_from:] = 0
+    batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
+    batch["labels"][0, left] = -100                       # no target for the last left pad
+    batch["attention_mask"] = mask
+    positions = (mask.cumsum(1) - 1).clamp(min=0).masked_fill(mask == 0, 0)
+    ref_loss = ref(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions,
+                   labels=batch["labels"]).loss
+    return batch, positions, ref_loss
+
+
 def _padded(sp_group, seed):
     """Left and right padding (attention_mask): the reference is the unsharded model with the
     mask and the real tokens' positions; shard_batch makes the positions, and its pads (each a
@@ -288,16 +305,8 @@ def _padded(sp_group, seed):
     from megatron_sp.hf import loss, shard_batch
     ref, model, sequence_parallel = _pair("qwen3")
     sequence_parallel(model, sp_group)
-    batch = random_batch(torch.Generator().manual_seed(seed + 7), 2, SEQ)
-    mask = torch.ones(2, SEQ, dtype=torch.long)
-    mask[0, :5] = 0                                       # left padding crossing no chunk
-    mask[1, 2 * SEQ // 4 + 3:] = 0                        # right padding over two chunks
-    batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
-    batch["labels"][0, 5] = -100                          # no target for the last left pad
-    batch["attention_mask"] = mask
-    positions = (mask.cumsum(1) - 1).clamp(min=0).masked_fill(mask == 0, 0)
-    ref_loss = ref(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions,
-                   labels=batch["labels"]).loss
+    # left padding crossing no chunk, right padding over two chunks
+    batch, positions, ref_loss = padded_batch(ref, seed, SEQ, 5, 2 * SEQ // 4 + 3)
     shard = shard_batch(batch, sp_group)
     r, c = dist.get_rank(sp_group), SEQ // 4
     assert torch.equal(shard["position_ids"], positions[:, r * c:(r + 1) * c])
