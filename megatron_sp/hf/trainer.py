@@ -341,6 +341,10 @@ def _check_trainer(trainer) -> None:
         raise ConfigError("SequenceParallelTrainer brings its own sequence parallelism: remove "
                           "sp_size / cp_size from the accelerate config's parallelism_config and "
                           "pass them to SequenceParallelTrainer(...) instead.")
+    note = fsdp_dropped_note(training_args.fsdp, trainer.is_fsdp_enabled,
+                             trainer.accelerator.distributed_type.value)
+    if note and trainer.is_world_process_zero():
+        print(note, file=sys.stderr, flush=True)
     if training_args.train_sampling_strategy == "batch_rebalance":
         raise ConfigError("SequenceParallelTrainer cannot tell train_sampling_strategy="
                           "'batch_rebalance' the dp size; use 'random', 'sequential' or "
@@ -348,6 +352,17 @@ def _check_trainer(trainer) -> None:
     if training_args.accelerator_config.dispatch_batches:
         raise ConfigError("SequenceParallelTrainer needs every rank to load its replica's batch; "
                           "set accelerator_config dispatch_batches to False.")
+
+
+def fsdp_dropped_note(fsdp, fsdp_enabled: bool, distributed_type: str) -> str | None:
+    """The note when fsdp= was asked for and accelerate dropped it (it keeps FSDP on GPUs only,
+    accelerate/state.py: on CPU the Trainer silently runs DDP), else None."""
+    if not fsdp or fsdp_enabled:
+        return None
+    import accelerate
+    return (f"note: accelerate {accelerate.__version__} runs FSDP on GPUs only, so this "
+            f"{distributed_type} run of fsdp={fsdp!r} is DDP (the same gradients, parameters "
+            f"replicated).")
 
 
 def _shard_over_dp(loader, mesh: ParallelMesh):

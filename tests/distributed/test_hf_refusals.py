@@ -91,3 +91,15 @@ def test_parallelism_config_under_torchrun_is_one_line_no_traceback(tmp_path):
     assert f'File "{script}"' not in out and "ConfigError" not in out, out[-4000:]
     assert "ValueError: ParallelismConfig" not in out, out[-4000:]    # accelerate's own refusal
     assert f"traceback : {lines[0].strip()[len('error: '):]}" in out, out[-4000:]
+
+
+def test_fsdp_that_accelerate_drops_on_cpu_is_said():
+    """accelerate keeps FSDP only on GPUs: on CPU, fsdp= trains with DDP without a word from it
+    (accelerate/state.py); our trainer says so in one note (tests/distributed/test_hf_fsdp2.py
+    runs accelerate's FSDP2 path on CPU by patching that rule)."""
+    from megatron_sp.hf.trainer import fsdp_dropped_note
+    note = fsdp_dropped_note(True, False, "MULTI_CPU")
+    assert note.startswith("note: accelerate ") and "MULTI_CPU run of fsdp=True is DDP" in note
+    assert "\n" not in note and note.endswith("."), note
+    assert fsdp_dropped_note(True, True, "FSDP") is None
+    assert fsdp_dropped_note(False, False, "MULTI_CPU") is None

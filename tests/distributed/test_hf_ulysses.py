@@ -395,21 +395,30 @@ def _rank_main(rank, world, seed):
     return results
 
 
-@pytest.mark.timeout(420)
-def test_hf_models_under_ulysses_train_like_one_process():
-    # ~70 s of CPU over the 4 ranks (about 40 s wall on 2 quiet cores); 212 s wall measured at a
-    # load average of 20, hence the limit
-    seed = 1234
-    per_rank = run_distributed(_rank_main, WORLD, seed, timeout_s=400)
-    worst = dict(loss_rel=0.0, grad_abs=0.0, grad_rel=0.0)
+def worst_within_tolerance(per_rank, keys) -> dict:
+    """Assert every case (a tuple key of each rank's results) within LOSS_TOL / GRAD_TOL and
+    whatever layout checks it carries; the worst of `keys` over cases and ranks."""
+    worst = dict.fromkeys(keys, 0.0)
     for rank, results in enumerate(per_rank):
         for key, diff in results.items():
             if not isinstance(key, tuple):
                 continue
             assert diff["loss_rel"] < LOSS_TOL, (rank, key, diff)
             assert diff["grad_abs"] < GRAD_TOL, (rank, key, diff)
+            assert diff.get("layout", True) and diff.get("follows", True), (rank, key, diff)
             for k in worst:
                 worst[k] = max(worst[k], diff.get(k, 0.0))
+    return worst
+
+
+@pytest.mark.timeout(420)
+def test_hf_models_under_ulysses_train_like_one_process():
+    # ~70 s of CPU over the 4 ranks (about 40 s wall on 2 quiet cores); 212 s wall measured at a
+    # load average of 20, hence the limit
+    seed = 1234
+    per_rank = run_distributed(_rank_main, WORLD, seed, timeout_s=400)
+    worst = worst_within_tolerance(per_rank, ("loss_rel", "grad_abs", "grad_rel"))
+    for rank, results in enumerate(per_rank):
         masked = results["masked"]
         assert masked["masked"]["loss_rel"] < LOSS_TOL and masked["masked"]["grad_abs"] < GRAD_TOL
         assert masked["tiled"]["loss_abs"] < 1e-6 and masked["tiled"]["grad_abs"] < 1e-6, masked
