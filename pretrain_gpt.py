@@ -38,6 +38,7 @@ from megatron_sp.training import MetricsWriter, Trainer, print_rank0, rampup
 from megatron_sp.training.flops import flops_for_config
 from megatron_sp.training.loop import fit
 from megatron_sp.training.optimizer import LRScheduler, build_optimizer
+from megatron_sp.ulysses import head_chunk_problem
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron_sp")
 
@@ -230,6 +231,11 @@ def check_model_fits(job: JobConfig, config: GPTConfig, tokenizer, mesh) -> None
         raise ConfigError(f"--seq-length {seq} exceeds --max-position-embeddings "
                           f"{config.max_position_embeddings} of learned position embeddings.")
     mesh.dims.check_sequence(seq, job.parallel.sequence_parallel)
+    problem = head_chunk_problem(config.num_attention_heads // mesh.tp_size,
+                                 config.num_query_groups // mesh.tp_size, mesh.sp_size,
+                                 job.memory.ulysses_head_chunks)
+    if problem:
+        raise ConfigError(problem)
     if mesh.cp_size > 1 and config.attention_dropout:
         raise ConfigError(f"--attention-dropout {config.attention_dropout} with ring attention "
                           f"(--context-parallel-size {job.parallel.context_parallel_size}, "
@@ -520,6 +526,11 @@ def say_startup(job: JobConfig, mesh, config, chunks) -> None:
               f"> attention backend: {backend}"]
     if described != backend:     # a backend with nothing more to say is named once
         lines.append(f"> attention: {described}")
+    n = job.memory.ulysses_head_chunks
+    if n > 1:
+        per = config.num_attention_heads // (mesh.tp_size * mesh.sp_size * n)
+        lines.append(f"> Ulysses head chunks: {n} ({per} query heads per rank and chunk in turn, "
+                     f"each chunk's all-to-alls and attention recomputed in backward)")
     print_rank0(mesh, "\n".join(dict.fromkeys(lines)))
 
 

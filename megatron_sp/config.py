@@ -629,6 +629,10 @@ class MemoryConfig:
     """--loss-chunks: output layer + cross entropy over N sequence chunks recomputed in backward
     (or 'auto': ceil(vocab / hidden), none under 2048 tokens), so the [s, vocab] logits never
     exist whole."""
+    ulysses_head_chunks: int = 1
+    """--ulysses-head-chunks: Ulysses attention over N head chunks in turn, each recomputed in
+    backward (UPipe): one chunk's exchange buffers and q, k, v, out live at a time. N must fit
+    the heads per sp rank (checked with the model at start-up)."""
     offload_activations: bool = False
     """--offload-activations: keep saved activations of the transformer layers (with full
     recompute: the checkpointed layer inputs) in pinned host memory until backward."""
@@ -648,6 +652,9 @@ class MemoryConfig:
                 raise ConfigError(f"{_flag(name)} must be a positive integer or 'auto', got "
                                   f"{value!r}.")
             _resolve(self, **{name: value if value == "auto" else int(value)})
+        chunks = self.ulysses_head_chunks
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ConfigError(f"--ulysses-head-chunks must be an integer >= 1, got {chunks!r}.")
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from megatron_sp.tensor_parallel import mappings
 from megatron_sp.tensor_parallel.layers import sequence_parallel_linear
 from megatron_sp.context_parallel import RingLocalAttention, zigzag_split
 from megatron_sp.context_parallel.te import TEContextParallelAttention
-from megatron_sp.ulysses import UlyssesAttention
+from megatron_sp.ulysses import UlyssesAttention, check_head_chunks
 
 from .config import GPTConfig
 from .rope import rope_frequencies
@@ -192,7 +192,7 @@ class SelfAttention(nn.Module):
     """Causal self-attention: column-parallel QKV, Ulysses attention, row-parallel output."""
 
     def __init__(self, config: GPTConfig, mesh: ParallelMesh, backend, sequence_parallel: bool,
-                 rng_tracker=None):
+                 rng_tracker=None, head_chunks: int = 1):
         super().__init__()
         tp = mesh.tp_size
         self.heads_local = config.num_attention_heads // tp
@@ -207,7 +207,9 @@ class SelfAttention(nn.Module):
         self.qkv = ColumnParallelLinear(config.hidden_size, qkv_out, mesh=mesh,
                                         bias=config.add_qkv_bias, sequence_parallel=sequence_parallel)
         local = ring_attention_for(backend, mesh) if mesh.cp_size > 1 else backend
-        self.core = UlyssesAttention(local, mesh.sp_group)
+        if head_chunks > 1:   # refused here too when built without pretrain_gpt's start-up check
+            check_head_chunks(self.heads_local, self.groups_local, mesh.sp_size, head_chunks)
+        self.core = UlyssesAttention(local, mesh.sp_group, head_chunks=head_chunks)
         # --qk-layernorm (Qwen3): one norm over d shared by every head; each tp rank normalises its
         # own heads, so the weights' gradients are partial over tp and summed there (grad_sync).
         self.q_layernorm = self.k_layernorm = None
@@ -298,10 +300,12 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config, mesh, backend, sequence_parallel, rng_tracker=None, mlp_tiles=1):
+    def __init__(self, config, mesh, backend, sequence_parallel, rng_tracker=None, mlp_tiles=1,
+                 head_chunks=1):
         super().__init__()
         self.input_norm = make_norm(config)
-        self.attention = SelfAttention(config, mesh, backend, sequence_parallel, rng_tracker)
+        self.attention = SelfAttention(config, mesh, backend, sequence_parallel, rng_tracker,
+                                       head_chunks=head_chunks)
         self.post_attention_norm = make_norm(config)
         self.mlp = MLP(config, mesh, sequence_parallel, tiles=mlp_tiles)
         self.hidden_dropout = config.hidden_dropout
@@ -412,7 +416,8 @@ class GPTModel(nn.Module):
         # Keys are global layer indices, so parameter names are layout-independent.
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(config, mesh, backend, self.sequence_parallel, rng_tracker,
-                                     mlp_tiles=self.memory.mlp_tiles)
+                                     mlp_tiles=self.memory.mlp_tiles,
+                                     head_chunks=self.memory.ulysses_head_chunks)
             for i in self.layer_ids})
         self.final_norm = self.output_layer = None
         if self.post_process:

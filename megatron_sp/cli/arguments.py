@@ -143,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     par.add_argument("--sequence-parallel-size", type=int, default=1,
                      help="Ulysses sequence-parallel degree")
+    par.add_argument("--ulysses-head-chunks", type=int, default=1, metavar="N",
+                     help="run Ulysses' all-to-alls and the attention (a ring's too) over N groups "
+                          "of heads in turn, each recomputed in backward, so the exchange buffers "
+                          "and q, k, v, out of one chunk are live at a time (UPipe); N must fit "
+                          "the heads per sp rank (refused with the choices otherwise)")
     par.add_argument("--context-parallel-size", type=int, default=1,
                      help="Megatron's context parallelism: ranks one sequence is split over, "
                           "how chosen by --cp-comm-type")

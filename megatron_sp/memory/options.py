@@ -7,6 +7,8 @@
     loss_chunks            1 (off) | N | "auto"           (--loss-chunks): output layer + loss in chunks
                            ("auto": see resolve_count; it is 1, the plain path, below 2 x
                            MIN_TILE_TOKENS tokens)
+    ulysses_head_chunks    1 (off) | N                    (--ulysses-head-chunks): Ulysses all-to-alls
+                           and attention over N head chunks, each recomputed in backward
     offload_activations    bool                           (--offload-activations): saved tensors of
                            the transformer layers (with full recompute: only the checkpointed layer
                            inputs) live in host memory until backward
@@ -28,6 +30,7 @@ class MemoryOptions:
     recompute_num_layers: int = 1
     mlp_tiles: int | str = 1
     loss_chunks: int | str = 1
+    ulysses_head_chunks: int = 1
     offload_activations: bool = False
 
     def __post_init__(self):
@@ -48,6 +51,9 @@ class MemoryOptions:
                 setattr(self, name, value)
             if value != "auto" and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be a positive integer or 'auto', got {value!r}.")
+        chunks = self.ulysses_head_chunks
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"ulysses_head_chunks must be an integer >= 1, got {chunks!r}.")
 
     @property
     def full_recompute(self) -> bool:
@@ -68,6 +74,7 @@ class MemoryOptions:
                    recompute_num_layers=(memory.recompute_num_layers
                                          if memory.recompute_num_layers is not None else 1),
                    mlp_tiles=memory.mlp_tiles or 1, loss_chunks=memory.loss_chunks or 1,
+                   ulysses_head_chunks=getattr(memory, "ulysses_head_chunks", 1),
                    offload_activations=bool(memory.offload_activations))
 
 
