@@ -48,6 +48,7 @@ attention).
 """
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -280,15 +281,21 @@ def sequence_parallel(model, sp_group, cp_group=None):
     name = PREFIX + inner
     _register(name)
     state = _State(sp_group, inner, cp_group)
+    # This model's own config: from_config(config) keeps the object it is given, so two models
+    # built from one config would otherwise share _attn_implementation, and building the second
+    # (from_config(attn_implementation=...)) silently turns this one's wrapper off.
+    own = copy.copy(config)
+    own._attn_implementation = name
     for module in model.modules():               # the attention layers (their config is shared)
-        if getattr(module, "config", None) is config and hasattr(module, "is_causal"):
-            object.__setattr__(module, _STATE, state)
-    config._attn_implementation = name
-    _require_position_ids(model)
+        if getattr(module, "config", None) is config:
+            if hasattr(module, "is_causal"):
+                object.__setattr__(module, _STATE, state)
+            module.config = own
+    _require_position_ids(model, name)
     return model
 
 
-def _require_position_ids(model) -> None:
+def _require_position_ids(model, name: str) -> None:
     """Refuse a forward without position_ids: the model would make local positions 0..s/sp-1 on
     every rank (wrong RoPE / learned positions, and restarts the wrapper would take for document
     starts). Hooked on the model and its base model (which tiled_loss users call)."""
@@ -300,6 +307,13 @@ def _require_position_ids(model) -> None:
         signature = inspect.signature(module.forward)
 
         def check(mod, args, kwargs, signature=signature):
+            if mod.config._attn_implementation != name:
+                raise SequenceParallelError(
+                    f"megatron_sp.hf: the sequence-parallel {type(mod).__name__}'s config now "
+                    f"says attn_implementation '{mod.config._attn_implementation}', not '{name}' "
+                    f"(set after sequence_parallel), so its attention would run unsharded; "
+                    f"call sequence_parallel last, after anything that sets the attention "
+                    f"implementation.")
             try:
                 bound = signature.bind_partial(*args, **kwargs).arguments
             except TypeError:         # a call the model itself will refuse

@@ -259,6 +259,19 @@ def _refusals(meshes, rank):
     full = random_batch(torch.Generator().manual_seed(6), 2, 32)
     said["one rank unpadded"] = _said(lambda: hf.shard_batch(short if rank == 1 else full, sp, cp,
                                                              pad=False))
+    # a second model from the same config object (a reference model, TRL's ref_model) leaves
+    # the first one sequence-parallel (from_config keeps the config it is given); an attention
+    # implementation set after sequence_parallel is refused, not run unsharded
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, vocab_size=128,
+                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    first = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    hf.sequence_parallel(first, sp, cp)
+    AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    said["second model keeps ours"] = first.config._attn_implementation
+    first.config._attn_implementation = "sdpa"
+    said["changed after"] = _said(lambda: first(input_ids=shard["input_ids"],
+                                                position_ids=shard["position_ids"]))
     # the dp replicas of dp2 x cp2 may (must) hold different batches
     dp = meshes["dp2 x cp2"]
     said["dp replicas"] = _said(lambda: hf.shard_batch(other if dp.dp_rank else batch,
@@ -298,8 +311,9 @@ def test_hf_models_under_ulysses_x_ring_train_like_one_process():
     for rank, results in enumerate(per_rank):
         said = results["refusals"]
         assert said["dp replicas"] is None, (rank, said)      # different batches over dp are fine
+        assert said["second model keeps ours"] == "megatron_sp_ulysses_sdpa", said
         for name in ("dropout", "dropout cp4", "window", "no pad", "odd rank", "odd ring half",
-                     "one rank unpadded"):
+                     "one rank unpadded", "changed after"):
             text = said[name]
             assert text is not None, (rank, name)            # raised on every rank
             assert "\n" not in text and text.endswith("."), (rank, name, text)
@@ -308,6 +322,7 @@ def test_hf_models_under_ulysses_x_ring_train_like_one_process():
         assert "sliding-window" in said["window"] and "8" in said["window"], said
         assert "32" in said["window"] and "ring attention" in said["window"], said
         assert "different batches" in said["one rank unpadded"], said
+        assert "'sdpa'" in said["changed after"] and "unsharded" in said["changed after"], said
         assert "30" in said["no pad"] and "2*sp*cp = 2*2*2" in said["no pad"], said
         assert "multiple of 8" in said["no pad"], said
         for name in ("odd rank", "odd ring half"):
