@@ -62,6 +62,10 @@ def main(argv=None):
     with progress.phase(mesh, "model built"):
         chunks = build_model(config, mesh, job, device)
         sharding = build_sharding(chunks, mesh, job, device)
+        pool = build_host_pool(chunks, config, mesh, job, device)
+        if pool is not None:
+            print_rank0(mesh, f"offloaded activations: exact pinned host pool of "
+                              f"{pool.capacity / 2**30:.2f} GiB per rank")
     say_startup(job, mesh, config, chunks)
     trainer = build_trainer(job, mesh, config, chunks, sharding)
     checkpoints = CheckpointManager(job, trainer, config)   # --load, --save, exit conditions
@@ -348,6 +352,46 @@ def build_model(config, mesh, job: JobConfig, device):
     if line:
         print_rank0(mesh, line)
     return chunks
+
+
+def offload_pool_bytes(config, mesh, job: JobConfig) -> float:
+    """The planner's count of this rank's offloaded activation bytes in an exact host pool
+    (step_peak_bytes(host_pool=True): every checkpointed layer input, aligned, + RoPE's tables)."""
+    from megatron_sp.memory.planner import step_peak_bytes
+    t, prec = job.training, job.precision
+    e = 2 if (prec.bf16 or getattr(prec, "fp16", False)) else 4
+    r = 2 if (job.parallel.use_torch_fsdp2 and e == 2) else 4   # FSDP2 bf16: a bf16 residual
+    return step_peak_bytes(config, t.seq_length, t.micro_batch_size, tp=mesh.tp_size,
+                           sp=mesh.sp_size, pp=1, cp=mesh.cp_size,
+                           sequence_parallel=job.parallel.sequence_parallel,
+                           memory=MemoryOptions.from_config(job.memory), dtype_bytes=e,
+                           residual_bytes=r, device="cuda", host_pool=True)["host"]
+
+
+def build_host_pool(chunks, config, mesh, job: JobConfig, device):
+    """--offload-activations on CUDA: one exact pinned host pool per rank for the offloaded
+    activations (megatron_sp/memory/host_pool.py), sized by --offload-pool-gb or else by the
+    planner's count (offload_pool_bytes; with full recompute and no pipeline only: 1F1B frees
+    micro-batches oldest first, which a stack does not reclaim, and without full recompute the
+    planner's count is not exact); None keeps torch's pinned buffers."""
+    m = job.memory
+    gb = getattr(m, "offload_pool_gb", None)
+    if not m.offload_activations or device.type != "cuda" or gb == 0:
+        return None
+    if gb is None:
+        if m.recompute_granularity != "full" or mesh.pp_size > 1:
+            return None
+        nbytes = offload_pool_bytes(config, mesh, job)
+        remedy = ("lower --seq-length or --micro-batch-size, use more --sequence-parallel-size "
+                  "ranks, or give --offload-pool-gb a larger size (0: torch's pinned buffers)")
+    else:
+        nbytes = gb * 2**30
+        remedy = "raise --offload-pool-gb (0: torch's pinned buffers)"
+    from megatron_sp.memory.host_pool import HostPool
+    pool = HostPool(nbytes, pin=True, what="offloaded activations", remedy=remedy)
+    for chunk in chunks:
+        chunk.host_pool = pool
+    return pool
 
 
 def build_sharding(chunks, mesh, job: JobConfig, device):

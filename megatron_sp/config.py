@@ -636,6 +636,10 @@ class MemoryConfig:
     offload_activations: bool = False
     """--offload-activations: keep saved activations of the transformer layers (with full
     recompute: the checkpointed layer inputs) in pinned host memory until backward."""
+    offload_pool_gb: float | None = None
+    """--offload-pool-gb: GiB of the exact pinned host pool that holds the offloaded activations on
+    CUDA (megatron_sp/memory/host_pool.py; default: the planner's count for this rank, with full
+    recompute and no pipeline; 0: torch's pinned buffers, each rounded up to a power of two)."""
     report_memory: bool = False
     """--report-memory: print activation bytes saved for backward per rank and layer, peak device
     memory and the model-state bytes per rank (parameters, gradients, optimizer state on device

@@ -377,6 +377,9 @@ class GPTModel(nn.Module):
         sequence_parallel: Megatron's --sequence-parallel (tp sequence sharding).
         rng_tracker: megatron_sp.tensor_parallel.RNGTracker for dropout inside tp regions.
         memory: megatron_sp.memory.MemoryOptions (recompute, tiled MLP, chunked loss, offload).
+
+    host_pool (attribute, default None): a megatron_sp.memory.host_pool.HostPool that holds the
+    activations offloaded under memory.offload_activations (None: torch's pinned buffers).
     """
 
     def __init__(self, config: GPTConfig, mesh: ParallelMesh | None = None, *, layer_ids=None,
@@ -399,6 +402,7 @@ class GPTModel(nn.Module):
             self.attention_backend_name = (f"ring over cp={mesh.cp_size} "
                                            f"(segments, attention/block_kernels.py)")
         self.memory = memory or MemoryOptions()
+        self.host_pool = None
         if self.memory.selective_recompute:
             backend = RecomputedAttention(backend)
 
@@ -476,7 +480,7 @@ class GPTModel(nn.Module):
             x = hidden_states
         rope = self.rope(positions) if self.rope is not None else None
         x = forward_layers(self.layers.items(), x, rope, document_ids,
-                           self.memory, self.rng_tracker)
+                           self.memory, self.rng_tracker, self.host_pool)
         if not self.post_process:
             return x
         return self.output(x, self.shard_sequence(labels))

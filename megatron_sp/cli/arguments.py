@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "[s, vocab] logits never exist whole")
     _bool_flag(t, "--offload-activations", "keep saved activations of the transformer layers (with "
                "full recompute: the checkpointed layer inputs) in pinned host memory until backward")
+    t.add_argument("--offload-pool-gb", type=float, default=None,
+                   help="GiB of the exact pinned host pool for --offload-activations on CUDA "
+                        "(default: the planner's count for this rank with full recompute and no "
+                        "pipeline; 0: torch's pinned buffers, rounded up to powers of two)")
     _bool_flag(t, "--report-memory", "print activation bytes saved for backward per rank and layer, "
                "peak device memory and the model-state bytes per rank (parameters, gradients, "
                "optimizer state on device and on host), with the log line")

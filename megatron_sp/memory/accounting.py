@@ -81,10 +81,11 @@ def record_weight_copy(t: torch.Tensor) -> None:
         acct._add(t, weight_copy=True)
 
 
-def record_host(t: torch.Tensor, device_tensor: torch.Tensor) -> None:
-    """Called by the offload hooks: `device_tensor` now lives on the host as `t`."""
+def record_host(t: torch.Tensor, device_tensor: torch.Tensor, block=None) -> None:
+    """Called by the offload hooks: `device_tensor` now lives on the host as `t`; block: (key,
+    bytes) when t is a block of a host pool's slab (HostPool.block: its own bytes, not the slab's)."""
     for acct in _ACTIVE:
-        acct._add(t, host=True)
+        acct._add(t, host=True, block=block)
 
 
 class _Pass:
@@ -137,11 +138,11 @@ class SavedTensorAccountant:
             self.passes.append(_Pass())
 
     # Recording -----------------------------------------------------------------------------------
-    def _add(self, t: torch.Tensor, host: bool = False, weight_copy: bool = False):
+    def _add(self, t: torch.Tensor, host: bool = False, weight_copy: bool = False, block=None):
         if not self.passes:
             self.passes.append(_Pass())
         p = self.passes[-1]
-        key, nbytes = _storage_key(t)
+        key, nbytes = block or _storage_key(t)
         if key in p.seen:
             return
         p.seen.add(key)

@@ -5,6 +5,10 @@
 are (they are alive anyway), and on a CPU-only run the path is still exercised (the saved tensor is
 copied into a fresh host buffer, so correctness tests cover it). With full recompute it wraps the
 checkpoint call, so the only tensors it sees are the layer inputs the checkpoint keeps.
+
+With `pool` (a megatron_sp.memory.host_pool.HostPool) the host copies are blocks of the pool's slab
+(pinned once, exact sizes) instead of torch's caching host allocator's buffers (each rounded up to a
+power of two); a block returns to the pool when autograd frees the saved tensor after its backward.
 """
 from __future__ import annotations
 
@@ -15,8 +19,10 @@ import torch
 from megatron_sp.memory import accounting
 
 
-def offload_saved_tensors():
+def offload_saved_tensors(pool=None):
     """Context manager: tensors saved for backward in the body live on the host until backward.
+
+    pool: a HostPool to hold the host copies (None: a fresh buffer each, pinned on CUDA).
 
     A tensor saved by several ops in the body (a norm's input, ...) is copied once. The map of
     copies belongs to this context only: once the body has run, the host copies are held by the
@@ -37,10 +43,14 @@ def offload_saved_tensors():
             return (t.device, hit[1])
         # Same strides as the saved tensor (a checkpoint's recompute checks the layout of what it
         # gets back: a sequence tile is a strided view; a contiguous copy takes another kernel path).
-        host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype,
-                                   pin_memory=t.device.type != "cpu")
+        if pool is not None:
+            host = pool.empty(t.size(), t.dtype, t.stride())
+        else:
+            host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype,
+                                       pin_memory=t.device.type != "cpu")
         host.copy_(t, non_blocking=t.device.type != "cpu")
-        accounting.record_host(host, t)
+        accounting.record_host(host, t, None if pool is None or host.numel() == 0
+                               else pool.block(host))
         copies[key] = (weakref.ref(t), host)
         return (t.device, host)
 

@@ -72,10 +72,15 @@ def recompute_plan(num_layers: int, options) -> list[tuple[int, int, bool]]:
     return plan
 
 
-def forward_layers(layers, x, rope, document_ids, options, rng_tracker=None):
-    """Run the (name, layer) pairs on x with the recompute/offload of `options` (MemoryOptions)."""
+def forward_layers(layers, x, rope, document_ids, options, rng_tracker=None, host_pool=None):
+    """Run the (name, layer) pairs on x with the recompute/offload of `options` (MemoryOptions);
+    host_pool: the HostPool that holds offloaded activations (None: torch's pinned buffers)."""
     layers = list(layers)
     cos, sin = rope if rope is not None else (None, None)
+    # One offload context for every segment: a tensor every checkpoint saves (RoPE's cos, sin) is
+    # copied to the host once, not once per segment (the planner counts it once).
+    offload = (offload_saved_tensors(host_pool) if options.offload_activations
+               else contextlib.nullcontext())
     for start, end, recompute in recompute_plan(len(layers), options):
         segment = [layer for _, layer in layers[start:end]]
 
@@ -85,7 +90,6 @@ def forward_layers(layers, x, rope, document_ids, options, rng_tracker=None):
                 x = layer(x, r, document_ids)
             return x
 
-        offload = offload_saved_tensors() if options.offload_activations else contextlib.nullcontext()
         with accounting.scope(f"layer {layers[start][0]}"), offload:
             if recompute:
                 x = checkpoint(run, x, cos, sin, document_ids, rng_tracker=rng_tracker)

@@ -186,10 +186,10 @@ class DistributedOptimizer:
         self.pieces = {p: _Piece(p, self.n) for p in self.params}
         self.sp_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         self.embedding_params = [p for p in self.params if getattr(p, "embedding_tied", False)]
+        self.host_pool = self._host_pool()
         self.master = {p: self._master(p) for p in self.params if self._owned(p).numel() > 0}
-        self.host_grads = {p: torch.empty(m.shape, dtype=m.dtype, device=m.device,
-                                          pin_memory=m.is_pinned())     # where the master lives
-                           for p, m in self.master.items() if not self._is_view(p)}
+        self.host_grads = {p: self._host_empty(m) for p, m in self.master.items()   # where the
+                           if not self._is_view(p)}                                # master lives
         # torch's fused kernel, as the unsharded optimizer (foreach cost +17% of an H200 llama-1b
         # step at 8K); the strided master rows (column pieces of fused tp projections) on foreach
         groups = [{"params": [self.master[p] for p in g["params"] if p in self.master],
@@ -220,14 +220,32 @@ class DistributedOptimizer:
     def _is_view(self, p) -> bool:
         return not self.cpu_offload and p.dtype == torch.float32
 
+    def _host_pool(self):
+        """--optimizer-cpu-offload on CUDA: one exact pinned host pool for the fp32 master rows and
+        their gradient rows (megatron_sp/memory/host_pool.py: no rounding to powers of two)."""
+        if not (self.cpu_offload and self.device.type == "cuda"):
+            return None
+        from megatron_sp.memory.host_pool import HostPool, pool_bytes
+        sizes = [4 * self._owned(p).numel() for p in self.params if self._owned(p).numel() > 0]
+        return HostPool(pool_bytes(sizes * 2), pin=True, what="the offloaded optimizer state",
+                        remedy="shard it over more ranks (dp x sp) or use --use-torch-fsdp2")
+
+    def _host_empty(self, like: torch.Tensor) -> torch.Tensor:
+        """An fp32 tensor shaped like `like` where the master rows live (the host pool if any)."""
+        if self.host_pool is not None:
+            return self.host_pool.empty(like.shape, torch.float32)
+        return torch.empty(like.shape, dtype=torch.float32, device=like.device,
+                           pin_memory=like.is_pinned())
+
     def _master(self, p) -> torch.Tensor:
         """fp32 master rows: a view of p itself, or a copy in host memory (offload) / in fp32."""
         own = self._owned(p)
         if self._is_view(p):
             return own
+        if self.host_pool is not None:
+            return self.host_pool.empty(own.shape, torch.float32).copy_(own)
         device = torch.device("cpu") if self.cpu_offload else p.device
-        pin = self.cpu_offload and p.is_cuda
-        return torch.empty(own.shape, dtype=torch.float32, device=device, pin_memory=pin).copy_(own)
+        return torch.empty(own.shape, dtype=torch.float32, device=device).copy_(own)
 
     def _make_buckets(self, bucket_mb: float) -> list[_Bucket]:
         buckets, current, size = [], [], 0
