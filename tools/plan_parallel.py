@@ -35,7 +35,13 @@ Host memory per node: offloaded optimizer state and activations of the node's ra
 rounded up to powers of two, within 90% of --host-memory-gb.
 s/step: model FLOPs at --mfu of --peak-tflops x technique cost + communication at the given
 bandwidths, not overlapped (a pessimistic ranking figure, not a prediction); the ring's point-to-point
-bytes at NVLink speed inside a node, the network's once the ring leaves it.
+bytes at NVLink speed inside a node, the network's once the ring leaves it. --json splits it into
+compute_s and comm_s. tok/s: global batch x seq / s/step, the whole job's. MFU: the step's model
+FLOPs by Megatron-LM's num_floating_point_operations (docs/design.md §9, forward and backward,
+recompute not counted) / (s/step x GPUs x --peak-tflops): the assumed --mfu less what recompute,
+the pipeline bubble and communication cost. --max-seq --max-step-seconds S: the longest sequence
+whose fastest plan's s/step is at most S; the output says what binds it (device memory, host
+memory or the step time).
 
 Each plan's flags are the whole plan for pretrain_gpt.py (add data, schedule and checkpoint flags,
 and launch it on --num-gpus processes: dp is what tp x sp x cp x pp leaves of them): the model
@@ -48,7 +54,6 @@ its count. A search that runs longer than --progress-interval seconds says how f
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -59,17 +64,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_sp.memory.planner import (Hardware, SearchProgress, Workload,  # noqa: E402
                                         activation_bytes, korthikanti_layer_bytes,
-                                        max_feasible_seq, plan, seq_step)
+                                        binding_limit, max_feasible_seq, plan)
 from megatron_sp.models import GPTConfig, preset  # noqa: E402
 
 WIDTH = 120
-HEADER = ("  #  tp  sp  pp  dp  sharding       state GB     activ. GB   reserve  total  host/node"
-          "   s/step  comm GB",
-          "                                  device  host  device  host      GB     GB         GB")
-# With a ring among the listed plans: a cp column after sp.
-HEADER_CP = ("  #  tp  sp  cp  pp  dp  sharding       state GB     activ. GB   reserve  total  host/node"
-             "   s/step  comm GB",
-             "                                      device  host  device  host      GB     GB         GB")
+
+
+def _header(cp_column: bool) -> tuple[str, str]:
+    """The table's two header lines, aligned with format_row's columns."""
+    dims = ("tp", "sp", "cp", "pp", "dp") if cp_column else ("tp", "sp", "pp", "dp")
+    lead = f"{'#':>3}" + "".join(f"{d:>4}" for d in dims) + f"  {'sharding':<15}"
+    return (lead + f"{'state GB':^13}{'activ. GB':^13}{'reserve':>7}{'total':>7}{'host/node':>11}"
+                   f"{'s/step':>8}{'comm GB':>9}{'tok/s':>6}{'MFU':>6}",
+            " " * len(lead) + f"{'device':>7}{'host':>6}{'device':>7}{'host':>6}{'GB':>7}{'GB':>7}"
+                              f"{'GB':>11}{'':>8}{'':>9}{'':>6}{'%':>6}")
+
+
+HEADER, HEADER_CP = _header(False), _header(True)   # HEADER_CP: a cp column, when a plan has a ring
 # The model fields this tool takes, passed on to pretrain_gpt.py under the same flag names.
 MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                 "ffn_hidden_size", "vocab_size")
@@ -107,6 +118,9 @@ def parse_args(argv=None):
     p.add_argument("--seq-length", type=int, help="tokens per sequence (not with --max-seq)")
     p.add_argument("--max-seq", action="store_true",
                    help="find the longest feasible sequence (a multiple of lcm(1024, GPUs)) instead")
+    p.add_argument("--max-step-seconds", type=float, default=None, metavar="S",
+                   help="with --max-seq: the longest sequence whose fastest plan's estimated step "
+                        "(s/step) takes at most S seconds")
     p.add_argument("--no-ring", dest="ring", action="store_false",
                    help="no ring of context parallelism (cp = 1): tp, Ulysses sp, pp, dp only")
     p.add_argument("--global-batch-size", type=int, default=1, help="sequences per step (default 1)")
@@ -146,6 +160,11 @@ def parse_args(argv=None):
         p.error("give --model or the model flags (--num-layers --hidden-size --num-attention-heads)")
     if args.max_seq == (args.seq_length is not None):
         p.error("give either --seq-length or --max-seq")
+    if args.max_step_seconds is not None and not args.max_step_seconds > 0:
+        p.error(f"--max-step-seconds must be a positive number of seconds, got "
+                f"{args.max_step_seconds:g}")
+    if args.max_step_seconds is not None and not args.max_seq:
+        p.error("--max-step-seconds bounds --max-seq's search: give --max-seq")
     if args.sharding == "none" and args.optimizer_cpu_offload:
         p.error("--optimizer-cpu-offload needs a sharded mode: use --sharding "
                 "distributed-optimizer, fsdp or auto")
@@ -172,13 +191,31 @@ def search(args) -> dict:
     return dict(sharding=args.sharding, cpu_offload=args.optimizer_cpu_offload, ring=args.ring)
 
 
+def rate(x: float) -> str:
+    """A rate in at most 5 characters: 3 significant digits, k and M for thousands and millions."""
+    if x <= 0:
+        return "0"
+    x = float(f"{x:.3g}")
+    for scale, unit in ((1e6, "M"), (1e3, "k")):
+        if x >= scale:
+            v = x / scale
+            return (f"{v:.3g}" if v < 1000 else f"{v:.0f}") + unit
+    return f"{x:.3g}" if x >= 1 else f"{x:.2g}" if x >= 0.01 else f"{x:.0e}"
+
+
+def short(x: float) -> str:
+    """One decimal below 10,000, none above."""
+    return f"{x:.1f}" if x < 1e4 else f"{x:.0f}"
+
+
 def format_row(i: int, pl, cp_column: bool = False) -> str:
     comm = pl.comm_total_gb
     cp = f" {pl.cp:>3}" if cp_column else ""
-    return (f"{i:>3} {pl.tp:>3} {pl.sp:>3}{cp} {pl.pp:>3} {pl.dp:>3}  {pl.sharding_label:<13}"
-            f"{pl.state_device_gb:>8.1f}{pl.state_host_gb:>6.1f}{pl.activations_gb:>8.1f}"
-            f"{pl.activations_host_gb:>6.1f}{pl.reserve_gb:>8.1f}{pl.total_gb:>7.1f}"
-            f"{pl.host_node_gb:>11.0f}{pl.score:>9.1f}{comm:>9.1f}")
+    return (f"{i:>3} {pl.tp:>3} {pl.sp:>3}{cp} {pl.pp:>3} {pl.dp:>3}  {pl.sharding_label:<15}"
+            f"{pl.state_device_gb:>7.1f}{pl.state_host_gb:>6.1f}{pl.activations_gb:>7.1f}"
+            f"{pl.activations_host_gb:>6.1f}{pl.reserve_gb:>7.1f}{pl.total_gb:>7.1f}"
+            f"{pl.host_node_gb:>11.0f}{short(pl.step_s):>8}{short(comm):>9}"
+            f"{rate(pl.tokens_per_s):>6}{100 * pl.mfu:>6.1f}")
 
 
 def model_flags(args) -> list[str]:
@@ -237,6 +274,15 @@ def kernel_lines(plans) -> list[str]:
                                initial_indent=KERNEL_LABEL if i == 0 else " " * len(KERNEL_LABEL),
                                subsequent_indent=" " * (len(KERNEL_LABEL) + 2))
     return lines
+
+
+def cost_lines(args) -> list[str]:
+    """What the cost columns mean, for the table's foot, within WIDTH."""
+    return textwrap.wrap(
+        f"cost: s/step = model FLOPs at {args.mfu:.0%} of {args.peak_tflops:g} TFLOP/s, x recompute "
+        f"and pipeline bubble, + communication, not overlapped (--json: compute_s + comm_s); "
+        f"tok/s = global batch x seq / s/step, the whole job's; MFU = model FLOPs (Megatron-LM's "
+        f"formula) / (s/step x GPUs x peak).", WIDTH)
 
 
 def print_table(plans, top: int, model=()) -> None:
@@ -323,6 +369,7 @@ def main(argv=None):
         print("no feasible layout: more GPUs, more memory, a sharding mode, or a shorter sequence.")
         return 1
     print_table(plans, args.top, model)
+    print(*cost_lines(args), sep="\n")
     best = plans[0]
     ours = activation_bytes(cfg, seq, args.micro_batch_size, tp=best.tp, sp=best.sp,
                             sequence_parallel=best.sequence_parallel, dtype_bytes=2, cp=best.cp)
@@ -335,33 +382,48 @@ def main(argv=None):
     return 0
 
 
-def limit(args, seq: int, progress: SearchProgress | None = None) -> str:
-    """What stops the next longer sequence: device memory, or host memory (ample device memory)."""
-    nxt = seq + seq_step(hardware(args), args.ring)
-    ample_host = dataclasses.replace(hardware(args), host_memory_gb=float("inf"))
-    if plan(build_config(args, nxt), workload(args, nxt), ample_host, **search(args),
-            progress=progress):
-        return "host memory (pinned buffers round up to powers of two)"
-    return "device memory"
+HOST_LIMIT = "host memory (the offloaded state and activations of a node's ranks)"
+
+
+def limit(args, seq: int, progress: SearchProgress | None = None) -> tuple[str, str]:
+    """What stops the next longer sequence (planner.binding_limit: device memory, host memory
+    (it would fit with ample host memory), under --max-step-seconds the step time (it fits, but
+    its fastest plan's step takes longer), or the search limit), and a sentence with the figures
+    that show it."""
+    why, nxt = binding_limit(lambda s: build_config(args, s), hardware(args),
+                             workload(args, seq=0), seq, **search(args), progress=progress,
+                             max_step_s=args.max_step_seconds)
+    if why == "step time":
+        return why, (f"step time: {nxt.seq_length} tokens fit, but their fastest plan takes "
+                     f"{nxt.step_s:.6g} s/step > {args.max_step_seconds:g}")
+    return why, HOST_LIMIT if why == "host memory" else why
 
 
 def max_seq_main(args, progress: SearchProgress | None = None, model=()) -> int:
-    """--max-seq: the longest sequence that fits, what limits it, and its best plan."""
+    """--max-seq: the longest sequence that fits (under --max-step-seconds, whose fastest plan's
+    step also fits that bound), what limits it, and its best plan."""
+    bound = args.max_step_seconds
     seq, best = max_feasible_seq(lambda s: build_config(args, s), hardware(args),
-                                 workload(args, seq=0), **search(args), progress=progress)
+                                 workload(args, seq=0), **search(args), progress=progress,
+                                 max_step_s=bound)
     if args.json:
         print(json.dumps({"model": args.model, "num_gpus": args.num_gpus, "max_seq": seq,
+                          "max_step_seconds": bound,
+                          **dict(zip(("limited_by", "limit"),
+                                     limit(args, seq, progress) if best else (None, None))),
                           "plan": plan_dict(best, model) if best else None}, indent=1))
         return 0 if best else 1
     cfg = build_config(args, max(seq, 1024))
     print(*describe(cfg, args, "longest feasible")[0:1], sep="\n")
+    within = f" within {bound:g} s/step" if bound is not None else ""
     if best is None:
-        print(f"no sequence fits {args.num_gpus} GPUs x {args.gpu_memory_gb:g} GB.")
+        print(f"no sequence fits {args.num_gpus} GPUs x {args.gpu_memory_gb:g} GB{within}.")
         return 1
-    print(f"longest feasible sequence on {args.num_gpus} GPUs x {args.gpu_memory_gb:g} GB: {seq} tokens "
-          f"({seq / 2**20:.2f}M)")
-    print(f"limited by {limit(args, seq, progress)}")
+    print(f"longest feasible sequence on {args.num_gpus} GPUs x {args.gpu_memory_gb:g} GB{within}: "
+          f"{seq} tokens ({seq / 2**20:.2f}M)")
+    print(f"limited by {limit(args, seq, progress)[1]}")
     print_table([best], 1, model)
+    print(*cost_lines(args), sep="\n")
     return 0
 
 

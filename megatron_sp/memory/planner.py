@@ -108,7 +108,8 @@ full recompute), each with its working buffers (gradients, the attention kernel'
 one MLP tile, one loss chunk's logits), + the attention plans' index tensors (plan_index_bytes).
 The planner (`plan(cfg, Workload, Hardware)`: the job, the machine; each layout a ParallelDims) adds
 a reserve (fixed + a fragmentation fraction) and checks host memory per node (offloaded state and
-activations, pinned buffers rounded up to powers of two). With ring=True it also tries layouts with
+activations: exact host pools where we allocate, pinned buffers rounded up to powers of two where
+torch does). With ring=True it also tries layouts with
 a ring (cp > 1, stride tp*sp in the rank order): Ulysses sp stays bounded by the head rules, the ring
 by nothing but the sequence, which must divide into 2*cp*sp (*tp with --sequence-parallel) shards.
 """
@@ -118,6 +119,7 @@ import functools
 import math
 from dataclasses import dataclass, field, replace
 
+from megatron_sp.memory.host_pool import align_up
 from megatron_sp.memory.options import MemoryOptions, resolve_count
 from megatron_sp.mesh import ParallelDims, sequence_layout_problem
 
@@ -469,15 +471,18 @@ def _layer_tensor_numels(cfg, tp: int) -> list[float]:
     return [H * (h + 2 * g) * d / tp, h * d * H / tp, fc1 / tp, F * H / tp]
 
 
-def host_state_pinned_bytes(cfg, tp: int, pp: int, n: int) -> float:
+def host_state_pinned_bytes(cfg, tp: int, pp: int, n: int, pool: bool = False) -> float:
     """Host bytes of the offloaded model state with the pinned rounding: the fp32 weight and
     gradient shards are pinned (FSDP2's CPUOffloadPolicy(pin_memory=True)), each rounded up to a
-    power of two; Adam's m and v are plain host tensors (8 bytes/param, exact)."""
+    power of two; Adam's m and v are plain host tensors (8 bytes/param, exact). pool: the shards
+    are blocks of an exact host pool instead (the distributed optimizer's, host_pool.py): each
+    aligned to host_pool.ALIGNMENT, no rounding to powers of two."""
     P = params_per_rank(cfg, tp, pp)
     vocab = cfg.padded_vocab_size(tp) * cfg.hidden_size / tp
     tables = 2 if (pp == 1 and not cfg.tie_embeddings) else 1     # embedding (+ output layer)
     shards = [x / n for x in _layer_tensor_numels(cfg, tp)] * (cfg.num_layers // pp) + [vocab / n] * tables
-    pinned = 2 * sum(pinned_bytes(4 * x) for x in shards)         # weights and grads
+    one = align_up if pool else pinned_bytes
+    pinned = 2 * sum(one(4 * x) for x in shards)                  # weights and grads
     rest = max(P / n - sum(shards), 0)                             # norms, biases: rounding ignored
     return pinned + 2 * 4 * rest + 8 * P / n
 
@@ -717,14 +722,16 @@ def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int
                     sequence_parallel: bool = False, memory: MemoryOptions | None = None,
                     dtype_bytes: int = 2, residual_bytes: int = 4, in_flight_micro_batches: int = 1,
                     pinned: bool = True, device: str = "cuda", cp: int = 1,
-                    documents: bool = False) -> dict:
+                    documents: bool = False, host_pool: bool = False) -> dict:
     """Peak activation bytes of one step on one rank (the heaviest pipeline stage), and host bytes.
 
     kept: what the forward leaves for backward (all layers', or only the checkpointed inputs under
     full recompute; on host with offload), times the micro-batches 1F1B keeps in flight; then the
     larger of the output layer's backward and one layer's backward (recomputed first under full
     recompute; its saved tensors come back from host with offload). Host: the offloaded tensors,
-    each rounded up to a power of two when pinned (torch's caching host allocator). device: "cuda"
+    each rounded up to a power of two when pinned (torch's caching host allocator), or with
+    host_pool the blocks of the exact host pool (host_pool.py: each aligned to ALIGNMENT bytes, the
+    pool's slab; RoPE's cos and sin copied once for all layers). device: "cuda"
     or "cpu", whose RMSNorm kernel (module docstring). cp: the ring's degree (T = b*s/(sp*cp); the
     ring's backward buffers join one layer's attention backward; "ring" in the result gives them).
     documents: packed documents as segments. Over the whole step the attention plans' index
@@ -760,8 +767,11 @@ def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int
         if memory.full_recompute:
             groups = math.ceil(L / memory.recompute_num_layers) \
                 if memory.recompute_method == "uniform" else min(memory.recompute_num_layers, L)
-            one = pinned_bytes(ckpt_input) if pinned else ckpt_input
-            host = groups * one + (act["host"] - groups * ckpt_input)   # + RoPE tables
+            tables = act["host"] - groups * ckpt_input                    # RoPE's cos and sin
+            if host_pool:
+                host = groups * align_up(ckpt_input) + 2 * align_up(tables / 2)
+            else:
+                host = groups * (pinned_bytes(ckpt_input) if pinned else ckpt_input) + tables
         else:
             host = act["host"]
         host *= in_flight_micro_batches
@@ -789,7 +799,14 @@ class Plan:
     ring's degree (context parallelism; 1: none), the sequence over sp x cp ranks; seq_length,
     max_position_embeddings and global_batch: the job it was planned for (0: not recorded, and
     then not among the flags); documents: packed documents (--reset-attention-mask);
-    attention_kernel: the attention kernel the memory model assumes (attention_kernel)."""
+    attention_kernel: the attention kernel the memory model assumes (attention_kernel).
+
+    Cost (set by plan()): score, the estimated seconds per step (step_s), = compute_s (model FLOPs
+    at hw.mfu of the peak x technique cost x (1 + pipeline bubble)) + comm_s (communication bytes
+    / bandwidth, not overlapped); model_flops, the step's model FLOPs by Megatron-LM's
+    num_floating_point_operations (docs/design.md §9: 12 B s L H^2 ((1 + g/a + s/H) q + (F/H)
+    gated + V/(2 L H)), forward and backward, recompute not counted; megatron_sp.training.flops);
+    peak_flops, the job's peak FLOP/s (GPUs x bf16 dense peak). From them tokens_per_s and mfu."""
     tp: int
     sp: int
     pp: int
@@ -815,10 +832,31 @@ class Plan:
     global_batch: int = 0
     documents: bool = False
     attention_kernel: str = ""
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    model_flops: float = 0.0
+    peak_flops: float = 0.0
 
     @property
     def comm_total_gb(self) -> float:
         return sum(v for k, v in self.comm_gb.items() if k != "host")
+
+    @property
+    def step_s(self) -> float:
+        """Estimated seconds per step (the score): compute_s + comm_s."""
+        return self.score
+
+    @property
+    def tokens_per_s(self) -> float:
+        """The whole job's tokens per second: global_batch x seq_length / step_s (0 unknown)."""
+        return self.global_batch * self.seq_length / self.score if self.score > 0 else 0.0
+
+    @property
+    def mfu(self) -> float:
+        """Estimated model FLOP utilisation: model_flops / (step_s x peak_flops), i.e. the assumed
+        hw.mfu discounted by recompute, the pipeline bubble and communication (0 unknown)."""
+        return self.model_flops / (self.score * self.peak_flops) \
+            if self.score > 0 and self.peak_flops > 0 else 0.0
 
     def context_flags(self) -> list[str]:
         """How the sequence is split, in Megatron's names: Ulysses alone --sequence-parallel-size
@@ -899,7 +937,8 @@ class Plan:
             "max_position_embeddings", "sequence_parallel", "sharding", "cpu_offload",
             "state_device_gb", "state_host_gb", "activations_gb", "activations_host_gb",
             "reserve_gb", "total_gb", "host_node_gb", "comm_gb", "score", "documents",
-            "attention_kernel")}
+            "attention_kernel", "step_s", "compute_s", "comm_s", "tokens_per_s", "mfu",
+            "model_flops")}
         out["memory"] = self.memory.to_dict()
         out["flags"] = self.flags()
         return out
@@ -994,10 +1033,16 @@ def _admissible(cfg, work: Workload, dims: ParallelDims) -> bool:
 
 
 def _step_seconds(p: Plan, work: Workload, hw: Hardware, compute_s: float) -> float:
-    """Estimated seconds per step: compute (x technique cost, x pipeline bubble) + communication
-    (not overlapped: a pessimistic bound, also for the ring's point-to-point transfers, which
-    the implementation posts before each block's computation). The ring runs at the network's
-    bandwidth once it leaves a node (a ring is as fast as its slowest hop)."""
+    """Estimated seconds per step: the sum of _step_parts."""
+    return sum(_step_parts(p, work, hw, compute_s))
+
+
+def _step_parts(p: Plan, work: Workload, hw: Hardware, compute_s: float) -> tuple[float, float]:
+    """(compute, communication) seconds of one step: compute (x technique cost, x pipeline
+    bubble) and communication (not overlapped: a pessimistic bound, also for the ring's
+    point-to-point transfers, which the implementation posts before each block's computation).
+    The ring runs at the network's bandwidth once it leaves a node (a ring is as fast as its
+    slowest hop)."""
     c = p.sp * p.cp                                   # the context ranks (stride tp; the ring tp*sp)
     bw = {"tp": hw.intra_node_gbps,
           "sp": hw.intra_node_gbps if p.tp * p.sp <= hw.gpus_per_node else hw.inter_node_gbps,
@@ -1007,7 +1052,7 @@ def _step_seconds(p: Plan, work: Workload, hw: Hardware, compute_s: float) -> fl
           "host": hw.pcie_gbps}
     comm_s = sum(gb * GiB / 1e9 / bw[k] for k, gb in p.comm_gb.items())
     bubble = (p.pp - 1) / max(1, work.micro_batches(p.dp)) if p.pp > 1 else 0.0
-    return compute_s * p.cost * (1 + bubble) + comm_s
+    return compute_s * p.cost * (1 + bubble), comm_s
 
 
 def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
@@ -1023,7 +1068,9 @@ def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
     Device memory per rank = model state on device + peak activations (step_peak_bytes) + a reserve:
     hw.reserve_gb (CUDA context, NCCL and cuBLAS workspaces) + hw.fragmentation x the modelled bytes
     (the caching allocator's unusable split blocks). Host memory per node = ranks on the node x
-    (model state on host + offloaded activations, pinned buffers rounded to powers of two), at most
+    (model state on host + offloaded activations: exact host pools (host_pool.py) for the
+    activations without a pipeline and the distributed optimizer's state, pinned buffers rounded
+    to powers of two for FSDP2's CPUOffloadPolicy and pipelined activations), at most
     hw.host_budget_gb (the rest: OS, data loader, page cache).
     Activations: bf16 matmul inputs (work.dtype_bytes); the residual stream and norms in fp32 (bf16
     autocast over fp32 weights) except under FSDP2 with bf16 parameters (MixedPrecisionPolicy),
@@ -1033,20 +1080,24 @@ def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
 
     Score: estimated step seconds = model FLOPs / (GPUs x peak x mfu) x technique cost (recompute
     ~ +1/3) x (1 + pipeline bubble) + communication bytes / bandwidth (tp inside a node; sp, pp and dp
-    cross nodes when the layout spans them; GB/s per GPU; offloaded state over PCIe).
+    cross nodes when the layout spans them; GB/s per GPU; offloaded state over PCIe). Each plan
+    keeps the two parts (Plan.compute_s, Plan.comm_s), the step's model FLOPs (Megatron-LM's
+    formula, docs/design.md §9) and the job's peak, whence Plan.tokens_per_s and Plan.mfu.
     progress: told of each layout tried (SearchProgress.layout).
     """
     from megatron_sp.training.flops import flops_for_config
     progress = progress or SearchProgress()
     candidates = sharding_candidates(sharding, cpu_offload)
-    compute_s = flops_for_config(cfg, work.global_batch, work.seq) / (
-        hw.num_gpus * hw.peak_tflops * 1e12 * hw.mfu)
+    flops = flops_for_config(cfg, work.global_batch, work.seq)
+    peak = hw.num_gpus * hw.peak_tflops * 1e12
+    compute_s = flops / (peak * hw.mfu)
     plans = []
     for dims in layouts(hw, ring):
         best = _best_fit(cfg, work, dims, hw, candidates, compute_s) \
             if _admissible(cfg, work, dims) else None
         progress.layout(best)
         if best is not None:
+            best.model_flops, best.peak_flops = flops, peak
             plans.append(best)
     plans.sort(key=lambda q: q.score)
     return plans
@@ -1063,7 +1114,8 @@ def _best_fit(cfg, work: Workload, dims: ParallelDims, hw: Hardware, candidates,
         if p is not None:
             p.comm_gb = {k: v / GiB for k, v in comm_bytes_per_step(
                 cfg, replace(job, memory=p.memory), dims, mode, offload).items()}
-            p.score = _step_seconds(p, job, hw, compute_s)
+            p.compute_s, p.comm_s = _step_parts(p, job, hw, compute_s)
+            p.score = p.compute_s + p.comm_s
             fits.append(p)
     return min(fits, key=lambda q: q.score) if fits else None
 
@@ -1077,7 +1129,10 @@ def _model_state(cfg, dims: ParallelDims, mode: str, offload: bool, e: int) -> t
     device = model_state_bytes(cfg, dims.tp, dims.pp, n, mode, offload, bf16=e == 2)["device"]
     if mode != "fsdp" and e == 2:
         device += 2 * params_per_rank(cfg, dims.tp, dims.pp)
-    host = host_state_pinned_bytes(cfg, dims.tp, dims.pp, n) if offload else 0.0
+    # the distributed optimizer's offloaded shards are blocks of its exact host pool; FSDP2's
+    # CPUOffloadPolicy pins through torch's caching host allocator (powers of two)
+    host = host_state_pinned_bytes(cfg, dims.tp, dims.pp, n, pool=mode == "distributed-optimizer") \
+        if offload else 0.0
     return device, host
 
 
@@ -1093,7 +1148,8 @@ def _fit(cfg, work: Workload, dims: ParallelDims, hw: Hardware, mode: str,
                                pp=dims.pp, sequence_parallel=work.sequence_parallel, memory=mem,
                                dtype_bytes=e, residual_bytes=r,
                                in_flight_micro_batches=work.in_flight(dims), device=hw.device,
-                               cp=dims.cp, documents=work.documents)
+                               cp=dims.cp, documents=work.documents,
+                               host_pool=dims.pp == 1)   # pretrain_gpt's pool: no pipeline only
         modelled = state_device + peak["device"]
         reserve = hw.reserve_gb * GiB + hw.fragmentation * modelled
         host_node = hw.ranks_per_node * (state_host + peak["host"])
@@ -1120,21 +1176,32 @@ def seq_step(hw: Hardware, ring: bool = False) -> int:
 def max_feasible_seq(make_cfg, hw: Hardware, work: Workload | None = None, *,
                      step: int | None = None, limit: int = 2 ** 34, sharding: str = "auto",
                      cpu_offload: bool | None = None, ring: bool = False,
-                     progress: SearchProgress | None = None) -> tuple[int, Plan | None]:
+                     progress: SearchProgress | None = None,
+                     max_step_s: float | None = None) -> tuple[int, Plan | None]:
     """The longest sequence (a multiple of `step`, default seq_step(hw, ring): lcm(1024, GPUs))
     for which plan() finds a layout, by doubling then bisection; make_cfg(seq) builds the model
     config for a length, `work` the rest of the job (its seq is replaced; default one sequence per
     step); ring: layouts with a ring too (plan); progress: told of each layout and each length
-    tried (SearchProgress). Returns (0, None) when not even one step fits."""
+    tried (SearchProgress); max_step_s: only lengths whose fastest plan's step_s is at most this
+    many seconds count (step time grows with the length, so the search stays a bisection).
+    Returns the length and its fastest plan, or (0, None) when not even one step fits.
+    binding_limit says what stops the next length."""
+    if max_step_s is not None and not max_step_s > 0:
+        raise ValueError(f"the step-time bound must be a positive number of seconds, got "
+                         f"{max_step_s}.")
     step = step or seq_step(hw, ring)
     work = work or Workload(seq=step)
     progress = progress or SearchProgress()
+    found = {}
 
     def best(k):
-        plans = plan(make_cfg(k * step), replace(work, seq=k * step), hw, sharding=sharding,
-                     cpu_offload=cpu_offload, ring=ring, progress=progress)
-        progress.length(k * step, bool(plans))
-        return plans[0] if plans else None
+        if k not in found:
+            plans = plan(make_cfg(k * step), replace(work, seq=k * step), hw, sharding=sharding,
+                         cpu_offload=cpu_offload, ring=ring, progress=progress)
+            ok = plans and (max_step_s is None or plans[0].score <= max_step_s)
+            progress.length(k * step, bool(ok))
+            found[k] = plans[0] if ok else None
+        return found[k]
     if best(1) is None:
         return 0, None
     lo, hi = 1, 2
@@ -1147,3 +1214,30 @@ def max_feasible_seq(make_cfg, hw: Hardware, work: Workload | None = None, *,
         else:
             hi = mid
     return lo * step, best(lo)
+
+
+BINDS = ("device memory", "host memory", "step time", "search limit")
+
+
+def binding_limit(make_cfg, hw: Hardware, work: Workload | None, seq: int, *,
+                  step: int | None = None, limit: int = 2 ** 34, sharding: str = "auto",
+                  cpu_offload: bool | None = None, ring: bool = False,
+                  progress: SearchProgress | None = None,
+                  max_step_s: float | None = None) -> tuple[str, Plan | None]:
+    """What stops the next length after max_feasible_seq's answer `seq` (same arguments), one of
+    BINDS, with the plan that shows it: "step time" when some layout fits seq + step in memory
+    but its fastest step exceeds max_step_s (that plan); else "host memory" when it would fit with
+    unlimited host memory per node (the fastest such plan); else "device memory" (None); "search
+    limit" when seq + step passes `limit` (None)."""
+    step = step or seq_step(hw, ring)
+    nxt = seq + step
+    if nxt > limit:
+        return "search limit", None
+    work = replace(work or Workload(seq=nxt), seq=nxt)
+    search = dict(sharding=sharding, cpu_offload=cpu_offload, ring=ring, progress=progress)
+    if max_step_s is not None:
+        plans = plan(make_cfg(nxt), work, hw, **search)
+        if plans:
+            return "step time", plans[0]
+    plans = plan(make_cfg(nxt), work, replace(hw, host_memory_gb=float("inf")), **search)
+    return ("host memory", plans[0]) if plans else ("device memory", None)

@@ -152,9 +152,15 @@ def _flag_argv(p):
 
 
 def test_each_plans_flags_are_accepted_by_pretrain_gpt():
+    """Each plan's own flags (no --seq-length added) parse back to its layout and sequence; the
+    ring plans' through _context_flags_parse (the 32-GPU ALST run with the ring)."""
     parser = build_parser()
     cfg8 = _llama8b(131072)
     cases = [plan(_llama8b(s), Workload(s), Hardware(g)) for s, g in ALST]
+    ringed = plan(_llama8b(ALST[2][0]), Workload(ALST[2][0]), Hardware(ALST[2][1]), ring=True)
+    assert any(p.cp > 1 for p in ringed[:6])
+    for p in ringed[:6]:
+        _context_flags_parse(parser, p)
     cases += [plan(cfg8, Workload(131072, global_batch=16), Hardware(32), sharding=m, cpu_offload=o)
               for m, o in (("none", None), ("distributed-optimizer", False),
                            ("distributed-optimizer", True), ("fsdp", False), ("fsdp", True))]
@@ -162,9 +168,10 @@ def test_each_plans_flags_are_accepted_by_pretrain_gpt():
     for plans in cases:
         assert plans
         for p in plans[:6]:
-            argv = ["--model", "llama-8b", "--seq-length", "131072"] + _flag_argv(p)
+            argv = ["--model", "llama-8b"] + _flag_argv(p)
             args, unknown = parser.parse_known_args(argv)
             assert not unknown, unknown
+            assert (args.seq_length, args.max_position_embeddings) == (p.seq_length,) * 2
             assert (args.tensor_model_parallel_size, args.sequence_parallel_size,
                     args.pipeline_model_parallel_size, args.micro_batch_size) == (p.tp, p.sp, p.pp, 1)
             assert args.bf16 and args.sequence_parallel == p.sequence_parallel
@@ -198,7 +205,8 @@ def test_cli_table_fits_120_columns_with_labelled_columns_and_json(capsys):
     assert found["max_seq"] == max_feasible_seq(make, Hardware(2, gpu_mem_gb=40))[0] > 0
     assert main(["--model", "llama-8b", "--num-gpus", "8", "--max-seq"]) == 0
     out = capsys.readouterr().out
-    assert max(len(line) for line in out.splitlines()) <= 120 and "limited by host memory" in out
+    # the exact host pool (offloaded activations counted unrounded): device memory binds at 8 GPUs
+    assert max(len(line) for line in out.splitlines()) <= 120 and "limited by device memory" in out
     with pytest.raises(SystemExit):
         main(["--model", "llama-8b", "--seq-length", "8192", "--num-gpus", "1", "--sharding", "none",
               "--optimizer-cpu-offload"])
@@ -327,10 +335,12 @@ def test_step_peak_against_the_h200_measurements(name, seq, measured_gib):
 
 def _context_flags_parse(parser, p):
     """p's flags through pretrain_gpt's parser and the JobConfig: Megatron's context-parallel flags
-    give back p's Ulysses degree and ring."""
-    argv = ["--model", "llama-8b", "--seq-length", "131072"] + _flag_argv(p)
+    give back p's Ulysses degree and ring, and its own --seq-length and positions."""
+    argv = ["--model", "llama-8b"] + _flag_argv(p)
     args, unknown = parser.parse_known_args(argv)
     assert unknown == [], unknown
+    assert (args.seq_length, args.max_position_embeddings) == (p.seq_length,
+                                                                p.max_position_embeddings)
     if p.cp > 1:
         assert args.cp_comm_type == ("p2p" if p.sp == 1 else "a2a+p2p")
         if p.sp > 1:
@@ -345,6 +355,7 @@ def _context_flags_parse(parser, p):
     job = job_config(args)
     assert MemoryOptions.from_config(job.memory) == p.memory
     assert (job.parallel.sequence_parallel_size, job.parallel.ring_size) == (p.sp, p.cp)
+    assert job.training.seq_length == p.seq_length
     return unknown
 
 
@@ -659,3 +670,109 @@ def test_documents_cost_only_their_index_tensors_and_grow_linearly():
         assert "--reset-attention-mask" in p.flags() and "--reset-attention-mask" not in q.flags()
         args, unknown = parser.parse_known_args(["--model", "llama-tiny"] + _flag_argv(p))
         assert not unknown and args.reset_attention_mask
+
+
+# Each plan's cost: step time (compute + communication), tokens/s, MFU; --max-step-seconds -------
+
+def test_each_plans_cost_is_its_step_time_tokens_and_model_flops():
+    """step_s = compute_s + comm_s (the score); compute_s = Megatron-LM's model FLOPs (by hand,
+    docs/design.md §9) / (GPUs x peak x mfu) x technique cost x (1 + bubble); tokens_per_s =
+    global batch x seq / step_s; mfu = model FLOPs / (step_s x GPUs x peak), at most the assumed
+    mfu, below it by what recompute, the bubble and communication cost; all in to_dict."""
+    from megatron_sp.training.flops import num_floating_point_operations
+    seq = 131072
+    cfg = preset("llama-tiny", max_position_embeddings=seq)
+    work, hw = Workload(seq, global_batch=4), Hardware(8, gpu_mem_gb=5, peak_tflops=500, mfu=0.5)
+    L, H, a, g = cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups
+    F, V, d = cfg.ffn_hidden_size, cfg.padded_vocab_size(1), cfg.kv_channels
+    flops = 12 * 4 * seq * L * H ** 2 * ((1 + g / a + seq / H) * d * a / H + F / H * 1.5
+                                         + V / (2 * L * H))
+    assert num_floating_point_operations(4, seq, L, H, a, g, F, V, d, True) == \
+        pytest.approx(flops, rel=1e-12)
+    plans = plan(cfg, work, hw, ring=True)
+    assert len(plans) > 5 and any(p.pp > 1 for p in plans) and any(p.cost > 1.02 for p in plans)
+    peak = 8 * 500e12
+    for p in plans:
+        bubble = (p.pp - 1) / work.micro_batches(p.dp)
+        assert p.model_flops == pytest.approx(flops, rel=1e-12) and p.peak_flops == peak
+        assert p.compute_s == pytest.approx(flops / (peak * 0.5) * p.cost * (1 + bubble))
+        assert p.comm_s > 0 and p.step_s == p.score == pytest.approx(p.compute_s + p.comm_s)
+        assert p.tokens_per_s == pytest.approx(4 * seq / p.step_s)
+        assert p.mfu == pytest.approx(flops / (p.step_s * peak))
+        assert p.mfu == pytest.approx(0.5 / (p.cost * (1 + bubble) + p.comm_s / (flops / peak / 0.5)))
+        assert p.mfu < 0.5
+        d_ = p.to_dict()
+        for key in ("step_s", "compute_s", "comm_s", "tokens_per_s", "mfu", "model_flops"):
+            assert d_[key] == getattr(p, key)
+    assert [p.step_s for p in plans] == sorted(p.step_s for p in plans)
+
+
+def _tiny(s):
+    return preset("llama-tiny", max_position_embeddings=max(s, 2048))
+
+
+def test_max_step_seconds_bounds_the_longest_sequence_and_says_what_binds():
+    """max_feasible_seq(max_step_s=S): the longest length whose fastest plan's step is <= S; the
+    next length fits memory but its fastest step exceeds S, and binding_limit says "step time";
+    without the bound (or with an ample one) the memory limit's answer and "device memory";
+    host memory when only the host stops it; S <= 0 refused in one sentence."""
+    from megatron_sp.memory.planner import binding_limit, seq_step
+    hw = Hardware(2, gpu_mem_gb=6)
+    free, free_plan = max_feasible_seq(_tiny, hw)
+    assert binding_limit(_tiny, hw, None, free) == ("device memory", None)
+    bound = free_plan.step_s / 4
+    seq, best = max_feasible_seq(_tiny, hw, max_step_s=bound)
+    step = seq_step(hw)
+    assert 0 < seq < free and seq % step == 0 and best.step_s <= bound
+    assert best.seq_length == seq and best == plan(_tiny(seq), Workload(seq), hw)[0]
+    nxt = plan(_tiny(seq + step), Workload(seq + step), hw)
+    assert nxt and nxt[0].step_s > bound
+    why, shown = binding_limit(_tiny, hw, None, seq, max_step_s=bound)
+    assert why == "step time" and shown.seq_length == seq + step and shown.step_s > bound
+    assert max_feasible_seq(_tiny, hw, max_step_s=10 * free_plan.step_s) == (free, free_plan)
+    assert binding_limit(_tiny, hw, None, free, max_step_s=10 * free_plan.step_s)[0] == \
+        "device memory"
+    assert max_feasible_seq(_tiny, hw, max_step_s=1e-9) == (0, None)
+    # a host of 1 GB per node: offloaded activations stop it, not the device
+    small_host = replace(hw, host_memory_gb=1.0)
+    hseq, hbest = max_feasible_seq(_tiny, small_host)
+    assert hbest is not None and binding_limit(_tiny, small_host, None, hseq)[0] == "host memory"
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="positive number of seconds"):
+            max_feasible_seq(_tiny, hw, max_step_s=bad)
+
+
+def test_cli_prints_each_plans_cost_and_the_step_bound(capsys):
+    """The table's s/step, tok/s and MFU columns are the JSON's step_s, tokens_per_s and mfu;
+    --max-seq --max-step-seconds prints the bound and what binds (JSON: limited_by); a bound
+    of 0 or without --max-seq is refused by the parser."""
+    main = plan_parallel.main
+    argv = ["--model", "llama-tiny", "--num-gpus", "2", "--gpu-memory-gb", "6", "--max-seq"]
+    assert main(argv + ["--json"]) == 0
+    free = json.loads(capsys.readouterr().out)
+    assert free["limited_by"] == "device memory" and free["max_step_seconds"] is None
+    bound = free["plan"]["step_s"] / 4
+    assert main(argv + ["--json", "--max-step-seconds", str(bound)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    d = data["plan"]
+    assert data["limited_by"] == "step time" and data["max_seq"] == d["seq_length"] < free["max_seq"]
+    assert d["step_s"] <= bound and d["step_s"] == pytest.approx(d["compute_s"] + d["comm_s"])
+    assert d["tokens_per_s"] == pytest.approx(d["seq_length"] / d["step_s"])
+    assert d["mfu"] == pytest.approx(d["model_flops"] / (d["step_s"] * 2 * 989e12))
+    assert main(argv + ["--max-step-seconds", str(bound)]) == 0
+    out = capsys.readouterr().out
+    assert f"within {bound:g} s/step: {data['max_seq']} tokens" in out
+    assert "limited by step time" in out and max(len(line) for line in out.splitlines()) <= 120
+    header = next(line for line in out.splitlines() if "tok/s" in line)
+    row = next(line for line in out.splitlines() if line.startswith("  1 "))
+    assert header.split()[-3:] == ["GB", "tok/s", "MFU"]
+    assert row.split()[-4:-3] == [f"{d['step_s']:.1f}"]
+    assert row.split()[-2:] == [plan_parallel.rate(d["tokens_per_s"]), f"{100 * d['mfu']:.1f}"]
+    for bad in (["--max-step-seconds", "0"], ["--max-step-seconds", "-5"]):
+        with pytest.raises(SystemExit):
+            main(argv + bad)
+        assert "--max-step-seconds must be a positive number of seconds" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--model", "llama-tiny", "--num-gpus", "2", "--seq-length", "8192",
+              "--max-step-seconds", "5"])
+    assert "give --max-seq" in capsys.readouterr().err

@@ -34,6 +34,10 @@ CASES = {
     # --max-seq with the ring and the distributed optimizer
     "max-seq ring": ["--model", "llama-tiny", "--num-gpus", "16", "--max-seq", "--sharding",
                      "distributed-optimizer", "--gpu-memory-gb", "8", "--global-batch-size", "2"],
+    # --max-seq under a step-time bound: a ring around Ulysses (sp 2 x cp 8), FSDP2
+    "max-seq step-bound ring": ["--model", "llama-tiny", "--num-gpus", "16", "--max-seq",
+                                "--max-step-seconds", "30", "--gpu-memory-gb", "8",
+                                "--global-batch-size", "2"],
     # packed documents (--reset-attention-mask): Ulysses, the hybrid and the ring alone
     "documents": ["--model", "llama-tiny", "--num-gpus", "4", "--seq-length", "16384",
                   "--reset-attention-mask", "--top", "3"],
@@ -145,6 +149,17 @@ def test_printed_flags_run_each_plan(cases, monkeypatch):
               "distributed-optimizer", "fsdp", "optimizer offload", "selective", "full", "tiles",
               "chunks", "offload", "max-seq", "documents"}
     assert {k for k, on in seen if on} >= wanted
+
+
+def test_step_bound_plan_keeps_its_bound_and_its_flags_run_it(cases, monkeypatch):
+    """--max-seq --max-step-seconds 30: the plan's estimated step is within 30 s, it has a ring,
+    and its printed line (with --seq-length) runs exactly that layout and length."""
+    (flags, d, cfg), = cases["max-seq step-bound ring"]
+    assert d["cp"] > 1 and d["sp"] > 1 and 0 < d["step_s"] <= 30
+    assert d["step_s"] == d["compute_s"] + d["comm_s"]
+    ran = _ran(flags, _world("max-seq step-bound ring"), monkeypatch)
+    assert (ran["tp"], ran["sp"], ran["cp"], ran["pp"], ran["seq_length"]) == \
+        (d["tp"], d["sp"], d["cp"], d["pp"], d["seq_length"])
 
 
 def _groups(flags: list[str]) -> list[list[str]]:
