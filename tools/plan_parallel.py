@@ -105,6 +105,15 @@ def build_config(args, seq: int) -> GPTConfig:
                      add_bias_linear=False, **fields)
 
 
+def _head_chunks(value: str):
+    """--ulysses-head-chunks: "auto" or a positive integer."""
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"a positive integer or auto, got {value!r}")
+    return int(value)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None,
@@ -128,6 +137,10 @@ def parse_args(argv=None):
     p.add_argument("--reset-attention-mask", action="store_true",
                    help="packed documents (pretrain_gpt.py's flag): attention as segments, whose "
                         "one memory term is the plans' index tensors")
+    p.add_argument("--ulysses-head-chunks", default="auto", metavar="N|auto", type=_head_chunks,
+                   help="Ulysses head chunks the plans may use (pretrain_gpt.py's flag): auto "
+                        "(default) the smallest count that fits when nothing cheaper does; N "
+                        "only that count; 1 never")
     p.add_argument("--num-gpus", type=int, required=True)
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="per GPU (default 80)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="(default 8)")
@@ -182,8 +195,10 @@ def hardware(args) -> Hardware:
 
 def workload(args, seq: int) -> Workload:
     """The job the flags describe, at sequence length seq."""
+    chunks = args.ulysses_head_chunks
     return Workload(seq=seq, global_batch=args.global_batch_size, micro_batch=args.micro_batch_size,
-                    documents=args.reset_attention_mask)
+                    documents=args.reset_attention_mask,
+                    head_chunks=chunks)
 
 
 def search(args) -> dict:

@@ -29,6 +29,19 @@ vocabulary, e the activation element size (4 fp32, 2 bf16), and "/t*" meaning "d
   tiled MLP         drops the fc1/act terms and fc1/fc2 weight copies
   chunked loss      drops the softmax and the output weight copy
   offload           the layers' saved bytes move to host memory (device: 0 for the layers)
+  head chunks       (--ulysses-head-chunks N > 1, ulysses/attention.py) each chunk's checkpoint
+                    keeps only its local q, k, v slices: the SDPA inputs become T*hl*d + 2*T*gl*d
+                    (every local head once, no GQA replication; chunks sharing key/value heads
+                    share one copy of them), no logsumexp, no SDPA output (the chunks' stacked
+                    output is the out-proj input), + the int64 head indices (8*(hl + gl), gl left
+                    out when shared). One layer's attention backward (_layer_backward_peak) holds
+                    the stacked output's gradient T*hl*d*e and the local q, k, v gradients
+                    accumulating over the chunks (T*hl*d + 2*T*gl*d)*e, + the larger of one
+                    chunk's kernel buffers (k, v at the kernel T*max(gl, sp*N)*d/N each) with its
+                    recompute (head-layout q, k, v, out, lse) and its index_select backward's
+                    full-size gradients of the local q, k, v and their sum with the accumulated
+                    ones 2*(T*hl*d + 2*T*gl*d)*e; the ring's
+                    buffers are one chunk's
 
 The ring (context parallelism, cp > 1; docs/design.md §14; alone, or inside Ulysses as Megatron's
 a2a+p2p hybrid): outside attention a rank holds T = b*s/(sp*cp) tokens; inside attention its ring
@@ -138,7 +151,9 @@ class Workload:
     batches of micro_batch; dtype_bytes, the element size of what the matmuls keep (2: bf16
     autocast); memory, the techniques (recompute, MLP tiles, loss chunks, activation offload);
     sequence_parallel, Megatron's tp sequence sharding (--sequence-parallel); documents, packed
-    documents (--reset-attention-mask: segments, whose one memory term is plan_index_bytes)."""
+    documents (--reset-attention-mask: segments, whose one memory term is plan_index_bytes);
+    head_chunks, the Ulysses head chunks the planner may add to memory (--ulysses-head-chunks):
+    "auto" the smallest that fits when nothing cheaper does, an integer just that one (1: none)."""
     seq: int
     global_batch: int = 1
     micro_batch: int = 1
@@ -146,6 +161,7 @@ class Workload:
     memory: MemoryOptions = field(default_factory=MemoryOptions)
     sequence_parallel: bool = False
     documents: bool = False
+    head_chunks: int | str = "auto"
 
     def tokens_per_rank(self, sp: int) -> float:
         """T = b*s/sp: the tokens of one micro-batch each rank holds outside attention, sp the
@@ -264,6 +280,18 @@ def _layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies
         terms["w_mlp"] = (fc1 + F * H / tp) * e
     if memory.selective_recompute:
         terms["sdpa_lse"] = terms["sdpa_out"] = 0
+    chunks = getattr(memory, "ulysses_head_chunks", 1)
+    if chunks > 1:
+        # Each head chunk is one checkpoint whose saved input is its local q slice and k, v slices
+        # (copies, [b, s/sp, h/(tp N), d]); together every local q head once and every local k, v
+        # head once (N > 1 needs gl >= sp*N or shares one copy of the gl heads: T*gl*d each), so
+        # the head-layout q, k, v, out and lse (and the fused-qkv view) are not saved; the
+        # chunks' stacked output is the out-proj input (proj_input). + the int64 head indices of
+        # index_select (hl for q, gl for k, v when not shared).
+        shared = (max(gl, sp) // sp) % chunks != 0
+        terms["sdpa_qkv"] = (T * hl * d + 2 * T * gl * d) * e
+        terms["sdpa_lse"] = terms["sdpa_out"] = 0
+        terms["chunk_index"] = 8 * (hl + (0 if shared else gl))
     if memory.mlp_tiles != 1:
         n = resolve_count(memory.mlp_tiles, int(Ts), F * (2 if swiglu else 1) // tp, H)
         if n > 1:
@@ -496,7 +524,8 @@ def comm_bytes_per_step(cfg, work: Workload, dims: ParallelDims, sharding: str =
 
     tp: ring all-reduce 2(t-1)/t of the message (or all-gather + reduce-scatter (t-1)/t each with
     sequence sharding), 2 per layer forward, 2 backward, (+2 with full recompute); sp: Ulysses
-    all-to-all (sp-1)/sp of q, k, v and out forward and backward (+ again under full recompute);
+    all-to-all (sp-1)/sp of q, k, v and out forward and backward (+ again under full recompute;
+    + again with head chunks, whose k, v are max(gl, sp*N) heads: shared ones sent per chunk);
     pp: activations [b, s/sp, H] each way per micro-batch; dp: model state over dp x sp (n ranks):
     fp32 gradients all-reduced 2(n-1)/n (none; the distributed optimizer's reduce-scatter +
     all-gather moves the same bytes), FSDP2: bf16 parameters all-gathered in forward, in backward
@@ -534,8 +563,11 @@ def comm_bytes_per_step(cfg, work: Workload, dims: ParallelDims, sharding: str =
         out["tp"] = micro * L * units * (tp - 1) / tp * msg * recompute_factor / pp
     if sp > 1:
         hl, gl = cfg.num_attention_heads // tp, cfg.num_query_groups // tp
-        a2a = (sp - 1) / sp * T * d * (2 * hl + 2 * max(gl, sp)) * e
-        out["sp"] = micro * L * 2 * a2a * recompute_factor / pp
+        # head chunks (N > 1): a key/value head shared by chunks is sent with each of them
+        # (max(gl, sp*N) heads in all), and each chunk's forward all-to-alls run again in backward
+        chunks = memory.ulysses_head_chunks
+        a2a = (sp - 1) / sp * T * d * (2 * hl + 2 * max(gl, sp * chunks)) * e
+        out["sp"] = micro * L * 2 * a2a * (recompute_factor + (0.5 if chunks > 1 else 0)) / pp
     if cp > 1:
         out["cp"] = micro * L * ring_layer_bytes(cfg, T, tp, sp, cp, e, memory) / pp
     if pp > 1:
@@ -677,7 +709,9 @@ def _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory: MemoryOptions,
     hl, gl = cfg.num_attention_heads // tp, cfg.num_query_groups // tp
     Ts = T / tp if seqpar else T
     swiglu = cfg.activation == "swiglu"
-    plain = MemoryOptions(mlp_tiles=memory.mlp_tiles)          # attention regenerated if selective
+    chunks = getattr(memory, "ulysses_head_chunks", 1)
+    plain = MemoryOptions(mlp_tiles=memory.mlp_tiles,          # attention regenerated if selective
+                          ulysses_head_chunks=chunks)
     terms = _layer_terms(cfg, T, tp, sp, seqpar, e, plain, weight_copies=False, r=r, device=device)
     saved = sum(terms.values())
     grads = Ts * H * r
@@ -691,10 +725,29 @@ def _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory: MemoryOptions,
     kernel = attention_kernel_name(device, e, d, cp, documents)
     expanded = _kernel_gqa_bytes(kernel, device, q, e, gqa=hl > max(gl, sp))
     attn_bwd = q * (e + e + 4) + expanded + 2 * kv * e
+    ring = ring_buffer_bytes(cfg, T, tp, sp, cp, e)["backward"] if cp > 1 else 0
+    if chunks > 1:
+        # Head chunks: the kernel's buffers (dout, dq and its fp32 accumulator, dk, dv, GQA
+        # handling) and the ring's are one chunk's, with kvn = T*max(gl, sp*N)*d/N k (or v)
+        # elements at the kernel per chunk (a shared key/value head sent with each of its
+        # chunks); + the chunk's recompute (head-layout q, k, v, out, fp32 lse); + what lives
+        # across the chunks: the gradient of the stacked output (seq layout, q e: the chunks'
+        # slices are views of it, freed after the last) and the gradients of the local q, k, v
+        # the chunks' index_select backward accumulate ((q + 2 T gl d) e); the larger of the
+        # chunk's kernel phase and its index_select backward, which makes full-size zero-filled
+        # gradients of the local q, k, v that the engine adds to the accumulated ones out of
+        # place (the new one and the sum: 2 (q + 2 T gl d) e; measured on CPU, the peak of a
+        # chunked attention backward does not fall with N). The out-proj input is freed (sp = 1
+        # too: it is the stack's).
+        kvn = T * d * max(gl, sp * chunks) / chunks
+        qn = q / chunks
+        local = (q + 2 * T * gl * d) * e
+        chunk = (qn * (e + e + 4) + expanded / chunks + 2 * kvn * e
+                 + (2 * qn + 2 * kvn) * e + T * hl / chunks * 4)
+        attn_bwd = q * e + local + max(chunk, 2 * local)
+        ring *= max(gl, sp * chunks) / (chunks * max(gl, sp))
     attention = (saved - terms["mlp_norm"] - terms["fc1_input"] - terms["mlp_act"]
-                 - (terms["proj_input"] if sp > 1 else 0) + grads + attn_bwd)
-    if cp > 1:
-        attention += ring_buffer_bytes(cfg, T, tp, sp, cp, e)["backward"]
+                 - (terms["proj_input"] if sp > 1 or chunks > 1 else 0) + grads + attn_bwd + ring)
     return max(mlp, attention)
 
 
@@ -919,6 +972,8 @@ class Plan:
             parts.append(f"--mlp-tiles {m.mlp_tiles}")
         if m.loss_chunks != 1:
             parts.append(f"--loss-chunks {m.loss_chunks}")
+        if m.ulysses_head_chunks != 1:
+            parts.append(f"--ulysses-head-chunks {m.ulysses_head_chunks}")
         if m.offload_activations:
             parts.append("--offload-activations")
         return parts
@@ -955,6 +1010,38 @@ TECHNIQUE_LADDER = [
                   offload_activations=True),
 ]
 TECHNIQUE_COST = [1.0, 1.0, 1.02, 1.05, 1.33, 1.38]   # relative step time (recompute ~ +1/3 forward)
+# Ulysses head chunks (--ulysses-head-chunks N > 1) on top of a rung: each chunk's all-to-alls and
+# attention run again in backward, priced like selective recompute (the attention core again).
+HEAD_CHUNK_COST = 0.05
+
+
+def head_chunk_choices(cfg, work: Workload, dims: ParallelDims) -> list[int]:
+    """The head-chunk counts N > 1 the planner may try on `dims`, smallest first: work.head_chunks
+    "auto", every N that fits the heads per tp rank over sp (ulysses.attention.head_chunk_problem);
+    an integer N, just it (none when 1)."""
+    from megatron_sp.ulysses.attention import head_chunk_problem
+    hl, gl = cfg.num_attention_heads // dims.tp, cfg.num_query_groups // dims.tp
+    if work.head_chunks != "auto":
+        n = int(work.head_chunks)
+        return [n] if n > 1 and head_chunk_problem(hl, gl, dims.sp, n) is None else []
+    return [n for n in range(2, hl // dims.sp + 1)
+            if head_chunk_problem(hl, gl, dims.sp, n) is None]
+
+
+def technique_candidates(cfg, work: Workload,
+                         dims: ParallelDims) -> list[tuple[MemoryOptions, float]]:
+    """(memory, relative cost) in the order _fit tries them, cheapest first: each rung of
+    TECHNIQUE_LADDER, and after it (at its cost + HEAD_CHUNK_COST, sorted in with the others, a
+    tie keeping the rung without chunks first) the rung with each head_chunk_choices N, smallest
+    first; so a plan has head chunks only when nothing cheaper fits, with the smallest N that
+    fits."""
+    chunks = head_chunk_choices(cfg, work, dims)
+    out = []
+    for i, (mem, cost) in enumerate(zip(TECHNIQUE_LADDER, TECHNIQUE_COST)):
+        out.append((cost, i, 0, mem))
+        out += [(cost + HEAD_CHUNK_COST, i, n, replace(mem, ulysses_head_chunks=n))
+                for n in chunks]
+    return [(mem, cost) for cost, _, _, mem in sorted(out, key=lambda t: t[:3])]
 
 # "auto" tiles/chunks are resolved per layout to explicit counts, never fewer than auto's, so that
 # one MLP tile holds at most MLP_TILE_TOKENS tokens and one loss chunk at most LOSS_CHUNK_TOKENS
@@ -1060,7 +1147,8 @@ def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
          progress: SearchProgress | None = None) -> list[Plan]:
     """Feasible (tp, sp, pp, dp) layouts of hw.num_gpus ranks for `work`, with the sharding mode and
     memory settings that fit, best first (one plan per layout: its fastest fitting mode). The
-    planner chooses work's memory techniques (TECHNIQUE_LADDER) and --sequence-parallel (on
+    planner chooses work's memory techniques (TECHNIQUE_LADDER, with Ulysses head chunks as
+    work.head_chunks allows: technique_candidates) and --sequence-parallel (on
     whenever tp > 1); sharding "auto" tries every mode, cpu_offload None with and without. ring:
     also layouts with a ring of context parallelism (cp > 1, alone or around Ulysses sp), which
     lets one sequence use more ranks than the head rules allow Ulysses (layouts(hw, ring)).
@@ -1138,11 +1226,12 @@ def _model_state(cfg, dims: ParallelDims, mode: str, offload: bool, e: int) -> t
 
 def _fit(cfg, work: Workload, dims: ParallelDims, hw: Hardware, mode: str,
          offload: bool) -> Plan | None:
-    """The first rung of the technique ladder that fits device and host memory, as a Plan."""
+    """The first of technique_candidates (the technique ladder, with Ulysses head chunks) that fits
+    device and host memory, as a Plan."""
     e = work.dtype_bytes
     state_device, state_host = _model_state(cfg, dims, mode, offload, e)
     r = 2 if (mode == "fsdp" and e == 2) else 4
-    for mem, cost in zip(TECHNIQUE_LADDER, TECHNIQUE_COST):
+    for mem, cost in technique_candidates(cfg, work, dims):
         mem = concrete_memory(cfg, replace(work, memory=mem), dims)
         peak = step_peak_bytes(cfg, work.seq, work.micro_batch, tp=dims.tp, sp=dims.sp,
                                pp=dims.pp, sequence_parallel=work.sequence_parallel, memory=mem,
