@@ -232,6 +232,18 @@ def test_qk_layernorm_term_matches_the_measured_difference():
     assert activation_bytes(yarn, 32, 2)["shared"] == 2 * 64 * 32 * 4
 
 
+def predicted_and_measured_peak(cfg, mem, ids, bf16):
+    """(the planner's step peak, the measured one) of a one-rank GPTModel step on ids [1, s]
+    (gradients allocated first; under bf16 autocast less the weights' bf16 copies)."""
+    model = GPTModel(cfg, memory=mem)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    measured = _measured_peak(model, ids, bf16) - (2 * cfg.num_parameters() if bf16 else 0)
+    pred = step_peak_bytes(cfg, ids.shape[1], 1, memory=mem, dtype_bytes=2 if bf16 else 4,
+                           residual_bytes=4, device="cpu")["device"]
+    return pred, measured
+
+
 def _measured_peak(model, ids, bf16):
     """Peak bytes allocated during one training step above what existed before it (gradients
     preexist, as in every step after the first), from the profiler's memory timeline (CPU). Uses
@@ -277,12 +289,7 @@ def test_step_peak_is_an_upper_bound_of_the_measured_peak(bf16):
                      max_position_embeddings=seq)
         ids = torch.randint(0, vocab, (1, seq))
         for mem in mems:
-            model = GPTModel(cfg, memory=mem)
-            for p in model.parameters():
-                p.grad = torch.zeros_like(p)
-            measured = _measured_peak(model, ids, bf16) - (2 * cfg.num_parameters() if bf16 else 0)
-            pred = step_peak_bytes(cfg, seq, 1, memory=mem, dtype_bytes=2 if bf16 else 4,
-                                   residual_bytes=4, device="cpu")["device"]
+            pred, measured = predicted_and_measured_peak(cfg, mem, ids, bf16)
             output_sets_peak = vocab == 8192 and mem.loss_chunks == 1
             upper = 1.05 if output_sets_peak else 1.35
             assert 0.97 <= pred / measured <= upper, (vocab, mem, pred / measured, pred, measured)

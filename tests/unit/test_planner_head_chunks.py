@@ -147,8 +147,7 @@ def test_step_peak_with_head_chunks_bounds_the_measured_peak(bf16):
     hidden size of 64, MLP tiled, loss chunked, full recompute): never more than 3% under, at most
     20% over. (On CPU the measured peak does not fall with N: the index_select backward's
     full-size gradients and the stacked output's gradient are not per chunk.)"""
-    from test_planner import _measured_peak
-    from megatron_sp.memory.planner import step_peak_bytes
+    from test_planner import predicted_and_measured_peak
     torch.manual_seed(0)
     seq = 2048
     cfg = preset("llama-tiny", num_layers=2, hidden_size=64, num_attention_heads=16,
@@ -158,10 +157,5 @@ def test_step_peak_with_head_chunks_bounds_the_measured_peak(bf16):
     for n in (2, 8):
         mem = MemoryOptions(recompute_granularity="full", mlp_tiles=4, loss_chunks=4,
                             ulysses_head_chunks=n)
-        model = GPTModel(cfg, memory=mem)
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        measured = _measured_peak(model, ids, bf16) - (2 * cfg.num_parameters() if bf16 else 0)
-        pred = step_peak_bytes(cfg, seq, 1, memory=mem, dtype_bytes=2 if bf16 else 4,
-                               residual_bytes=4, device="cpu")["device"]
+        pred, measured = predicted_and_measured_peak(cfg, mem, ids, bf16)
         assert 0.97 <= pred / measured <= 1.2, (n, pred / measured, pred, measured)
