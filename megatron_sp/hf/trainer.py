@@ -145,6 +145,7 @@ class SequenceParallelMixin:
         m, state = self.mesh, layout_of(self.model)
         attention = state.describe() if state is not None else "the model's own (no sp, no cp)"
         positions, mask = batch.get("position_ids"), batch.get("attention_mask")
+        # position_ids [1 | b, s] (or [s]) -> [rows, s]
         if positions is not None and has_documents(positions.reshape(-1, positions.shape[-1])):
             documents = ("packed documents detected (position_ids restart at 0): each token "
                          "attends within its document")
