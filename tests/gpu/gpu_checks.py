@@ -27,6 +27,15 @@ Items, in order (each a subprocess with its own time limit, cut to what the time
                  gpu_ring_rehearsal_<gpu>.json
   nccl smoke     pretrain_gpt.py as a world of one over NCCL (torch.distributed.run): llama-1b at
                  8K, bf16, 6 iterations; its loss, ms/iter, MFU and peak memory are the unsharded row
+  offload        pretrain_gpt.py, llama-1b at 32K, bf16, 4 iterations, --report-memory, full
+                 recompute + --offload-activations four ways: the exact pinned host pool (default
+                 sizing), --offload-pool-gb 0 (torch's pinned buffers), the pool with
+                 --ulysses-head-chunks 2 and 4 (sp 1: local attention over head groups); per row
+                 the losses, peak device memory, host bytes, ms/iter and the planner's bytes
+                 (bench/gpu_long_context.py's predicted_gb); pool vs no pool: losses equal (first
+                 iteration bitwise, the rest within 1e-4 relative: the flash backward's atomics),
+                 head chunks vs the pool row: last loss within 2e-2 relative (bf16); rows in
+                 bench/results/gpu_offload_head_chunks_<gpu>.json; about 2.5 minutes at most
   long context   bench/gpu_long_context.py: MFU of llama-1b at 8K and 32K, the longest trainable
                  sequence per memory technique, the planner's prediction beside each measured peak
   throughput     bench/gpu_throughput.py: llama-1b and a Llama-3-8B-shaped model (as many layers as
@@ -38,7 +47,7 @@ Items, in order (each a subprocess with its own time limit, cut to what the time
                  --optimizer-cpu-offload ("not available" when pretrain_gpt.py lacks the flag)
 
 GPU_CHECKS_ONLY=key,key,... runs only those items (keys: cuda, schemas, kernels, rehearsal, nccl,
-long, throughput, documents, sharded; install and probe always run), e.g.
+offload, long, throughput, documents, sharded; install and probe always run), e.g.
 `GPU_CHECKS_ONLY=cuda,schemas,kernels,rehearsal bash tests/gpu/run_gpu_checks.sh`.
 Subprocesses run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set (long
 sequences: fewer unusable split blocks). Without CUDA every GPU item is skipped with one line, and
@@ -74,6 +83,20 @@ RUN_ARGS = ["--model", "llama-1b", "--mock-data", "--seq-length", "8192", "--mic
             "--global-batch-size", "1", "--train-iters", "6", "--log-interval", "3",
             "--eval-iters", "0", "--bf16", "--lr", "1e-4", "--lr-warmup-iters", "0",
             "--lr-decay-iters", "6", "--attention-backend", "sdpa", "--distributed-backend", "nccl"]
+# offload item (issue 36): the exact pinned host pool and Ulysses head chunks, one GPU
+OFFLOAD_FLAGS = ("--offload-activations", "--offload-pool-gb", "--ulysses-head-chunks",
+                 "--report-memory", "--recompute-granularity")
+OFFLOAD_SEQ, OFFLOAD_ITERS = 32768, 4
+OFFLOAD_BASE = ["--recompute-granularity", "full", "--offload-activations", "--report-memory"]
+OFFLOAD_ROWS = [("pool", []),                                   # the planner sizes the pool
+                ("no pool", ["--offload-pool-gb", "0"]),        # torch's pinned buffers
+                ("pool + head chunks 2", ["--ulysses-head-chunks", "2"]),
+                ("pool + head chunks 4", ["--ulysses-head-chunks", "4"])]
+OFFLOAD_LIMIT = 150      # s for the whole item (4 runs of ~25-35 s on an H200 + the planner)
+OFFLOAD_LATER = 270      # s left for the items after it (long context keeps its own 270)
+OFFLOAD_ROW_S = (20, 75)  # s: a row starts with at least the first, runs at most the second
+EXACT_REL_TOL = 1e-4     # pool vs no pool after the first iteration (bitwise there)
+LOSS_REL_TOL = 2e-2      # bf16 loss tolerance (tests/gpu/test_cuda_paths.py)
 
 PROBE = r"""
 import importlib, importlib.util, json, os, platform, sys
@@ -181,7 +204,7 @@ def _tail(text: str, n: int = 1) -> str:
 # Items --------------------------------------------------------------------------------------------
 
 def probe(c: Checks) -> dict | None:
-    flags = sorted({f for _, fl in SHARDED for f in fl})
+    flags = sorted({f for _, fl in SHARDED for f in fl} | set(OFFLOAD_FLAGS))
     with tempfile.TemporaryDirectory() as cwd:              # outside the checkout: proves the install
         status, dt, text = c.run([PY, "-c", PROBE, ",".join(OPTIONAL), ",".join(flags),
                                   os.path.join(ROOT, "bench", "gpu_long_context.py"),
@@ -360,6 +383,297 @@ def documents_longest(c: Checks, info: dict) -> None:
           _tail(_bench_table(text), 1) or _failure(text), dt)
 
 
+def _override(args: list[str], values: dict) -> list[str]:
+    """args with each flag's value replaced (a flag not in args is appended with its value)."""
+    out = list(args)
+    for flag, value in values.items():
+        if flag in out:
+            out[out.index(flag) + 1] = str(value)
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def offload_args(seq: int = OFFLOAD_SEQ, iters: int = OFFLOAD_ITERS, base: list | None = None,
+                 **values) -> list[str]:
+    """pretrain_gpt.py's flags common to the offload item's rows: RUN_ARGS (llama-1b, bf16, mock
+    data, NCCL) at `seq` tokens for `iters` iterations, logged every iteration, full recompute +
+    --offload-activations + --report-memory; `values`: more flags replaced (flag: value)."""
+    args = _override(base or RUN_ARGS, {"--seq-length": seq, "--train-iters": iters,
+                                        "--log-interval": 1, "--lr-decay-iters": iters, **values})
+    return args + OFFLOAD_BASE
+
+
+OFFLOAD_PLAN = r"""
+import json, os, sys, types
+sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
+import pretrain_gpt
+from gpu_long_context import predicted_activations_bytes, predicted_gb
+from megatron_sp.memory import MemoryOptions
+from megatron_sp.memory.planner import step_peak_bytes
+out = {}
+for label, argv in json.loads(sys.argv[1]).items():
+    try:
+        job, _ = pretrain_gpt.load_job(argv)
+        cfg = pretrain_gpt.model_config(job, pretrain_gpt.build_tokenizer(job, None).vocab_size)
+        mem = MemoryOptions.from_config(job.memory)
+        seq = job.training.seq_length
+        if job.memory.offload_pool_gb == 0:           # torch's pinned buffers: powers of two
+            host = step_peak_bytes(cfg, seq, job.training.micro_batch_size, memory=mem,
+                                   dtype_bytes=2, residual_bytes=4, device="cuda")["host"]
+        else:                                         # what pretrain_gpt.py sizes the pool to
+            mesh = types.SimpleNamespace(tp_size=1, sp_size=1, cp_size=1, pp_size=1)
+            host = (job.memory.offload_pool_gb * 2**30 if job.memory.offload_pool_gb
+                    else pretrain_gpt.offload_pool_bytes(cfg, mesh, job))
+        out[label] = {"planner_peak_gib": round(predicted_gb(cfg, mem.to_dict(), seq), 3),
+                      "planner_activations_gib": round(predicted_activations_bytes(
+                          cfg, mem.to_dict(), seq) / 2**30, 3),
+                      "planner_host_gib": round(host / 2**30, 3)}
+    except Exception as err:
+        out[label] = {"planner_error": f"{type(err).__name__}: {err}"[:160]}
+print("PLAN " + json.dumps(out))
+"""
+
+
+def _offload_planner(c: Checks, argvs: dict, limit: float) -> dict:
+    """{label: the planner's bytes for that row's pretrain_gpt.py flags}: the long-context item's
+    helpers (bench/gpu_long_context.py predicted_gb, predicted_activations_bytes: fp32 state, bf16
+    copies, the step's activation peak) and the host bytes (pretrain_gpt.offload_pool_bytes for
+    the pool, step_peak_bytes' power-of-two count for torch's pinned buffers). {} on a failure."""
+    status, dt, text = c.run([PY, "-c", OFFLOAD_PLAN, json.dumps(argvs)], limit,
+                             log="offload_planner")
+    line = next((ln for ln in text.splitlines() if ln.startswith("PLAN ")), None)
+    if line is None:
+        print(f"  planner: {status}: {_failure(text)}")
+        return {}
+    return json.loads(line[5:])
+
+
+def _float_after(text: str, label: str) -> float | None:
+    """The number after the last `label` in text (a log line's field), else None."""
+    at = text.rfind(label)
+    if at < 0:
+        return None
+    word = text[at + len(label):].split()[0].strip("|,") if text[at + len(label):].split() else ""
+    try:
+        return float(word)
+    except ValueError:
+        return None
+
+
+def _offload_row(c: Checks, label: str, argv: list[str], limit: float, launcher: list[str]) -> dict:
+    """One pretrain_gpt.py run of the offload item: its row (status ok | OOM | failed: ... |
+    timeout | no time; the losses of every iteration, peak device memory, host bytes, ms/iter)."""
+    tag = "offload_" + label.replace(" + ", "_").replace(" ", "_")
+    jsonl = os.path.join(c.out_dir, f"run_{tag}.jsonl")
+    if os.path.exists(jsonl):
+        os.remove(jsonl)
+    cmd = [*launcher, "pretrain_gpt.py", *argv, "--metrics-jsonl", jsonl]
+    row = {"mode": label, "seq": int(argv[argv.index("--seq-length") + 1]),
+           "head_chunks": int(argv[argv.index("--ulysses-head-chunks") + 1])
+           if "--ulysses-head-chunks" in argv else 1,
+           "pool": "--offload-pool-gb" not in argv or float(
+               argv[argv.index("--offload-pool-gb") + 1]) != 0,
+           "command": " ".join(["pretrain_gpt.py", *argv])}
+    status, dt, text = c.run(cmd, limit, log=f"run_{tag}")
+    row["seconds"] = round(dt, 1)
+    records = []
+    if os.path.exists(jsonl):
+        with open(jsonl) as fh:
+            records = [json.loads(ln) for ln in fh if ln.strip()]
+    records = [r for r in records if r.get("lm_loss") is not None]
+    last = records[-1] if records else {}
+    lines = [ln for ln in text.splitlines() if "lm loss:" in ln]
+    log_line = lines[-1] if lines else ""
+    pool_line = next((ln for ln in text.splitlines() if "exact pinned host pool of" in ln), "")
+    row.update({"iterations": len(records), "lm_loss": last.get("lm_loss"),
+                "losses": [r["lm_loss"] for r in records], "ms_per_iter": last.get("ms_per_iter"),
+                "mfu": last.get("mfu"),
+                "peak_device_gib": _float_after(log_line, "peak device memory (GB):"),
+                "mem_peak_gb": last.get("mem_peak_gb"),
+                "host_pool_gib": _float_after(pool_line, "exact pinned host pool of"),
+                "offloaded_bytes_per_rank": last.get("offloaded_bytes_per_rank"),
+                "saved_bytes_per_rank": last.get("saved_bytes_per_rank")})
+    if row["peak_device_gib"] is None:
+        row["peak_device_gib"] = row["mem_peak_gb"]
+    if status == "ok" and not records:
+        row["status"] = "failed: no metrics record"
+    elif status == "ok":
+        row["status"] = "ok"
+    elif status == "failed":
+        row["status"] = "OOM" if "OutOfMemoryError" in text else f"failed: {_failure(text)}"[:200]
+    else:
+        row["status"] = status
+    shown = {k: v for k, v in row.items() if k not in ("command", "losses")}
+    print("  " + ", ".join(f"{k} {_fmt(v)}" for k, v in shown.items()), flush=True)
+    return row
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def _offload_compare(rows: list[dict]) -> None:
+    """Into the rows: no pool vs the pool row (offload is exact: the first iteration's loss
+    bitwise, every later one within EXACT_REL_TOL), head chunks vs the pool row (the last loss
+    within LOSS_REL_TOL, bf16). A row that breaks its check gets status failed: ..."""
+    ref = next((r for r in rows if r["mode"] == "pool"), None)
+    if ref is None or ref.get("status") != "ok":
+        return
+    for r in rows:
+        if r is ref or r.get("status") != "ok":
+            continue
+        r["compared_with"] = "pool"
+        if not r["head_chunks"] > 1:                   # the same run without the pool: exact
+            n = min(len(r["losses"]), len(ref["losses"]))
+            rels = [_rel(a, b) for a, b in zip(r["losses"][:n], ref["losses"][:n])]
+            r["loss_bitwise_equal"] = r["losses"] == ref["losses"]
+            r["loss_max_rel_diff"] = max(rels) if rels else None
+            r["tolerance"] = f"first loss bitwise, then {EXACT_REL_TOL} relative"
+            if not n or len(r["losses"]) != len(ref["losses"]):
+                r["status"] = "failed: not the pool row's iterations"
+            elif r["losses"][0] != ref["losses"][0] or max(rels) > EXACT_REL_TOL:
+                r["status"] = (f"failed: losses differ from the pool row's (max rel "
+                               f"{max(rels):.2e})")
+        else:
+            rel = _rel(r["lm_loss"], ref["lm_loss"])
+            r["loss_rel_diff"] = rel
+            r["tolerance"] = f"last loss {LOSS_REL_TOL} relative (bf16)"
+            if rel > LOSS_REL_TOL:
+                r["status"] = f"failed: last loss {rel:.2e} relative off the pool row's"
+
+
+def _offload_summary(rows: list[dict]) -> str:
+    by = {r["mode"]: r for r in rows}
+    parts = []
+    ref = by.get("pool")
+    if ref and ref.get("status") == "ok":
+        parts.append(f"pool loss {ref['lm_loss']:.4f}, {ref['ms_per_iter'] or 0:.0f} ms/iter"
+                     + (f", peak {ref['peak_device_gib']:.1f} GB" if ref.get("peak_device_gib")
+                        is not None else "")
+                     + (f", pool {ref['host_pool_gib']:.2f} GiB" if ref.get("host_pool_gib")
+                        is not None else ""))
+    nopool = by.get("no pool")
+    if nopool and nopool.get("loss_max_rel_diff") is not None:
+        parts.append("no pool: " + ("losses bitwise equal" if nopool["loss_bitwise_equal"] else
+                                    f"loss rel {nopool['loss_max_rel_diff']:.1e}")
+                     + f", {nopool['ms_per_iter'] or 0:.0f} ms/iter")
+    chunks = [r for r in rows if r["head_chunks"] > 1 and r.get("loss_rel_diff") is not None]
+    if chunks:
+        parts.append("chunks " + "/".join(str(r["head_chunks"]) for r in chunks) + ": loss rel "
+                     + "/".join(f"{r['loss_rel_diff']:.1e}" for r in chunks)
+                     + (", peak " + "/".join(f"{r['peak_device_gib']:.1f}" for r in chunks) + " GB"
+                        if all(r.get("peak_device_gib") is not None for r in chunks) else ""))
+    return "; ".join(parts)
+
+
+def offload_rows(c: Checks, argv_for: dict, t_end: float, launcher: list[str]) -> list[dict]:
+    """The offload item's rows (argv_for: {label: pretrain_gpt.py flags}, in order), each run
+    within its share of what is left before t_end, compared, the planner's bytes beside them,
+    saved into c.extra["offload_head_chunks"] after every row."""
+    rows: list[dict] = []
+    c.extra["offload_head_chunks"] = rows
+    labels = list(argv_for)
+    for i, label in enumerate(labels):
+        left = min(t_end, c.deadline) - time.time()
+        limit = min(OFFLOAD_ROW_S[1], left - OFFLOAD_ROW_S[0] * (len(labels) - i - 1))
+        if limit < OFFLOAD_ROW_S[0]:
+            argv = argv_for[label]
+            rows.append({"mode": label, "status": "no time",
+                         "head_chunks": int(argv[argv.index("--ulysses-head-chunks") + 1])
+                         if "--ulysses-head-chunks" in argv else 1})
+            print(f"  {label}: no time")
+            continue
+        rows.append(_offload_row(c, label, argv_for[label], limit, launcher))
+        c.save()
+    _offload_compare(rows)
+    left = min(t_end, c.deadline) - time.time()
+    if left >= 10:
+        plan = _offload_planner(c, {r["mode"]: argv_for[r["mode"]] for r in rows}, min(45, left))
+        for r in rows:
+            r.update(plan.get(r["mode"], {}))
+    c.save()
+    return rows
+
+
+def offload_head_chunks(c: Checks, info: dict) -> None:
+    """The exact pinned host pool vs torch's pinned buffers, and Ulysses head chunks (2, 4) on
+    the pool, through pretrain_gpt.py on one GPU (issue 36): rows, checks, the planner beside."""
+    name = f"offload pool + head chunks ({OFFLOAD_SEQ // 1024}K)"
+    if not info["cuda"]:
+        c.add(name, "skipped", "no CUDA device")
+        return
+    missing = [f for f in OFFLOAD_FLAGS if not info["flags"].get(f)]
+    if missing:
+        c.add(name, "not available", f"pretrain_gpt.py does not know {' '.join(missing)}")
+        return
+    t0 = time.time()
+    budget = max(100.0, min(OFFLOAD_LIMIT, c.left() - OFFLOAD_LATER))
+    try:
+        argv_for = {label: offload_args() + extra for label, extra in OFFLOAD_ROWS}
+        rows = offload_rows(c, argv_for, t0 + budget,
+                            [PY, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node", "1"])
+    except Exception as err:                 # noqa: BLE001 - the item says what; the rest runs
+        c.add(name, "FAILED", f"{type(err).__name__}: {err}"[:200], time.time() - t0)
+        return
+    bad = [r for r in rows if r["status"].startswith("failed") or r["status"] == "OOM"]
+    ok = [r for r in rows if r["status"] == "ok"]
+    status = ("FAILED" if bad else "timeout" if any(r["status"] == "timeout" for r in rows)
+              else "ok" if ok else "no time")
+    detail = f"{len(ok)} of {len(rows)} rows ok"
+    if bad:
+        detail += f"; {bad[0]['mode']}: {bad[0]['status']}"
+    summary = _offload_summary(rows)
+    if summary:
+        detail += f"; {summary}"
+    c.add(name, status, detail[:200], time.time() - t0)
+    offload_results(info, rows)
+
+
+def offload_results(info: dict, rows: list[dict]) -> None:
+    """The offload item's rows as bench/results/gpu_offload_head_chunks_<gpu>.json (docs/
+    performance.md's schema, written without importing the project, as pretrain_results)."""
+    rows = [r for r in rows if r.get("status") not in ("no time",)]
+    if not info or not info.get("cuda") or not any(r.get("lm_loss") is not None for r in rows):
+        return
+    name = info.get("device", "gpu").split(",")[0]
+    keys = ("mode", "seq", "head_chunks", "status", "lm_loss", "ms_per_iter", "peak_device_gib",
+            "planner_peak_gib", "host_pool_gib", "offloaded_bytes_per_rank", "planner_host_gib",
+            "loss_max_rel_diff", "loss_rel_diff")
+    record = {"schema": 1, "bench": "gpu_offload_head_chunks",
+              "title": f"pretrain_gpt.py, llama-1b at {OFFLOAD_SEQ // 1024}K, one GPU: full "
+                       "recompute + offloaded activations in the exact pinned host pool, in "
+                       "torch's pinned buffers, and with Ulysses head chunks",
+              "device": {"kind": "gpu", "name": name, "peak_tflops": None,
+                         "peak_note": "MFU from the training log line (flops.PEAK_TFLOPS)"},
+              "torch": info["versions"].get("torch"), "command": "bash tests/gpu/run_gpu_checks.sh",
+              "date": time.strftime("%Y-%m-%d"),
+              "columns": [["mode", "offload"], ["seq", "seq"], ["head_chunks", "head chunks"],
+                          ["lm_loss", "lm loss"], ["ms_per_iter", "ms/iter"],
+                          ["peak_device_gib", "peak GiB"], ["planner_peak_gib", "planner GiB"],
+                          ["host_pool_gib", "host pool GiB"],
+                          ["offloaded_bytes_per_rank", "offloaded bytes"],
+                          ["planner_host_gib", "planner host GiB"],
+                          ["loss_max_rel_diff", "loss rel (no pool)"],
+                          ["loss_rel_diff", "loss rel (chunks)"], ["status", "status"]],
+              "rows": [{k: r.get(k) for k in keys} for r in rows],
+              "notes": [f"bf16, micro-batch 1, {OFFLOAD_ITERS} iterations, --report-memory; the "
+                        "last iteration's record; world of 1 over NCCL (sp 1: head chunks run "
+                        "the local attention over head groups)",
+                        f"pool vs no pool: first loss bitwise, then {EXACT_REL_TOL} relative; "
+                        f"head chunks vs the pool row: {LOSS_REL_TOL} relative (bf16)",
+                        "planner: bench/gpu_long_context.py predicted_gb (fp32 state, bf16 "
+                        "copies, the step's activation peak; no reserve); host: the pool's size "
+                        "(pretrain_gpt.offload_pool_bytes) or step_peak_bytes' power-of-two "
+                        "pinned count"]}
+    gpu = name.split()[-1].lower() if name else "gpu"
+    path = os.path.join(ROOT, "bench", "results", f"gpu_offload_head_chunks_{gpu}.json")
+    with open(path + ".tmp", "w") as fh:
+        json.dump(record, fh, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def _bench_table(text: str) -> str:
     lines = text.splitlines()
     start = next((i for i, ln in enumerate(lines) if ln.strip().startswith("technique")), None)
@@ -372,7 +686,7 @@ def _bench_table(text: str) -> str:
 # project imported there, not here); every measurement is one row, guarded (an error or an OOM
 # is that row's status) and saved at once, so a timeout keeps what was measured.
 
-ONLY_KEYS = ("cuda", "schemas", "kernels", "rehearsal", "nccl", "long", "throughput",
+ONLY_KEYS = ("cuda", "schemas", "kernels", "rehearsal", "nccl", "offload", "long", "throughput",
              "documents", "sharded")
 # key: (item name, needs CUDA, time limit s)
 ATTENTION_ITEMS = {
@@ -414,7 +728,7 @@ def attention_item(c: Checks, info: dict, key: str, only: set) -> None:
     keys = list(ATTENTION_ITEMS)
     later = sum(ATTENTION_ITEMS[k][2] for k in keys[keys.index(key) + 1:] if k in only
                 and (info["cuda"] or not ATTENTION_ITEMS[k][1]))
-    if only & {"nccl", "long", "throughput", "documents", "sharded"} and info["cuda"]:
+    if only & {"nccl", "offload", "long", "throughput", "documents", "sharded"} and info["cuda"]:
         later += LATER_RESERVE
     if needs_cuda and not info["cuda"]:
         c.add(name, "skipped", "no CUDA device")
@@ -976,6 +1290,8 @@ def main(argv=None) -> int:
                 attention_item(c, info, key, only)
         if "nccl" in only:
             nccl_and_sharded(c, info, first=True)
+        if "offload" in only:
+            offload_head_chunks(c, info)
         if "long" in only:
             long_context(c, info)
         if "throughput" in only:
