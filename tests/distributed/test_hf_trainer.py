@@ -183,6 +183,12 @@ def _torchrun_main(out_path: str, out_dir: str):
     with open(f"{out_path}.{rank}.tmp", "w") as f:
         json.dump(results, f)
     os.replace(f"{out_path}.{rank}.tmp", f"{out_path}.{rank}.json")
+    # Leave as pretrain_gpt does (barrier, groups destroyed, no interpreter finalization to race
+    # with gloo's worker threads: test_readme_hf.py's SIGABRT on a loaded CI machine).
+    from megatron_sp.errors import exit_process
+    from megatron_sp.mesh import shutdown
+    shutdown()
+    exit_process(0)
 
 
 def _assert_close(name, ref, got):

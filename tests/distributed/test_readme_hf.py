@@ -86,6 +86,13 @@ def _fragment_job(out_path: str, out_dir: str, fragments: list[str], scripts: li
     with open(f"{out_path}.{rank}.tmp", "w") as f:
         json.dump(results, f)
     os.replace(f"{out_path}.{rank}.tmp", f"{out_path}.{rank}.json")
+    # Leave as pretrain_gpt does: barrier, destroy the groups, no interpreter finalization (a gloo
+    # worker thread taking the GIL during it can abort a finished process: SIGABRT on a loaded CI
+    # machine). The README's own script ends where its code ends; this job's process is ours.
+    from megatron_sp.errors import exit_process
+    from megatron_sp.mesh import shutdown
+    shutdown()
+    exit_process(0)
 
 
 def _launch(cmd: list[str], timeout: float) -> str:
@@ -93,7 +100,9 @@ def _launch(cmd: list[str], timeout: float) -> str:
                PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests", "distributed")]))
     done = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    assert done.returncode == 0, (cmd, done.stdout[-6000:])
+    if done.returncode != 0:     # the whole tail, unabridged: which rank said what before it ended
+        pytest.fail(f"{' '.join(cmd)}\nexited {done.returncode}; its output's last 8000 "
+                    f"characters:\n{done.stdout[-8000:]}", pytrace=False)
     return done.stdout
 
 
