@@ -17,6 +17,7 @@ With a one-rank mesh it is a plain nn.Module: `model(input_ids) -> logits`.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn as nn
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from megatron_sp.attention import get_attention_backend
 from megatron_sp.memory import (MemoryOptions, RecomputedAttention, checkpoint,
                                 chunked_output_loss, forward_layers, tiled_mlp)
-from megatron_sp.mesh import ParallelMesh
+from megatron_sp.mesh import LayoutError, ParallelMesh
 from megatron_sp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                          VocabParallelEmbedding, vocab_parallel_cross_entropy)
 from megatron_sp.tensor_parallel import mappings
@@ -189,7 +190,23 @@ def ring_attention_for(backend, mesh: ParallelMesh):
 
 
 class SelfAttention(nn.Module):
-    """Causal self-attention: column-parallel QKV, Ulysses attention, row-parallel output."""
+    """Causal self-attention: column-parallel QKV, Ulysses attention, row-parallel output.
+
+    head_chunks = N > 1 (--ulysses-head-chunks; UPipe, Ghadia et al. 2026, "Untied Ulysses"):
+    the whole block runs over N groups of heads in turn, GQA groups kept whole. Chunk c projects
+    its own heads' rows of the fused QKV weight (a view of it: whole groups; or, with fewer
+    key/value groups than chunks, an equal share of one group's query heads with its key and
+    value), applies the qk-norm and RoPE, runs Ulysses (its seq->head all-to-all, the local
+    attention or the ring, the head->seq all-to-all) and multiplies by its heads' columns of the
+    output weight; the chunks' partial products are summed and reduced over tp once (row
+    parallel). Each chunk is one activation checkpoint whose only saved input is the block's
+    input (one tensor, shared by every chunk): nothing at the head layout, no q, k, v, out or
+    logsumexp of the whole layer is kept, and in backward one chunk's are live at a time.
+    Exact (attention is per head; the output projection is a sum over heads): the result is
+    plain Ulysses', the partial sums added in the output's dtype. Costs: the chunks' recompute
+    (QKV projection, exchange, attention) in backward, and under --sequence-parallel the input's
+    tp all-gather once per chunk.
+    """
 
     def __init__(self, config: GPTConfig, mesh: ParallelMesh, backend, sequence_parallel: bool,
                  rng_tracker=None, head_chunks: int = 1):
@@ -207,9 +224,12 @@ class SelfAttention(nn.Module):
         self.qkv = ColumnParallelLinear(config.hidden_size, qkv_out, mesh=mesh,
                                         bias=config.add_qkv_bias, sequence_parallel=sequence_parallel)
         local = ring_attention_for(backend, mesh) if mesh.cp_size > 1 else backend
+        if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+            raise LayoutError(f"head_chunks must be an integer >= 1, got {head_chunks!r}.")
         if head_chunks > 1:   # refused here too when built without pretrain_gpt's start-up check
             check_head_chunks(self.heads_local, self.groups_local, mesh.sp_size, head_chunks)
-        self.core = UlyssesAttention(local, mesh.sp_group, head_chunks=head_chunks)
+        self.head_chunks = head_chunks
+        self.core = UlyssesAttention(local, mesh.sp_group)
         # --qk-layernorm (Qwen3): one norm over d shared by every head; each tp rank normalises its
         # own heads, so the weights' gradients are partial over tp and summed there (grad_sync).
         self.q_layernorm = self.k_layernorm = None
@@ -225,15 +245,17 @@ class SelfAttention(nn.Module):
         """--qk-layernorm then RoPE on the grouped QKV output, recomputed in backward: the only
         tensor kept is that output (one copy of q, k, v), instead of q, k and the norms' own saves.
 
-        qkv [b, s/sp, g/tp, q_per_group + 2, d] -> q [b, s/sp, h/tp, d], k [b, s/sp, g/tp, d].
+        qkv [b, s/sp, groups, q_per_group + 2, d] -> q [b, s/sp, groups * q_per_group, d],
+        k [b, s/sp, groups, d].
         """
-        b, s_l = qkv.shape[:2]
+        b, s_l, groups, per = qkv.shape[:4]
+        per -= 2
 
         def run(qkv, *cos_sin):
-            q, k, _ = qkv.split([self.q_per_group, 1, 1], dim=3)
-            # The norm's output is contiguous: [b, s/sp, g/tp, q_per_group, d] -> [b, s/sp, h/tp, d]
-            q = self.q_layernorm(q).reshape(b, s_l, self.heads_local, self.head_dim)
-            k = self.k_layernorm(k.squeeze(3))                    # [b, s/sp, g/tp, d]
+            q, k, _ = qkv.split([per, 1, 1], dim=3)
+            # The norm's output is contiguous: [b, s/sp, groups, per, d] -> [b, s/sp, groups*per, d]
+            q = self.q_layernorm(q).reshape(b, s_l, groups * per, self.head_dim)
+            k = self.k_layernorm(k.squeeze(3))                    # [b, s/sp, groups, d]
             if cos_sin:
                 q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
             return q, k
@@ -241,27 +263,94 @@ class SelfAttention(nn.Module):
             return run(qkv, *(rope or ()))
         return checkpoint(run, qkv, *(rope or ()))
 
-    def forward(self, x, rope=None, document_ids=None):
-        qkv = self.qkv(x)                                         # [b, s/sp, (h+2g)/tp * d]
+    def _heads(self, qkv, rope, groups=None, per=None):
+        """The grouped QKV output qkv [b, s/sp, groups * (per + 2) * d] (per query heads in each
+        of its groups; default this rank's g/tp and h/g) -> q [b, s/sp, groups * per, d],
+        k, v [b, s/sp, groups, d], qk-normed and rotated."""
         b, s_l = qkv.shape[:2]
-        # [b, s/sp, (h+2g)/tp * d] -> [b, s/sp, g/tp, q_per_group + 2, d]: per group its q heads, k, v
-        qkv = qkv.view(b, s_l, self.groups_local, self.q_per_group + 2, self.head_dim)
+        groups = self.groups_local if groups is None else groups
+        per = self.q_per_group if per is None else per
+        d = self.head_dim
+        # [b, s/sp, groups * (per + 2) * d] -> [b, s/sp, groups, per + 2, d]: per group its q, k, v
+        qkv = qkv.view(b, s_l, groups, per + 2, d)
         # One split (its backward is one concatenation, not three zero-filled scatters).
-        q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)
+        q, k, v = qkv.split([per, 1, 1], dim=3)
         if self.q_layernorm is not None:   # per head, before RoPE and the seq->head exchange
             (q, k), v = self._qk_norm_rope(qkv, rope), v.squeeze(3)
         else:
-            q = q.reshape(b, s_l, self.heads_local, self.head_dim)    # [b, s/sp, h/tp, d]
-            k, v = k.squeeze(3), v.squeeze(3)                         # [b, s/sp, g/tp, d] each
+            q = q.reshape(b, s_l, groups * per, d)                # [b, s/sp, groups * per, d]
+            k, v = k.squeeze(3), v.squeeze(3)                     # [b, s/sp, groups, d] each
             if rope is not None:
                 q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return q, k.contiguous(), v.contiguous()
+
+    def _attend(self, q, k, v, document_ids):
+        """Ulysses attention (dropout from the tp-aware RNG stream) -> [b, s/sp, heads * d]."""
         dropout = self.dropout if self.training else 0.0
         fork = self.rng_tracker.fork() if (self.rng_tracker and dropout) else contextlib.nullcontext()
         with fork:
-            out = self.core(q, k.contiguous(), v.contiguous(), dropout_p=dropout,
-                            document_ids=document_ids)   # [b, s/sp, h/tp, d]
-        out = out.reshape(b, s_l, self.heads_local * self.head_dim)  # [b, s/sp, h/tp * d]
-        return self.proj(out)
+            out = self.core(q, k, v, dropout_p=dropout,
+                            document_ids=document_ids)   # [b, s/sp, heads, d]
+        return out.flatten(2)                           # [b, s/sp, heads, d] -> [b, s/sp, heads * d]
+
+    def forward(self, x, rope=None, document_ids=None):
+        if self.head_chunks > 1:
+            return self._forward_in_head_chunks(x, rope, document_ids)
+        q, k, v = self._heads(self.qkv(x), rope)                  # qkv [b, s/sp, (h+2g)/tp * d]
+        return self.proj(self._attend(q, k, v, document_ids))
+
+    def head_chunk_weights(self, c: int):
+        """Head chunk c's rows of the fused QKV weight and bias (views when it holds whole groups,
+        else a small copy), its heads' columns of the output weight (a view), and its number of
+        groups and of query heads per group."""
+        n, g, per, d = self.head_chunks, self.groups_local, self.q_per_group, self.head_dim
+        if g % n == 0:                        # g/N whole groups, all their query heads
+            g0, g1, first, share = c * (g // n), (c + 1) * (g // n), 0, per
+        else:                                 # N % g == 0: a share of one group's query heads
+            split = n // g
+            g0, part = divmod(c, split)
+            g1, share = g0 + 1, per // split
+            first = part * share
+
+        def rows(t):                          # [g * (per + 2) * d, ...] -> the chunk's rows
+            # [g * (per + 2) * d, ...] -> [g, per + 2, d, ...], then the chunk's groups
+            t = t.view(g, per + 2, d, *t.shape[1:])[g0:g1]
+            if share < per:                   # its query heads, then the group's k and v
+                t = torch.cat([t[:, first:first + share], t[:, per:]], dim=1)
+            return t.reshape(-1, *t.shape[3:])  # [groups, share + 2, d, ...] -> [rows, ...]
+        h0 = g0 * per + first                  # its query heads are contiguous: [h0, h1)
+        h1 = h0 + (g1 - g0) * share
+        bias = None if self.qkv.bias is None else rows(self.qkv.bias)
+        return rows(self.qkv.weight), bias, self.proj.weight[:, h0 * d:h1 * d], g1 - g0, share
+
+    def _forward_in_head_chunks(self, x, rope, document_ids):
+        """The block over head chunks in turn (class docstring): [b, s/sp, H] -> [b, s/sp, H]."""
+        if self.qkv.sequence_parallel:        # each chunk all-gathers the saved shard again
+            def project(x, w, b):
+                return sequence_parallel_linear(x, w, b, self.qkv.group)
+        else:
+            x = mappings.copy_to_tensor_parallel_region(x, self.qkv.group)
+
+            def project(x, w, b):
+                return F.linear(x, w, b)
+        dtype = torch.get_autocast_dtype(x.device.type) \
+            if torch.is_autocast_enabled(x.device.type) else None
+        if dtype is not None:                 # the chunks' one saved input, in the matmul dtype
+            x = x.to(dtype)
+        cos_sin = tuple(rope) if rope is not None else ()
+
+        def chunk(x, document_ids, *cos_sin, c):
+            w, b, w_out, groups, per = self.head_chunk_weights(c)
+            q, k, v = self._heads(project(x, w, b), cos_sin or None, groups, per)
+            return F.linear(self._attend(q, k, v, document_ids), w_out)   # [b, s_l, H], partial
+
+        y = None
+        for c in range(self.head_chunks):
+            run = functools.partial(chunk, c=c)
+            part = (checkpoint(run, x, document_ids, *cos_sin, rng_tracker=self.rng_tracker)
+                    if torch.is_grad_enabled() else run(x, document_ids, *cos_sin))
+            y = part if y is None else y.add_(part)
+        return self.proj.reduce_partial(y)
 
 
 class MLP(nn.Module):

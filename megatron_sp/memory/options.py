@@ -7,8 +7,8 @@
     loss_chunks            1 (off) | N | "auto"           (--loss-chunks): output layer + loss in chunks
                            ("auto": see resolve_count; it is 1, the plain path, below 2 x
                            MIN_TILE_TOKENS tokens)
-    ulysses_head_chunks    1 (off) | N                    (--ulysses-head-chunks): Ulysses all-to-alls
-                           and attention over N head chunks, each recomputed in backward
+    ulysses_head_chunks    1 (off) | N                    (--ulysses-head-chunks): the attention block
+                           (QKV, Ulysses, out-proj) over N head chunks, each recomputed in backward
     offload_activations    bool                           (--offload-activations): saved tensors of
                            the transformer layers (with full recompute: only the checkpointed layer
                            inputs) live in host memory until backward

@@ -232,7 +232,13 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_parallel_region(x, self.group)  # [..., in/tp]
-        y = F.linear(x, self.weight)                       # [..., out], partial sum over tp
+        return self.reduce_partial(F.linear(x, self.weight))   # [..., out]
+
+    def reduce_partial(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product y [..., out] (its input columns times theirs of the
+        weight; also a sum of such products over column blocks, as SelfAttention's head chunks
+        make it) -> the layer's output: summed over tp (all-reduce, or reduce-scattered on the
+        sequence dimension to [b, s/tp, out] with sequence_parallel), + bias."""
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.group)  # [b, s/tp, out]
         else:

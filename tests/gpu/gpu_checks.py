@@ -30,7 +30,7 @@ Items, in order (each a subprocess with its own time limit, cut to what the time
   offload        pretrain_gpt.py, llama-1b at 32K, bf16, 4 iterations, --report-memory, full
                  recompute + --offload-activations four ways: the exact pinned host pool (default
                  sizing), --offload-pool-gb 0 (torch's pinned buffers), the pool with
-                 --ulysses-head-chunks 2 and 4 (sp 1: local attention over head groups); per row
+                 --ulysses-head-chunks 2 and 4 (sp 1: the attention block over head groups); per row
                  the losses, peak device memory, host bytes, ms/iter and the planner's bytes
                  (bench/gpu_long_context.py's predicted_gb); pool vs no pool: losses equal (first
                  iteration bitwise, the rest within 1e-4 relative: the flash backward's atomics),

@@ -1,5 +1,5 @@
 """Ulysses pieces that need no process group: layout checks, kv head replication, sp = 1, head
-chunks (their refusal, their head order, sp = 1, the flag)."""
+chunks (their refusal, the chunks' weights, sp = 1 against the plain block, the flag)."""
 import pytest
 import torch
 
@@ -7,7 +7,7 @@ from megatron_sp import comm_stats
 from megatron_sp.attention import SDPAAttention
 from megatron_sp.mesh import LayoutError
 from megatron_sp.ulysses import (UlyssesAttention, check_head_chunks, check_seq_divisible,
-                                 check_ulysses_layout, expand_kv_heads, head_chunk_index,
+                                 check_ulysses_layout, expand_kv_heads,
                                  head_chunk_problem, head_to_seq_all_to_all,
                                  seq_to_head_all_to_all)
 
@@ -79,56 +79,93 @@ def test_head_chunks_accepted(h, g, sp, chunks):
 
 
 def test_head_chunks_refused_in_one_sentence():
-    # 12 query and 6 key/value heads over sp = 2: 6 and 3 per rank; 2 chunks would split 3
-    # key/value heads unevenly, 4 does not divide the 6 query heads.
+    # 12 query and 6 key/value heads over sp = 2: 2 chunks hold 3 groups each, which 2 sp ranks
+    # cannot split; 4 neither divides the 6 groups nor is a multiple of them.
     with pytest.raises(LayoutError) as err:
         check_head_chunks(12, 6, 2, 2)
     assert str(err.value) == (
         "--ulysses-head-chunks 2 does not fit 12 query and 6 key/value heads per tp rank over "
-        "sp = 2: each sp rank holds 6 query and 3 key/value heads, and a chunk must hold whole "
-        "key/value heads with all their query heads or an equal share of one key/value head's "
-        "query heads; use one of 1, 3, 6.")
+        "sp = 2: a chunk holds whole key/value groups with all their query heads or an equal "
+        "share of one group's query heads, and its heads must split over the 2 sp ranks as "
+        "Ulysses' do; use one of 1, 3, 6.")
     assert "use one of 1, 2, 4." in head_chunk_problem(8, 8, 2, 8)
-    with pytest.raises(LayoutError, match="head_chunks must be an integer >= 1, got 0"):
-        UlyssesAttention(SDPAAttention(), None, head_chunks=0)
 
 
-def test_head_chunk_index_is_ulysses_over_sp_times_chunks():
-    """Chunk c sends sp rank r the heads plain Ulysses over sp*N ranks gives rank r*N + c; with
-    fewer key/value heads, the replica expand_kv_heads would give that rank."""
-    sp, n, h = 2, 4, 16
-    for c in range(n):
-        got = head_chunk_index(h, sp, n, c).view(sp, -1)            # [sp, h/(sp N)]
-        for r in range(sp):
-            m = r * n + c
-            assert got[r].tolist() == list(range(m * h // (sp * n), (m + 1) * h // (sp * n)))
-    for g in (1, 2, 4):                                             # kv heads <= sp*N: replicas
-        kv = torch.arange(g).view(1, 1, g, 1).float()
-        expanded = expand_kv_heads(kv, sp * n)[0, 0, :, 0]          # [sp*N]
+def _tiny(**kw):
+    from megatron_sp.models import preset
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2,
+                ffn_hidden_size=128, vocab_size=100, max_position_embeddings=64)
+    return preset("llama-tiny", **{**base, **kw})
+
+
+def test_head_chunk_weights_cover_the_block_once():
+    """The chunks' QKV rows are the fused weight's rows, each once, grouped as the layout is (whole
+    groups: views; a share of a group's query heads: its q rows, then its k and v rows), and their
+    out-proj columns are the output weight's, each once, in head order."""
+    from megatron_sp.models import GPTModel
+    from megatron_sp.memory import MemoryOptions
+    for groups, n in ((2, 2), (2, 4), (2, 8), (8, 4), (1, 8)):
+        model = GPTModel(_tiny(num_query_groups=groups, add_qkv_bias=True),
+                         memory=MemoryOptions(ulysses_head_chunks=n))
+        attn = model.layers["0"].attention
+        with torch.no_grad():
+            attn.qkv.weight.copy_(torch.arange(attn.qkv.weight.numel()).view_as(attn.qkv.weight))
+            attn.qkv.bias.copy_(torch.arange(attn.qkv.bias.numel()))
+        per, d = 8 // groups, 8
+        rows = attn.qkv.weight[:, 0].long() // 64        # weight[i, 0] = 64 i: its row index
+        seen_rows, seen_cols = [], []
         for c in range(n):
-            got = head_chunk_index(g, sp, n, c)
-            assert got.tolist() == [int(expanded[r * n + c]) for r in range(sp)]
+            w, b, w_out, g_c, per_c = attn.head_chunk_weights(c)
+            assert w.shape == ((per_c + 2) * g_c * d, 64) and b.shape == (w.shape[0],)
+            assert g_c * per_c == 8 // n
+            assert torch.equal(w[:, 0].long() // 64, b.long())        # bias rows follow
+            seen_rows += (w[:, 0].long() // 64).tolist()
+            if groups % n == 0:
+                assert w.data_ptr() == attn.qkv.weight[len(seen_rows) - w.shape[0]:].data_ptr()
+            # its rows: per group, its query heads' d rows, then that group's k and v
+            grouped = (w[:, 0].long() // 64).view(g_c, per_c + 2, d)
+            group = grouped[:, 0, 0] // ((per + 2) * d)
+            assert torch.equal(grouped[:, -2, 0], group * (per + 2) * d + per * d)   # its k
+            cols = (w_out.data_ptr() - attn.proj.weight.data_ptr()) // 4
+            seen_cols += list(range(cols, cols + w_out.shape[1]))
+        assert sorted(set(seen_rows)) == rows.tolist()                 # every row, k, v repeated
+        assert len(seen_rows) == rows.numel() + (0 if groups % n == 0 else
+                                                 2 * d * (n - groups))
+        assert seen_cols == list(range(64))                             # each column once, in order
 
 
-def test_head_chunks_on_one_rank_equal_plain():
-    """sp = 1 (the chunks run the local attention over head groups in turn): forward and
-    backward equal the plain call, MHA and GQA, with documents, and nothing is communicated."""
-    gen = torch.Generator().manual_seed(3)
-    docs = torch.tensor([[0] * 5 + [1] * 11] * 2)
-    for h, g, n in ((8, 8, 4), (8, 2, 2), (8, 2, 8)):
-        q, dout = torch.randn(2, 16, h, 8, generator=gen), torch.randn(2, 16, h, 8, generator=gen)
-        k, v = torch.randn(2, 16, g, 8, generator=gen), torch.randn(2, 16, g, 8, generator=gen)
-        results = []
-        for chunks in (1, n):
-            x = [t.clone().requires_grad_() for t in (q, k, v)]
-            comm_stats.reset()
-            out = UlyssesAttention(SDPAAttention(), None, head_chunks=chunks)(
-                *x, document_ids=docs)
-            out.backward(dout)
-            assert comm_stats.snapshot() == {}
-            results.append([out.detach()] + [t.grad for t in x])
-        for name, a, b, tol in zip(("out", "dq", "dk", "dv"), *results, (1e-6, 1e-5, 1e-5, 1e-5)):
-            torch.testing.assert_close(a, b, atol=tol, rtol=0, msg=f"{name} h={h} g={g} n={n}")
+@pytest.mark.parametrize("kw", [dict(), dict(num_query_groups=8, add_qkv_bias=True),
+                                dict(num_query_groups=1, qk_layernorm=True)],
+                         ids=["gqa", "mha-bias", "mqa-qknorm"])
+@pytest.mark.parametrize("recompute", [None, "full"])
+def test_head_chunks_on_one_rank_equal_the_plain_block(kw, recompute):
+    """sp = 1: the model with head chunks N (whole groups, and a share of one group's query heads)
+    gives the plain model's loss and gradients (fp32: loss 1e-6 relative, gradients 1e-5 of their
+    largest entry), packed documents included, and communicates nothing."""
+    from megatron_sp.models import GPTModel
+    from megatron_sp.models.init import init_parameters
+    from megatron_sp.memory import MemoryOptions
+    gen = torch.Generator().manual_seed(torch.initial_seed() % 2**31)
+    ids = torch.randint(0, 100, (2, 48), generator=gen)
+    docs = (torch.rand(2, 48, generator=gen) < 0.1).long().cumsum(1)
+    cfg = _tiny(**kw)
+    results = {}
+    for n in (1, 2, 8 if cfg.num_query_groups <= 2 or cfg.num_query_groups == 8 else 4):
+        model = GPTModel(cfg, memory=MemoryOptions(ulysses_head_chunks=n,
+                                                   recompute_granularity=recompute))
+        init_parameters(model, seed=7)       # the same weights
+        comm_stats.reset()
+        loss = model(input_ids=ids, labels=ids, document_ids=docs).float().mean()
+        loss.backward()
+        assert comm_stats.snapshot() == {}
+        results[n] = loss.item(), {k: p.grad for k, p in model.named_parameters()}
+    loss1, grads1 = results.pop(1)
+    for n, (loss, grads) in results.items():
+        assert abs(loss - loss1) <= 1e-6 * abs(loss1), (n, loss, loss1)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, grads1[name], rtol=0,
+                                       atol=1e-5 * grads1[name].abs().max().item(),
+                                       msg=f"{name} n={n} {kw}")
 
 
 def test_head_chunks_flag_config_and_model():
@@ -145,7 +182,7 @@ def test_head_chunks_flag_config_and_model():
     cfg = preset("llama-tiny", num_layers=1, hidden_size=64, num_attention_heads=8,
                  num_query_groups=2, ffn_hidden_size=128, vocab_size=100)
     model = GPTModel(cfg, memory=MemoryOptions(ulysses_head_chunks=4))
-    assert model.layers["0"].attention.core.head_chunks == 4
+    assert model.layers["0"].attention.head_chunks == 4
     with pytest.raises(LayoutError, match=r"--ulysses-head-chunks 3 does not fit 8 query and 2 "
                                           r"key/value heads per tp rank over sp = 1.*use one of "
                                           r"1, 2, 4, 8\."):
