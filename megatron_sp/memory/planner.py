@@ -29,20 +29,17 @@ vocabulary, e the activation element size (4 fp32, 2 bf16), and "/t*" meaning "d
   tiled MLP         drops the fc1/act terms and fc1/fc2 weight copies
   chunked loss      drops the softmax and the output weight copy
   offload           the layers' saved bytes move to host memory (device: 0 for the layers)
-  head chunks       (--ulysses-head-chunks N > 1, ulysses/attention.py) each chunk's checkpoint
-                    keeps only its local q, k, v slices: the SDPA inputs become T*hl*d + 2*T*gl*d
-                    (every local head once, no GQA replication; chunks sharing key/value heads
-                    share one copy of them), no logsumexp, no SDPA output (the chunks' stacked
-                    output is the out-proj input), + the int64 head indices (8*(hl + gl), gl left
-                    out when shared). One layer's attention backward (_layer_backward_peak) holds
-                    the stacked output's gradient T*hl*d*e and the local q, k, v gradients
-                    accumulating over the chunks (T*hl*d + 2*T*gl*d)*e, + the larger of one
-                    chunk's kernel buffers (k, v at the kernel T*max(gl, sp*N)*d/N each) with its
-                    recompute (head-layout q, k, v, out, lse) and its index_select backward's
-                    full-size gradients of the local q, k, v and their sum with the accumulated
-                    ones 2*(T*hl*d + 2*T*gl*d)*e; the ring's
-                    buffers are one chunk's
-
+  head chunks       (--ulysses-head-chunks N > 1, models/gpt.py SelfAttention) the attention block
+                    (QKV rows, qk-norm, RoPE, Ulysses, out-proj columns) runs over N head chunks,
+                    each one checkpoint whose only saved input is the block's input (the qkv
+                    input term, shared): no SDPA inputs, logsumexp, SDPA output, out-proj input,
+                    qk-norm input or attention weight copies are kept. One layer's attention
+                    backward (_layer_backward_peak) holds the input's gradient accumulating over
+                    the chunks (T*H*e) + the larger of one chunk's kernel phase (its recomputed
+                    local q, k, v, head-layout q, k, v, out, lse, the out gradient and the
+                    kernel's buffers, k and v at the kernel T*max(gl, sp*N)*d/N each) and its
+                    projection backward (the chunk's QKV gradient and its input gradient T*H*e);
+                    the ring's buffers are one chunk's
 The ring (context parallelism, cp > 1; docs/design.md §14; alone, or inside Ulysses as Megatron's
 a2a+p2p hybrid): outside attention a rank holds T = b*s/(sp*cp) tokens; inside attention its ring
 rank's 2c = s/cp zigzag tokens (times b) for hl/sp query heads and max(gl, sp)/sp key/value heads,
@@ -282,16 +279,11 @@ def _layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies
         terms["sdpa_lse"] = terms["sdpa_out"] = 0
     chunks = getattr(memory, "ulysses_head_chunks", 1)
     if chunks > 1:
-        # Each head chunk is one checkpoint whose saved input is its local q slice and k, v slices
-        # (copies, [b, s/sp, h/(tp N), d]); together every local q head once and every local k, v
-        # head once (N > 1 needs gl >= sp*N or shares one copy of the gl heads: T*gl*d each), so
-        # the head-layout q, k, v, out and lse (and the fused-qkv view) are not saved; the
-        # chunks' stacked output is the out-proj input (proj_input). + the int64 head indices of
-        # index_select (hl for q, gl for k, v when not shared).
-        shared = (max(gl, sp) // sp) % chunks != 0
-        terms["sdpa_qkv"] = (T * hl * d + 2 * T * gl * d) * e
-        terms["sdpa_lse"] = terms["sdpa_out"] = 0
-        terms["chunk_index"] = 8 * (hl + (0 if shared else gl))
+        # The block's head chunks each checkpoint everything from the QKV rows to the out-proj
+        # columns; their one saved input is the block's input (qkv_input, shared).
+        for name in ("sdpa_qkv", "sdpa_lse", "sdpa_out", "proj_input", "qk_norm_input", "w_attn"):
+            if name in terms:
+                terms[name] = 0
     if memory.mlp_tiles != 1:
         n = resolve_count(memory.mlp_tiles, int(Ts), F * (2 if swiglu else 1) // tp, H)
         if n > 1:
@@ -727,24 +719,19 @@ def _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory: MemoryOptions,
     attn_bwd = q * (e + e + 4) + expanded + 2 * kv * e
     ring = ring_buffer_bytes(cfg, T, tp, sp, cp, e)["backward"] if cp > 1 else 0
     if chunks > 1:
-        # Head chunks: the kernel's buffers (dout, dq and its fp32 accumulator, dk, dv, GQA
-        # handling) and the ring's are one chunk's, with kvn = T*max(gl, sp*N)*d/N k (or v)
-        # elements at the kernel per chunk (a shared key/value head sent with each of its
-        # chunks); + the chunk's recompute (head-layout q, k, v, out, fp32 lse); + what lives
-        # across the chunks: the gradient of the stacked output (seq layout, q e: the chunks'
-        # slices are views of it, freed after the last) and the gradients of the local q, k, v
-        # the chunks' index_select backward accumulate ((q + 2 T gl d) e); the larger of the
-        # chunk's kernel phase and its index_select backward, which makes full-size zero-filled
-        # gradients of the local q, k, v that the engine adds to the accumulated ones out of
-        # place (the new one and the sum: 2 (q + 2 T gl d) e; measured on CPU, the peak of a
-        # chunked attention backward does not fall with N). The out-proj input is freed (sp = 1
-        # too: it is the stack's).
-        kvn = T * d * max(gl, sp * chunks) / chunks
-        qn = q / chunks
-        local = (q + 2 * T * gl * d) * e
-        chunk = (qn * (e + e + 4) + expanded / chunks + 2 * kvn * e
-                 + (2 * qn + 2 * kvn) * e + T * hl / chunks * 4)
-        attn_bwd = q * e + local + max(chunk, 2 * local)
+        # Head chunks (SelfAttention): across the chunks the block input's gradient accumulates
+        # (Ts*H*e); one chunk at a time the larger of its kernel phase (its recomputed local q,
+        # k, v; with sp > 1 their head-layout copies; the kernel's saved out and fp32 lse, the
+        # out gradient and the kernel's buffers at kvn = T*max(gl, sp*N)*d/N k or v elements)
+        # and its projection phase (the QKV gradient and the input gradient T*H*e); under
+        # autocast the accumulated bf16 gradient's cast back to the residual's dtype ends it.
+        qn, kvn = q / chunks, T * d * max(gl, sp * chunks) / chunks
+        local = (qn + 2 * T * d * max(gl // chunks, 1)) * e
+        head = (qn + 2 * kvn) * e if sp > 1 else 0
+        kernel_phase = (local + head + qn * e + T * hl / chunks * 4
+                        + qn * (e + e + 4) + expanded / chunks + 2 * kvn * e)
+        projection = local + T * H * e
+        attn_bwd = max(Ts * H * e + max(kernel_phase, projection), Ts * H * (e + r) if r != e else 0)
         ring *= max(gl, sp * chunks) / (chunks * max(gl, sp))
     attention = (saved - terms["mlp_norm"] - terms["fc1_input"] - terms["mlp_act"]
                  - (terms["proj_input"] if sp > 1 or chunks > 1 else 0) + grads + attn_bwd + ring)
@@ -1010,9 +997,20 @@ TECHNIQUE_LADDER = [
                   offload_activations=True),
 ]
 TECHNIQUE_COST = [1.0, 1.0, 1.02, 1.05, 1.33, 1.38]   # relative step time (recompute ~ +1/3 forward)
-# Ulysses head chunks (--ulysses-head-chunks N > 1) on top of a rung: each chunk's all-to-alls and
-# attention run again in backward, priced like selective recompute (the attention core again).
-HEAD_CHUNK_COST = 0.05
+
+
+def head_chunk_cost(cfg, seq: int) -> float:
+    """The relative step time Ulysses head chunks (--ulysses-head-chunks N > 1) add to a rung:
+    each chunk's forward (QKV rows, all-to-alls, attention, out-proj columns) runs again in
+    backward, one more forward of the attention block: its share of the step's model FLOPs
+    (Megatron-LM's formula: (1 + g/h + s/H) q of the per-layer terms) / 3. Most of the step at
+    long context: +0.33 for Llama-8B at 1M tokens."""
+    H, h = cfg.hidden_size, cfg.num_attention_heads
+    q = cfg.kv_channels * h / H
+    attention = (1.0 + cfg.num_query_groups / h + seq / H) * q
+    mlp = cfg.ffn_hidden_size / H * (1.5 if cfg.activation == "swiglu" else 1.0)
+    vocab = cfg.padded_vocab_size(1) / (2.0 * cfg.num_layers * H)
+    return attention / (attention + mlp + vocab) / 3
 
 
 def head_chunk_choices(cfg, work: Workload, dims: ParallelDims) -> list[int]:
@@ -1031,15 +1029,16 @@ def head_chunk_choices(cfg, work: Workload, dims: ParallelDims) -> list[int]:
 def technique_candidates(cfg, work: Workload,
                          dims: ParallelDims) -> list[tuple[MemoryOptions, float]]:
     """(memory, relative cost) in the order _fit tries them, cheapest first: each rung of
-    TECHNIQUE_LADDER, and after it (at its cost + HEAD_CHUNK_COST, sorted in with the others, a
+    TECHNIQUE_LADDER, and after it (at its cost + head_chunk_cost, sorted in with the others, a
     tie keeping the rung without chunks first) the rung with each head_chunk_choices N, smallest
     first; so a plan has head chunks only when nothing cheaper fits, with the smallest N that
     fits."""
     chunks = head_chunk_choices(cfg, work, dims)
+    extra = head_chunk_cost(cfg, work.seq) if chunks else 0.0
     out = []
     for i, (mem, cost) in enumerate(zip(TECHNIQUE_LADDER, TECHNIQUE_COST)):
         out.append((cost, i, 0, mem))
-        out += [(cost + HEAD_CHUNK_COST, i, n, replace(mem, ulysses_head_chunks=n))
+        out += [(cost + extra, i, n, replace(mem, ulysses_head_chunks=n))
                 for n in chunks]
     return [(mem, cost) for cost, _, _, mem in sorted(out, key=lambda t: t[:3])]
 
