@@ -51,6 +51,21 @@ class GPTConfig:
     # Megatron-LM flags that change the math (docs/design.md §10).
     apply_layernorm_1p: bool = False         # norm weights stored as gamma - 1, applied as 1 + w
     rotary_percent: float = 1.0              # RoPE on the first int(d * rotary_percent) dims only
+    # Mixture of experts (models/moe.py), Megatron-LM's MoE flags. num_experts None: dense MLPs.
+    num_experts: int | None = None           # --num-experts
+    moe_ffn_hidden_size: int | None = None   # --moe-ffn-hidden-size; None: ffn_hidden_size
+    moe_router_topk: int = 2                 # --moe-router-topk
+    moe_layer_freq: int | list = 1           # --moe-layer-freq: layer i is MoE if i % k == 0, or
+                                             # a list of 0/1 per layer
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_router_pre_softmax: bool = False     # softmax over all experts, then top-k
+    moe_router_score_function: str = "softmax"   # softmax | sigmoid
+    moe_router_topk_scaling_factor: float | None = None
+    moe_norm_topk_prob: bool = False         # renormalise pre-softmax top-k weights (Qwen3-MoE)
+    moe_aux_loss_coeff: float = 0.0          # --moe-aux-loss-coeff
+    moe_z_loss_coeff: float | None = None    # --moe-z-loss-coeff
+    moe_router_load_balancing_type: str = "aux_loss"   # aux_loss | seq_aux_loss | none
+    moe_expert_capacity_factor: float | None = None    # None: no token dropping
 
     def __post_init__(self):
         def positive(name):
@@ -91,10 +106,54 @@ class GPTConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {getattr(self, name)}.")
         self._check_rope_scaling()
+        self._check_moe()
         if not 0.0 < self.rotary_percent <= 1.0 or int(self.kv_channels * self.rotary_percent) < 2:
             raise ValueError(f"rotary_percent (--rotary-percent) must be in (0, 1] and leave at "
                              f"least 2 rotary dimensions of kv_channels={self.kv_channels}, got "
                              f"{self.rotary_percent}.")
+
+    def _check_moe(self):
+        if self.num_experts is None:
+            return
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if self.activation != "swiglu":
+            raise ValueError(f"num_experts (--num-experts) needs SwiGLU experts (--swiglu), got "
+                             f"activation {self.activation!r}.")
+        freq = self.moe_layer_freq
+        if isinstance(freq, (list, tuple)):
+            if len(freq) != self.num_layers or any(v not in (0, 1) for v in freq):
+                raise ValueError(f"moe_layer_freq (--moe-layer-freq) as a list must give 0 or 1 "
+                                 f"for each of the {self.num_layers} layers, got {list(freq)}.")
+            self.moe_layer_freq = [int(v) for v in freq]
+        elif isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
+            raise ValueError(f"moe_layer_freq (--moe-layer-freq) must be a positive integer or a "
+                             f"list of 0/1 per layer, got {freq!r}.")
+        self.moe_config()                     # MoEConfig refuses bad values in one sentence
+
+    def moe_config(self):
+        """The MoE layers' models.moe.MoEConfig (None for a dense model)."""
+        if self.num_experts is None:
+            return None
+        from .moe import MoEConfig
+        return MoEConfig(
+            num_experts=self.num_experts, moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+            moe_router_topk=self.moe_router_topk,
+            moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
+            moe_router_pre_softmax=self.moe_router_pre_softmax,
+            moe_router_score_function=self.moe_router_score_function,
+            moe_router_topk_scaling_factor=self.moe_router_topk_scaling_factor,
+            moe_aux_loss_coeff=self.moe_aux_loss_coeff, moe_z_loss_coeff=self.moe_z_loss_coeff,
+            moe_router_load_balancing_type=self.moe_router_load_balancing_type,
+            moe_expert_capacity_factor=self.moe_expert_capacity_factor,
+            norm_topk_prob=self.moe_norm_topk_prob)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether (global, 0-based) layer `layer` has experts instead of a dense MLP."""
+        if self.num_experts is None:
+            return False
+        freq = self.moe_layer_freq
+        return bool(freq[layer]) if isinstance(freq, list) else layer % freq == 0
 
     @property
     def rotary_dim(self) -> int:
@@ -148,7 +207,13 @@ class GPTConfig:
         emb = V * H * (1 if self.tie_embeddings else 2)
         pos = self.max_position_embeddings * H if self.position_embedding_type == "learned_absolute" else 0
         final_norm = H * (2 if self.normalization == "LayerNorm" else 1)
-        return L * per_layer + emb + pos + final_norm
+        total = L * per_layer + emb + pos + final_norm
+        if self.num_experts is not None:      # MoE layers: router + experts (+ shared) for the MLP
+            experts = self.num_experts * 3 * H * self.moe_ffn_hidden_size + self.num_experts * H
+            experts += 3 * H * (self.moe_shared_expert_intermediate_size or 0)
+            moe_layers = sum(self.is_moe_layer(i) for i in range(L))
+            total += moe_layers * (experts - mlp)
+        return total
 
     def check_parallel(self, tp: int = 1, sp: int = 1, pp: int = 1) -> None:
         """Refuse (ValueError) a layout this model cannot be split into, naming the numbers
@@ -159,6 +224,10 @@ class GPTConfig:
                                       what="config")
         if problem:
             raise ValueError(problem)
+        if self.num_experts is not None and tp > 1:
+            raise ValueError(f"num_experts={self.num_experts} with tp={tp}: the experts are not "
+                             f"split over tensor parallelism yet; train MoE models with sp, cp, pp "
+                             f"and dp (tp 1).")
         F = self.ffn_hidden_size
         if F % tp:
             raise ValueError(f"ffn_hidden_size={F} is not divisible by tp={tp}.")
@@ -220,6 +289,17 @@ PRESETS.update({
     "llama3.1-8b": dict(PRESETS["llama-8b"], **LLAMA31_ROPE),
     "llama3.2-1b": dict(PRESETS["llama-1b"], **dict(LLAMA31_ROPE, rope_scaling_factor=32.0)),
     "mistral-7b": _llama(32, 4096, 32, 8, 14336, vocab=32768, theta=1000000.0, max_pos=32768),  # v0.3
+    # Mixture of experts (router_aux_loss_coef is not a model field: pass --moe-aux-loss-coeff).
+    # Qwen3-30B-A3B: every layer has experts (decoder_sparse_step 1, no mlp_only_layers), so
+    # intermediate_size 6144 (ffn_hidden_size) is unused; Qwen3-MoE routing (softmax, top-8,
+    # renormalised).
+    "qwen3-30b-a3b": dict(_qwen(48, 2048, 32, 4, 6144, tied=False), num_experts=128,
+                          moe_ffn_hidden_size=768, moe_router_topk=8, moe_layer_freq=1,
+                          moe_router_pre_softmax=True, moe_norm_topk_prob=True),
+    # Mixtral-8x7B v0.1: 8 experts of intermediate_size 14336 in every layer, top-2, no window.
+    "mixtral-8x7b": dict(_llama(32, 4096, 32, 8, 14336, vocab=32000, theta=1000000.0,
+                                max_pos=32768), num_experts=8, moe_ffn_hidden_size=14336,
+                         moe_router_topk=2, moe_layer_freq=1),
 })
 
 

@@ -36,6 +36,7 @@ from megatron_sp.context_parallel.te import TEContextParallelAttention
 from megatron_sp.ulysses import UlyssesAttention, check_head_chunks
 
 from .config import GPTConfig
+from .moe import MoEMLP
 from .rope import rope_frequencies
 
 
@@ -390,13 +391,18 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config, mesh, backend, sequence_parallel, rng_tracker=None, mlp_tiles=1,
-                 head_chunks=1):
+                 head_chunks=1, layer_number=0):
         super().__init__()
         self.input_norm = make_norm(config)
         self.attention = SelfAttention(config, mesh, backend, sequence_parallel, rng_tracker,
                                        head_chunks=head_chunks)
         self.post_attention_norm = make_norm(config)
-        self.mlp = MLP(config, mesh, sequence_parallel, tiles=mlp_tiles)
+        if config.is_moe_layer(layer_number):   # experts (models/moe.py); --mlp-tiles: dense only
+            self.mlp = MoEMLP(config.moe_config(), config.hidden_size)
+            if mesh.sp_size * mesh.cp_size > 1:   # the router losses over whole sequences
+                self.mlp.context_group = mesh.context_group()
+        else:
+            self.mlp = MLP(config, mesh, sequence_parallel, tiles=mlp_tiles)
         self.hidden_dropout = config.hidden_dropout
         self.rng_tracker = rng_tracker if sequence_parallel else None
         if sequence_parallel:
@@ -510,7 +516,7 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(config, mesh, backend, self.sequence_parallel, rng_tracker,
                                      mlp_tiles=self.memory.mlp_tiles,
-                                     head_chunks=self.memory.ulysses_head_chunks)
+                                     head_chunks=self.memory.ulysses_head_chunks, layer_number=i)
             for i in self.layer_ids})
         self.final_norm = self.output_layer = None
         if self.post_process:
@@ -573,6 +579,26 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return x
         return self.output(x, self.shard_sequence(labels))
+
+    # Mixture of experts -------------------------------------------------------------------------
+    def moe_layers(self) -> list:
+        """This stage's MoE MLPs (models/moe.py MoEMLP), in layer order."""
+        return [layer.mlp for layer in self.layers.values() if isinstance(layer.mlp, MoEMLP)]
+
+    def set_moe_aux_loss_scale(self, scale: float) -> None:
+        """The gradient the router losses get in backward (the training loop: 1 / (micro-batches x
+        data-parallel replicas), Megatron's averaging; 1 by default)."""
+        for mlp in self.moe_layers():
+            mlp.aux_loss_scale = scale
+
+    def moe_router_losses(self) -> dict:
+        """The last forward's router losses summed over this stage's MoE layers (detached)."""
+        out = {}
+        for mlp in self.moe_layers():
+            for name in ("load_balancing_loss", "z_loss"):
+                if hasattr(mlp, "last_aux"):
+                    out[name] = out.get(name, 0.0) + float(mlp.last_aux[name])
+        return out
 
     def output_weight(self) -> torch.Tensor:
         return (self.embedding.word_embeddings.weight if self.config.tie_embeddings

@@ -33,7 +33,8 @@ def _full_init(name: str, shape, std: float, num_layers: int, real_rows: int | N
         return torch.zeros(shape)
     if is_norm:   # --apply-layernorm-1p stores gamma - 1: the same initial gamma of 1
         return torch.zeros(shape) if zero_centered_norms else torch.ones(shape)
-    if name.endswith(("attention.proj.weight", "mlp.fc2.weight")):
+    if name.endswith(("attention.proj.weight", "mlp.fc2.weight", "mlp.experts.w2",
+                      "mlp.shared_expert.fc2.weight")):   # Megatron's output-layer init
         std = std / math.sqrt(2.0 * num_layers)
     gen = torch.Generator().manual_seed(param_seed(seed, name))
     if real_rows is not None:  # vocabulary rows: draw the real ones, zero the padding

@@ -30,6 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megatron_sp.moe import reduce_statistics
+
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 
@@ -438,20 +440,27 @@ class MoELayer(nn.Module):
                                       use_grouped_mm)
         shared = config.moe_shared_expert_intermediate_size
         self.shared_expert = SharedExpertMLP(hidden_size, shared) if shared else None
+        self.context_group = None     # set by the model: the ranks sharing its sequences
 
     def router_losses(self, logits: torch.Tensor, indices: torch.Tensor, batch_size: int) -> dict:
-        """The load-balancing and z losses of one micro-batch (scalars, 0 when off)."""
+        """The load-balancing and z losses of one micro-batch (scalars, 0 when off), over the
+        whole sequences: their statistics are summed over self.context_group first (the ranks
+        holding other parts of the same sequences; None on one rank)."""
         cfg = self.config
         zero = logits.new_zeros(())
-        lb = zero
+        lb = z = zero
         if cfg.moe_aux_loss_coeff > 0 and cfg.moe_router_load_balancing_type != "none":
             scores = scores_for_aux_loss(logits, cfg)
             if cfg.moe_router_load_balancing_type == "seq_aux_loss":
-                lb = seq_aux_loss(scores, indices, batch_size, cfg.moe_aux_loss_coeff)
+                stats = seq_aux_loss_statistics(scores, indices, cfg.num_experts, batch_size)
             else:
-                lb = switch_aux_loss(scores, tokens_per_expert_of(indices, cfg.num_experts),
-                                     cfg.moe_router_topk, cfg.moe_aux_loss_coeff)
-        z = z_loss(logits, cfg.moe_z_loss_coeff) if cfg.moe_z_loss_coeff else zero
+                stats = aux_loss_statistics(scores, indices, cfg.num_experts)
+            counts, prob_sums, n_tokens = reduce_statistics(list(stats), self.context_group)
+            lb = combine_aux_loss(counts, prob_sums, n_tokens, cfg.num_experts,
+                                  cfg.moe_router_topk, cfg.moe_aux_loss_coeff)
+        if cfg.moe_z_loss_coeff:
+            total, n_tokens = reduce_statistics(list(z_loss_statistics(logits)), self.context_group)
+            z = cfg.moe_z_loss_coeff * total / n_tokens
         return {"load_balancing_loss": lb, "z_loss": z}
 
     def forward(self, x: torch.Tensor):
@@ -470,3 +479,39 @@ class MoELayer(nn.Module):
             y = y + self.shared_expert(tokens)
         aux["tokens_per_expert"] = tokens_per_expert
         return y.view(b, s, h), aux                               # [T, H] -> [b, s, H]
+
+
+class _AuxLossScaler(torch.autograd.Function):
+    """Megatron's MoEAuxLossAutoScaler: the identity on the layer's output whose backward also
+    gives the router losses the gradient `scale`, so that they train the router without entering
+    the language-model loss the model returns."""
+
+    @staticmethod
+    def forward(ctx, y, loss, scale):
+        ctx.scale = scale
+        ctx.save_for_backward(loss)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.full_like(loss, ctx.scale), None
+
+
+class MoEMLP(MoELayer):
+    """MoELayer as a transformer layer's MLP (GPTModel with num_experts): x [b, s, H] -> [b, s, H].
+
+    The router losses reach backward through _AuxLossScaler with `aux_loss_scale` (GPTModel.
+    set_moe_aux_loss_scale: 1 / (micro-batches x data-parallel replicas) in training, so that they
+    are averaged as Megatron averages them); `last_aux` keeps their values (detached) and the
+    tokens per expert of the last forward, for logging."""
+
+    aux_loss_scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, aux = super().forward(x)
+        loss = aux["load_balancing_loss"] + aux["z_loss"]
+        if loss.requires_grad:
+            y = _AuxLossScaler.apply(y, loss, self.aux_loss_scale)
+        self.last_aux = {k: v.detach() for k, v in aux.items()}
+        return y

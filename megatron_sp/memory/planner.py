@@ -1173,6 +1173,10 @@ def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
     progress: told of each layout tried (SearchProgress.layout).
     """
     from megatron_sp.training.flops import flops_for_config
+    if getattr(cfg, "num_experts", None) is not None:
+        raise ValueError(f"the planner does not model mixture-of-experts layers yet (num_experts="
+                         f"{cfg.num_experts}): plan the dense model of the same attention and "
+                         f"measure the MoE model with --report-memory.")
     progress = progress or SearchProgress()
     candidates = sharding_candidates(sharding, cpu_offload)
     flops = flops_for_config(cfg, work.global_batch, work.seq)

@@ -21,10 +21,25 @@ def num_floating_point_operations(batch: int, seq: int, num_layers: int, hidden:
 
 
 def flops_for_config(config, batch: int, seq: int, tp: int = 1) -> float:
+    """Megatron's formula for `config`; with experts (num_experts) the MLP term counts the active
+    width, as Megatron-LM does for MoE: moe_ffn_hidden_size x topk (+ the shared expert) in the
+    MoE layers, ffn_hidden_size in the dense ones, averaged over the layers."""
     return num_floating_point_operations(
         batch, seq, config.num_layers, config.hidden_size, config.num_attention_heads,
-        config.num_query_groups, config.ffn_hidden_size, config.padded_vocab_size(tp),
+        config.num_query_groups, active_ffn_hidden_size(config), config.padded_vocab_size(tp),
         config.kv_channels, config.activation == "swiglu")
+
+
+def active_ffn_hidden_size(config) -> float:
+    """The MLP width a token passes through, averaged over the layers (ffn_hidden_size for a
+    dense model)."""
+    if getattr(config, "num_experts", None) is None:
+        return config.ffn_hidden_size
+    moe = config.moe_ffn_hidden_size * config.moe_router_topk \
+        + (config.moe_shared_expert_intermediate_size or 0)
+    widths = [moe if config.is_moe_layer(i) else config.ffn_hidden_size
+              for i in range(config.num_layers)]
+    return sum(widths) / len(widths)
 
 
 def device_peak_tflops(override: float | None = None) -> float | None:
