@@ -208,16 +208,26 @@ def model_config(job: JobConfig, vocab_size: int) -> GPTConfig:
         apply_layernorm_1p=True if m.apply_layernorm_1p else None,
         rotary_percent=m.rotary_percent if m.rotary_percent != 1.0 else None)
     fields.update(families.family_fields(m))
+    fields.update(cli.moe_fields(m))              # --num-experts, --moe-*
     families.check_sliding_window(job.checkpoint.load, job.training.seq_length)
     fields = {k: v for k, v in fields.items() if v is not None}
     fields["vocab_size"] = families.model_vocab_size(job.data, vocab_size)
     fields["make_vocab_size_divisible_by"] = m.make_vocab_size_divisible_by
+    if "moe_layer_freq" in fields:    # a 0/1 list per layer: one sentence when the count differs
+        from megatron_sp.config import check_moe_layer_freq
+        from megatron_sp.models.config import PRESETS
+        layers = fields.get("num_layers") or PRESETS.get(m.model, {}).get("num_layers")
+        if layers:
+            check_moe_layer_freq(fields["moe_layer_freq"], layers)
     if m.model:
-        return preset(m.model, **fields)
-    fields.setdefault("max_position_embeddings", job.training.seq_length)
-    fields.setdefault("attention_dropout", 0.1)   # Megatron-LM's defaults when no preset is named
-    fields.setdefault("hidden_dropout", 0.1)
-    return GPTConfig(**fields)
+        config = preset(m.model, **fields)
+    else:
+        fields.setdefault("max_position_embeddings", job.training.seq_length)
+        fields.setdefault("attention_dropout", 0.1)   # Megatron-LM's defaults without a preset
+        fields.setdefault("hidden_dropout", 0.1)
+        config = GPTConfig(**fields)
+    cli.check_moe_model(m, config)
+    return config
 
 
 def check_model_fits(job: JobConfig, config: GPTConfig, tokenizer, mesh) -> None:

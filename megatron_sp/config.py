@@ -46,6 +46,82 @@ def _example_hierarchy(n: int) -> str:
     return f"2 {n // 2}" if n % 2 == 0 else f"1 {n}"
 
 
+# --moe-layer-freq: Megatron-LM's int, or its Python list expression ("([1]*3+[0]*1)*3").
+MOE_LAYER_FREQ_LIMIT = 100_000           # entries: a list expression may not build more
+
+
+def parse_moe_layer_freq(value) -> int | tuple[int, ...]:
+    """--moe-layer-freq as given -> k (layer i has experts if i % k == 0) or one 0/1 per layer.
+
+    The string form is read with the ast module, never evaluated: only list literals, integers,
+    + and * (Megatron's "([1]*3+[0]*1)*3", "[1,0,1,0]"); anything else is a ConfigError."""
+    if isinstance(value, bool):
+        raise ConfigError(f"--moe-layer-freq must be a positive integer or a list of 0/1 per "
+                          f"layer, got {value!r}.")
+    if isinstance(value, int):
+        result = value
+    elif isinstance(value, (list, tuple)):
+        result = list(value)
+    else:
+        import ast
+        text = str(value).strip()
+        try:
+            result = _layer_freq_value(ast.parse(text, mode="eval").body)
+        except (SyntaxError, ValueError, RecursionError):
+            raise ConfigError(f"--moe-layer-freq {text!r} is not an integer or a list expression of "
+                              f"0s and 1s (list literals, integers, + and * only, such as 2 or "
+                              f"\"([1]*3+[0]*1)*3\").") from None
+    if isinstance(result, int):
+        if result < 1:
+            raise ConfigError(f"--moe-layer-freq must be a positive integer or a list of 0/1 per "
+                              f"layer, got {result}.")
+        return result
+    if not result or any(isinstance(v, bool) or v not in (0, 1) for v in result):
+        raise ConfigError(f"--moe-layer-freq as a list must hold one 0 (dense) or 1 (experts) per "
+                          f"layer, got {list(result)}.")
+    return tuple(int(v) for v in result)
+
+
+def _layer_freq_value(node):
+    """An int or a list of ints from an ast node of list literals, ints, + and * (ValueError
+    otherwise)."""
+    import ast
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        items = [_layer_freq_value(e) for e in node.elts]
+        if any(not isinstance(v, int) for v in items):
+            raise ValueError("nested list")
+        return items
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _layer_freq_value(node.left), _layer_freq_value(node.right)
+        if isinstance(node.op, ast.Add):
+            if isinstance(left, list) != isinstance(right, list):
+                raise ValueError("list + int")
+            result_len = len(left) + len(right) if isinstance(left, list) else 0
+        else:
+            if isinstance(left, list) and isinstance(right, list):
+                raise ValueError("list * list")
+            if isinstance(left, int) and isinstance(right, int):
+                if abs(left) > MOE_LAYER_FREQ_LIMIT or abs(right) > MOE_LAYER_FREQ_LIMIT:
+                    raise ValueError("too large")
+                return left * right
+            items, times = (left, right) if isinstance(left, list) else (right, left)
+            result_len = len(items) * max(times, 0)
+        if result_len > MOE_LAYER_FREQ_LIMIT:
+            raise ValueError("too long")
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    raise ValueError(f"{type(node).__name__} is not allowed")
+
+
+def check_moe_layer_freq(freq, num_layers: int) -> None:
+    """A --moe-layer-freq list must give each of the model's layers its 0/1 (ConfigError)."""
+    if isinstance(freq, (list, tuple)) and len(freq) != num_layers:
+        raise ConfigError(f"--moe-layer-freq gives {len(freq)} layers but the model has "
+                          f"{num_layers} (--num-layers): give one 0 (dense) or 1 (experts) per "
+                          f"layer, or an integer k (experts in every k-th layer).")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """The parallel layout and how model state is sharded and reduced (docs/design.md §3, §11)."""
@@ -101,6 +177,11 @@ class ParallelConfig:
     inside x ring across) or allgather (refused)."""
     hierarchical_context_parallel_sizes: tuple[int, ...] | None = None
     """--hierarchical-context-parallel-sizes: a2a+p2p's Ulysses and ring degrees (A R)."""
+    expert_model_parallel_size: int = 1
+    """--expert-model-parallel-size: Megatron-LM's expert-parallel degree; 1 only (every rank
+    holds all the experts of its layers)."""
+    expert_tensor_parallel_size: int | None = None
+    """--expert-tensor-parallel-size: tensor-parallel degree of the experts; 1 (or unset) only."""
 
     def __post_init__(self):
         pp = self.pipeline_model_parallel_size
@@ -125,6 +206,12 @@ class ParallelConfig:
                                   f"--use-distributed-optimizer or --use-torch-fsdp2.")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             _resolve(self, sequence_parallel=False)   # Megatron drops it at tp=1 too: nothing to shard
+        for name in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
+            size = getattr(self, name)
+            if size is not None and size != 1:
+                raise ConfigError(f"{_flag(name)} {size}: expert parallelism is not implemented "
+                                  f"yet; every rank holds all the experts (data parallelism "
+                                  f"replicates them), so pass 1 or leave the flag out.")
         self._resolve_context()
 
     def _resolve_context(self) -> None:
@@ -282,6 +369,41 @@ class ModelFlags:
     transformer_impl: str = "local"
     """--transformer-impl: local: these layers; transformer_engine: Transformer Engine's fused
     attention (runs as local, said at start-up, when it is not installed)."""
+    num_experts: int | None = None
+    """--num-experts: experts of each mixture-of-experts layer (None: a dense model)."""
+    moe_ffn_hidden_size: int | None = None
+    """--moe-ffn-hidden-size: hidden size of each expert's SwiGLU MLP (default --ffn-hidden-size)."""
+    moe_router_topk: int | None = None
+    """--moe-router-topk: experts each token is routed to (Megatron's default 2)."""
+    moe_layer_freq: int | tuple[int, ...] | str | None = None
+    """--moe-layer-freq: experts in every k-th layer (layer i if i % k == 0; default 1: all), or
+    Megatron's list of 0/1 per layer, e.g. "([1]*3+[0]*1)*3" (read with ast: list literals,
+    integers, + and * only)."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """--moe-shared-expert-intermediate-size: hidden size of the shared expert every token also
+    goes through (None: no shared expert)."""
+    moe_router_pre_softmax: bool = False
+    """--moe-router-pre-softmax: softmax over all experts before the top-k (default: top-k of the
+    logits, then softmax over the k)."""
+    moe_router_score_function: str | None = None
+    """--moe-router-score-function: softmax (default) or sigmoid router scores."""
+    moe_router_topk_scaling_factor: float | None = None
+    """--moe-router-topk-scaling-factor: the routing weights of the top-k times this."""
+    moe_aux_loss_coeff: float | None = None
+    """--moe-aux-loss-coeff: weight of the load-balancing loss (default 0: none)."""
+    moe_z_loss_coeff: float | None = None
+    """--moe-z-loss-coeff: weight of the router z-loss (default: none)."""
+    moe_router_load_balancing_type: str | None = None
+    """--moe-router-load-balancing-type: aux_loss (default: over the micro-batch), seq_aux_loss
+    (per sequence) or none."""
+    moe_expert_capacity_factor: float | None = None
+    """--moe-expert-capacity-factor: each expert takes at most capacity_factor x tokens x topk /
+    experts tokens, the others are dropped (default: no dropping)."""
+    moe_token_dispatcher_type: str | None = None
+    """--moe-token-dispatcher-type: alltoall or allgather, accepted: one rank holds every expert
+    and permutes its tokens locally (no dispatch communication)."""
+    moe_router_dtype: str | None = None
+    """--moe-router-dtype: fp32 only: the router always runs in fp32."""
     checkpoint_vocab_size: int | None = None
     """Not a flag: the vocabulary of the --load checkpoint's model under --use-checkpoint-args."""
 
@@ -290,6 +412,55 @@ class ModelFlags:
             raise ConfigError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}.")
         if self.group_query_attention and self.num_query_groups is None:
             _resolve(self, num_query_groups=1)      # Megatron's default number of query groups
+        self._check_moe()
+
+    # The MoE flags that name a value; giving one of them needs a model with experts.
+    MOE_FLAGS = ("moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
+                 "moe_shared_expert_intermediate_size", "moe_router_pre_softmax",
+                 "moe_router_score_function", "moe_router_topk_scaling_factor",
+                 "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type",
+                 "moe_expert_capacity_factor")
+
+    def moe_flags_given(self) -> list[str]:
+        """The --moe-* flags of the model that were given (their command-line names)."""
+        return [_flag(n) for n in self.MOE_FLAGS if getattr(self, n) not in (None, False)]
+
+    def _check_moe(self) -> None:
+        """Megatron-LM's MoE flags at the edge, one sentence each (the model's own rules: MoEConfig)."""
+        for name in ("num_experts", "moe_ffn_hidden_size", "moe_router_topk",
+                     "moe_shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{_flag(name)} must be a positive integer, got {value}.")
+        k, n = self.moe_router_topk, self.num_experts
+        if k is not None and n is not None and k > n:
+            raise ConfigError(f"--moe-router-topk {k} exceeds --num-experts {n}: a token cannot "
+                              f"go to more experts than there are.")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ConfigError(f"{_flag(name)} must be >= 0, got {value:g}.")
+        for name in ("moe_router_topk_scaling_factor", "moe_expert_capacity_factor"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{_flag(name)} must be > 0, got {value:g}.")
+        if self.moe_layer_freq is not None:
+            freq = parse_moe_layer_freq(self.moe_layer_freq)
+            if self.num_layers is not None:
+                check_moe_layer_freq(freq, self.num_layers)
+            _resolve(self, moe_layer_freq=freq)
+        if self.moe_router_dtype not in (None, "fp32"):
+            raise ConfigError(f"--moe-router-dtype {self.moe_router_dtype}: the router always runs "
+                              f"in fp32 here; pass fp32 or leave the flag out.")
+        dispatcher = self.moe_token_dispatcher_type
+        if dispatcher not in (None, "alltoall", "allgather"):
+            raise ConfigError(f"--moe-token-dispatcher-type {dispatcher} is not one of alltoall, "
+                              f"allgather (one rank holds every expert and permutes its tokens "
+                              f"locally either way); pass one of them or leave the flag out.")
+        if dispatcher == "allgather" and self.moe_expert_capacity_factor is not None:
+            raise ConfigError("--moe-expert-capacity-factor needs --moe-token-dispatcher-type "
+                              "alltoall, as in Megatron-LM: pass alltoall or drop the capacity "
+                              "factor.")
 
 
 @dataclass(frozen=True)

@@ -592,13 +592,10 @@ class GPTModel(nn.Module):
             mlp.aux_loss_scale = scale
 
     def moe_router_losses(self) -> dict:
-        """The last forward's router losses summed over this stage's MoE layers (detached)."""
-        out = {}
-        for mlp in self.moe_layers():
-            for name in ("load_balancing_loss", "z_loss"):
-                if hasattr(mlp, "last_aux"):
-                    out[name] = out.get(name, 0.0) + float(mlp.last_aux[name])
-        return out
+        """The last forward's router losses, the mean over this stage's MoE layers (detached)."""
+        seen = [mlp.last_aux for mlp in self.moe_layers() if hasattr(mlp, "last_aux")]
+        return {name: sum(float(aux[name]) for aux in seen) / len(seen)
+                for name in ("load_balancing_loss", "z_loss")} if seen else {}
 
     def output_weight(self) -> torch.Tensor:
         return (self.embedding.word_embeddings.weight if self.config.tie_embeddings

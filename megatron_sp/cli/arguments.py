@@ -63,6 +63,30 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--yarn-beta-slow", type=float, help="YaRN beta_slow (1)")
     m.add_argument("--yarn-mscale", type=float, help="YaRN mscale (1)")
     m.add_argument("--yarn-mscale-all-dim", type=float, help="YaRN mscale_all_dim (0)")
+    # Mixture of experts (models/moe.py), Megatron-LM's names; one rank holds all the experts.
+    m.add_argument("--num-experts", type=int, help="experts of each mixture-of-experts layer "
+                   "(default: a dense model)")
+    m.add_argument("--moe-ffn-hidden-size", type=int, help="hidden size of each expert's SwiGLU "
+                   "MLP (default --ffn-hidden-size)")
+    m.add_argument("--moe-router-topk", type=int, help="experts per token (Megatron's default 2)")
+    m.add_argument("--moe-layer-freq", default=None, help="experts in every k-th layer (1: all), "
+                   "or a 0/1 list per layer such as \"([1]*3+[0]*1)*3\" (Megatron's)")
+    m.add_argument("--moe-shared-expert-intermediate-size", type=int, help="hidden size of the "
+                   "shared expert every token also goes through")
+    _bool_flag(m, "--moe-router-pre-softmax", "softmax over all experts before the top-k")
+    m.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"],
+                   help="router scores (default softmax)")
+    m.add_argument("--moe-router-topk-scaling-factor", type=float, help="routing weights of the "
+                   "top-k times this")
+    m.add_argument("--moe-aux-loss-coeff", type=float, help="weight of the load-balancing loss "
+                   "(default 0)")
+    m.add_argument("--moe-z-loss-coeff", type=float, help="weight of the router z-loss")
+    m.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"],
+                   help="load-balancing loss over the micro-batch (aux_loss, default) or per "
+                        "sequence (seq_aux_loss), or none")
+    m.add_argument("--moe-expert-capacity-factor", type=float, help="each expert takes at most "
+                   "this x its even share of the tokens, the others are dropped (default: none "
+                   "dropped)")
 
     t = p.add_argument_group("training")
     t.add_argument("--micro-batch-size", type=int, default=1)
@@ -163,6 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
                      metavar="N", help="a2a+p2p: A R, the Ulysses (adjacent ranks) and ring "
                      "degrees, A x R = --context-parallel-size")
     _bool_flag(par, "--sequence-parallel", "Megatron sequence sharding inside tensor parallelism")
+    par.add_argument("--expert-model-parallel-size", type=int, default=1,
+                     help="expert-parallel ranks: 1 only (every rank holds all the experts)")
+    par.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                     help="tensor-parallel ranks of the experts: 1 only")
+    par.add_argument("--moe-token-dispatcher-type", default=None,
+                     help="alltoall or allgather: accepted, one rank holds every expert and "
+                          "permutes its tokens locally")
+    par.add_argument("--moe-router-dtype", default=None,
+                     help="fp32 only: the router always runs in fp32")
     par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     par.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     par.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)

@@ -31,6 +31,33 @@ def job_config(args) -> JobConfig:
     return JobConfig.from_flags(flags, notes=getattr(args, "megatron_notes", ()), strict=False)
 
 
+# The MoE flags of ModelFlags that become GPTConfig fields of the same name (None: the preset's
+# or GPTConfig's default).
+MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
+              "moe_shared_expert_intermediate_size", "moe_router_score_function",
+              "moe_router_topk_scaling_factor", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+              "moe_router_load_balancing_type", "moe_expert_capacity_factor")
+
+
+def moe_fields(model) -> dict:
+    """GPTConfig fields of Megatron-LM's MoE flags (`model`: the run's ModelFlags); a list
+    --moe-layer-freq becomes a list, as GPTConfig keeps it."""
+    fields = {n: getattr(model, n) for n in MOE_FIELDS if getattr(model, n) is not None}
+    if isinstance(fields.get("moe_layer_freq"), tuple):
+        fields["moe_layer_freq"] = list(fields["moe_layer_freq"])
+    if model.moe_router_pre_softmax:
+        fields["moe_router_pre_softmax"] = True
+    return fields
+
+
+def check_moe_model(model, config) -> None:
+    """--moe-* flags on a model without experts are refused (never silently ignored)."""
+    given = model.moe_flags_given()
+    if config.num_experts is None and given:
+        raise ConfigError(f"{given[0]} is a mixture-of-experts flag but the model has no "
+                          f"experts: add --num-experts N (or drop the --moe-* flags).")
+
+
 def parse_job(argv=None) -> JobConfig:
     """parse_args + job_config: the JobConfig of a command line, without the embedded default."""
     return job_config(parse_args(argv))

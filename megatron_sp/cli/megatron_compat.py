@@ -52,6 +52,12 @@ HONOURED = (
     "--fp8-amax-compute-algo", "--fp8-margin", "--fp8-interval", "--fp8-param-gather",
     "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
     "--use-torch-fsdp2",
+    "--num-experts", "--moe-ffn-hidden-size", "--moe-router-topk", "--moe-layer-freq",
+    "--moe-shared-expert-intermediate-size", "--moe-router-pre-softmax",
+    "--moe-router-score-function", "--moe-router-topk-scaling-factor", "--moe-aux-loss-coeff",
+    "--moe-z-loss-coeff", "--moe-router-load-balancing-type", "--moe-expert-capacity-factor",
+    "--moe-router-dtype", "--moe-token-dispatcher-type", "--expert-model-parallel-size",
+    "--expert-tensor-parallel-size",
 )
 
 # What an honoured flag does here, where that needs saying (the README table shows it).
@@ -104,6 +110,19 @@ HONOURED_NOTES = {
     "--overlap-param-gather": "distributed optimizer: every bucket's all-gather launched after the "
                               "step (FSDP2 prefetches the next layer's)",
     "--use-torch-fsdp2": "parameters, gradients and optimizer state sharded over dp x sp by FSDP2",
+    "--num-experts": "SwiGLU experts (models/moe.py); one rank holds all of them (tp 1)",
+    "--moe-layer-freq": "an integer k, or Megatron's 0/1 list expression (read with ast, not "
+                        "evaluated)",
+    "--moe-aux-loss-coeff": "averaged over micro-batches and dp replicas as Megatron; the "
+                            "load balancing loss in the log line",
+    "--moe-z-loss-coeff": "the z loss in the log line",
+    "--moe-expert-capacity-factor": "tokens over capacity dropped; not with --moe-token-"
+                                    "dispatcher-type allgather (as Megatron)",
+    "--moe-router-dtype": "fp32 (the router always runs in fp32); others refused",
+    "--moe-token-dispatcher-type": "alltoall, allgather: one rank holds every expert, tokens are "
+                                   "permuted locally",
+    "--expert-model-parallel-size": "1; expert parallelism (> 1) refused: not implemented yet",
+    "--expert-tensor-parallel-size": "1; > 1 refused: not implemented yet",
 }
 
 # Mapped: flag -> (number of values, our equivalent in words). `apply` sets our arguments.
@@ -130,16 +149,16 @@ NOOP = {
     "--use-contiguous-parameters-in-local-ddp": (0, "gradient buckets are flat buffers already"),
     "--attention-softmax-in-fp32": (0, "softmax already accumulates in fp32 in every backend"),
     "--keep_fp8_weight_transpose_cache": (0, "a Transformer Engine FSDP cache detail"),
+    "--moe-grouped-gemm": (0, "the experts run as one grouped GEMM (torch._grouped_mm) wherever "
+                              "it runs, as a loop over the experts elsewhere"),
 }
 
 # Refused: flag -> (number of values, one sentence: why and what to use).
 REFUSED = {
-    "--num-experts": (1, "mixture-of-experts models are not supported; train a dense model "
-                         "(drop --num-experts and the --moe-* flags)."),
-    "--expert-model-parallel-size": (1, "mixture-of-experts models are not supported, so there is "
-                                        "no expert parallelism; drop the flag."),
-    "--moe-router-topk": (1, "mixture-of-experts models are not supported; drop the --moe-* flags."),
-    "--moe-grouped-gemm": (0, "mixture-of-experts models are not supported; drop the --moe-* flags."),
+    "--moe-pad-expert-input-to-capacity": (0, "padding every expert's input to its capacity is "
+                                              "not implemented; drop the flag (with "
+                                              "--moe-expert-capacity-factor the tokens over "
+                                              "capacity are dropped, no padding)."),
 }
 
 # Megatron's --attention-backend values onto ours (te, sdpa stay accepted as aliases). The rule
@@ -159,6 +178,10 @@ ATTENTION_NOTES = {"fused": "Transformer Engine's fused attention (te)",
 
 # --transformer-impl transformer_engine without Transformer Engine (Megatron's default value).
 TRANSFORMER_IMPL_NOTE = "runs with the local implementation: Transformer Engine is not installed"
+
+# --moe-token-dispatcher-type alltoall / allgather: what happens instead of the dispatch.
+DISPATCHER_NOTE = ("one rank holds every expert, so the tokens are permuted locally (no dispatch "
+                   "communication)")
 
 # --ckpt-format: ours is torch.distributed.checkpoint, the family of Megatron's torch_dist.
 CKPT_FORMATS = ("torch_dist",)
@@ -232,6 +255,9 @@ def apply(args) -> list[str]:
     elif flag == "--use-flash-attn":
         notes.append("> --use-flash-attn selects flash-attn (--attention-backend flash)")
     args.attention_backend = mapped
+    dispatcher = getattr(args, "moe_token_dispatcher_type", None)
+    if dispatcher in ("alltoall", "allgather"):     # other values: ModelFlags' sentence
+        notes.append(f"> --moe-token-dispatcher-type {dispatcher}: {DISPATCHER_NOTE}")
     noops = [flag for flag in NOOP if _given(args, flag)]
     if noops:
         notes.append("> accepted as no-ops (Megatron implementation details): " + ", ".join(noops))

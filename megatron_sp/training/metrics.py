@@ -122,7 +122,8 @@ def format_log_line(record: dict, train_iters: int, extra: str | None = None) ->
     """Megatron-LM's log line (its field names and order, so its scrapers work), ours after it:
 
      iteration N/M | consumed samples: | elapsed time per iteration (ms): | throughput per GPU
-     (TFLOP/s/GPU): | learning rate: | global batch size: | lm loss: | loss scale: | grad norm: |
+     (TFLOP/s/GPU): | learning rate: | global batch size: | lm loss: | [load balancing loss: |
+     z loss: |] loss scale: | grad norm: |
      [num zeros: | params norm: |] number of skipped iterations: | number of nan iterations: | ...
 
     `extra`: more fields (--report-memory's), before the ETA (remaining iterations x the median
@@ -134,9 +135,12 @@ def format_log_line(record: dict, train_iters: int, extra: str | None = None) ->
              f"throughput per GPU (TFLOP/s/GPU): {_fixed(record['tflops_per_gpu'])}",
              f"learning rate: {record['lr']:.6E}",
              f"global batch size: {record.get('global_batch_size', 0):5d}",
-             f"lm loss: {record['lm_loss']:.6E}",
-             f"loss scale: {record.get('loss_scale', 1.0):.1f}",
-             f"grad norm: {record['grad_norm']:.3f}"]
+             f"lm loss: {record['lm_loss']:.6E}"]
+    if "load_balancing_loss" in record:    # a mixture-of-experts model: its router losses
+        parts += [f"load balancing loss: {record['load_balancing_loss']:.6E}",
+                  f"z loss: {record['z_loss']:.6E}"]
+    parts += [f"loss scale: {record.get('loss_scale', 1.0):.1f}",
+              f"grad norm: {record['grad_norm']:.3f}"]
     if "num_zeros" in record:
         parts.append(f"num zeros: {record['num_zeros']:.1f}")
     if "params_norm" in record:

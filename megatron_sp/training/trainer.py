@@ -119,6 +119,11 @@ class Trainer:
         self._nan_since_log = 0          # of those, skipped for a NaN/inf (not an fp16 overflow)
         self._lr_increment = 1
         self._num_zeros = None
+        # Mixture of experts: the same on every rank (the model config), so the reduction of the
+        # router losses in log_record is called by all of them or none.
+        self.has_moe = any(getattr(getattr(c, "config", None), "num_experts", None) is not None
+                           for c in self.chunks)
+        self._moe_sum = self._moe_losses = None
         self._set_precision(job.precision, par.grad_reduce_in_bf16)
 
     def _set_precision(self, precision, grad_reduce_in_bf16: bool):
@@ -211,6 +216,7 @@ class Trainer:
         scale = self._loss_scale()      # --fp16: the loss (so every gradient) times the scale
         start = time.perf_counter()
         hooks = [h for hook in self.step_hooks for h in hook.before_forward(iteration, self.chunks)]
+        hooks += self._moe_begin_step()
         try:
             loss = self.schedule(self.chunks, micro_batches, self.mesh,
                                  num_tokens=num_tokens.float() / scale,
@@ -218,6 +224,8 @@ class Trainer:
         finally:
             for hook in hooks:
                 hook.remove()
+        if self._moe_sum is not None:     # the step's router losses, mean over its micro-batches
+            self._moe_losses = self._moe_sum / self.num_micro_batches
         for hook in self.step_hooks:
             hook.after_compute(iteration, evaluating=False)
         if self.device.type == "cuda":
@@ -253,6 +261,52 @@ class Trainer:
         self.state.consumed_train_samples += self.global_batch_size
         return StepResult(loss=loss, grad_norm=grad_norm, num_tokens=int(num_tokens.item()),
                           skipped=not finite, loss_scale=self._loss_scale())
+
+    def _moe_begin_step(self) -> list:
+        """Mixture of experts: the router losses' gradient 1 / (micro-batches x dp), so that they
+        are averaged over the micro-batches and the data-parallel replicas as Megatron averages
+        them (the gradients are summed over dp; the LM loss is already normalised by the global
+        batch's tokens); and a forward hook on every chunk that adds up the router losses of
+        each micro-batch (summed over the chunk's MoE layers, no host sync). Returns the hooks'
+        handles (none for a dense model)."""
+        if not self.has_moe:
+            return []
+        scale = 1.0 / (self.num_micro_batches * self.mesh.dp_size)
+        for chunk in self.chunks:
+            if hasattr(chunk, "set_moe_aux_loss_scale"):
+                chunk.set_moe_aux_loss_scale(scale)
+        self._moe_sum = torch.zeros(2, dtype=torch.float64, device=self.device)
+        return [chunk.register_forward_hook(self._add_router_losses) for chunk in self.chunks
+                if hasattr(chunk, "moe_layers")]
+
+    def _add_router_losses(self, chunk, inputs, output) -> None:
+        """After a chunk's forward of one micro-batch: its MoE layers' load-balancing and z losses
+        (the detached values GPTModel.moe_router_losses reads, kept as tensors) into the sum."""
+        for mlp in chunk.moe_layers():
+            aux = getattr(mlp, "last_aux", None)
+            if aux is not None:
+                values = torch.stack([aux["load_balancing_loss"].reshape(()).double(),
+                                      aux["z_loss"].reshape(()).double()])
+                self._moe_sum += values.to(self._moe_sum.device)
+
+    def moe_log_fields(self) -> dict:
+        """The last step's router losses for the log line and the metrics ({} for a dense model):
+        the mean over the model's MoE layers (as Megatron logs them; summed across the pipeline
+        stages, each holding its own layers, then divided by their number), averaged over the
+        step's micro-batches and over the data-parallel replicas.
+        Within a context group (sp x cp) every rank has the same values already (the router
+        statistics are reduced over whole sequences). Collective over dp and pp: every rank
+        calls it at the same iteration (log_record does)."""
+        if not self.has_moe or self._moe_losses is None:
+            return {}
+        values = self._moe_losses.clone()
+        all_reduce_sum(values, self.mesh.dp_group)
+        values /= self.mesh.dp_size
+        all_reduce_sum(values, self.mesh.pp_group, "pp/all_reduce")
+        config = next(c.config for c in self.chunks if getattr(c, "config", None) is not None)
+        values /= max(1, sum(config.is_moe_layer(i) for i in range(config.num_layers)))
+        lb, z = values.tolist()
+        return {"load_balancing_loss": lb, "z_loss": z}
 
     def _update_loss_scale(self, grads_finite: bool) -> bool:
         """--fp16: update the scaler from this step's overflow; True when the step overflowed."""
@@ -327,6 +381,7 @@ class Trainer:
                   "lm_loss": result.loss, "grad_norm": result.grad_norm, "ms_per_iter": ms,
                   "tokens_per_sec": tokens_per_sec, "tflops_per_gpu": tflops,
                   "loss_scale": result.loss_scale}
+        record.update(self.moe_log_fields())
         for group in self.optimizer.param_groups:    # --decoupled-lr: Megatron logs it too
             if group.get("is_decoupled_lr") and self.scheduler.num_steps:
                 record["decoupled_lr"] = self.scheduler.lr_at(self.scheduler.num_steps - self._lr_increment,

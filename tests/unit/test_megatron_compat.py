@@ -84,8 +84,8 @@ def test_mapped_and_noop_flags_are_said_once():
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["--num-experts", "8"], "mixture-of-experts"),
-    (["--moe-grouped-gemm"], "mixture-of-experts"),
+    (["--expert-model-parallel-size", "2"], "expert parallelism is not implemented yet"),
+    (["--moe-pad-expert-input-to-capacity"], "not implemented"),
     (["--ckpt-format", "torch"], "torch_dist"),
     (["--lr-decay-samples", "100", "--train-iters", "10"], "--train-samples"),
     (["--global-batch-size", "8", "--rampup-batch-size", "3", "2", "10"], "multiple of INCR"),
