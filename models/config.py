@@ -291,11 +291,12 @@ PRESETS.update({
     "mistral-7b": _llama(32, 4096, 32, 8, 14336, vocab=32768, theta=1000000.0, max_pos=32768),  # v0.3
     # Mixture of experts (router_aux_loss_coef is not a model field: pass --moe-aux-loss-coeff).
     # Qwen3-30B-A3B: every layer has experts (decoder_sparse_step 1, no mlp_only_layers), so
-    # intermediate_size 6144 (ffn_hidden_size) is unused; Qwen3-MoE routing (softmax, top-8,
-    # renormalised).
+    # intermediate_size 6144 (ffn_hidden_size) is unused. Its routing, norm_topk_prob true (softmax
+    # over the 128, top-8, renormalised), is Megatron's default softmax over the top-8 logits (the
+    # same weights, and the flags printed by config_to_flags rebuild it; a converted checkpoint
+    # says it as moe_router_pre_softmax + moe_norm_topk_prob instead).
     "qwen3-30b-a3b": dict(_qwen(48, 2048, 32, 4, 6144, tied=False), num_experts=128,
-                          moe_ffn_hidden_size=768, moe_router_topk=8, moe_layer_freq=1,
-                          moe_router_pre_softmax=True, moe_norm_topk_prob=True),
+                          moe_ffn_hidden_size=768, moe_router_topk=8, moe_layer_freq=1),
     # Mixtral-8x7B v0.1: 8 experts of intermediate_size 14336 in every layer, top-2, no window.
     "mixtral-8x7b": dict(_llama(32, 4096, 32, 8, 14336, vocab=32000, theta=1000000.0,
                                 max_pos=32768), num_experts=8, moe_ffn_hidden_size=14336,

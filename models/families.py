@@ -1,11 +1,12 @@
 """The Hugging Face families we convert both ways: gpt2, llama (plain, Llama-3.1 RoPE scaling, YaRN),
-mistral, qwen2 (Qwen2/2.5), qwen3.
+mistral, qwen2 (Qwen2/2.5), qwen3, and the mixture-of-experts qwen3_moe (Qwen3-MoE) and mixtral.
 
 One mapping between a HF `config.json` + state dict and a GPTConfig + {our name: full tensor}
 (vocabulary unpadded), used by tools/checkpoint/convert.py and by `megatron_sp.load_pretrained` on a
 HF folder. Everything else is refused with one sentence (ConversionError): sliding-window attention
 when the window is shorter than the sequence (checked by the model, which records the window),
-mixture-of-experts, attention sinks, other RoPE rules, biases we do not have.
+the other mixture-of-experts families (Qwen2-MoE's gated shared expert, DeepSeek, ...), router
+jitter, attention sinks, other RoPE rules, biases we do not have.
 
 Layouts (full tensors):
   GPT-2  wte/wpe -> embedding.{word,position}_embeddings; Conv1D weights are [in, out]: transposed;
@@ -16,6 +17,17 @@ Layouts (full tensors):
          q_norm/k_norm (Qwen3) -> attention.q_layernorm/k_layernorm; gate/up_proj -> fc1 = cat(gate,
          up); o_proj -> proj, down_proj -> fc2. HF's q/k weights are already in the rotate_half RoPE
          convention that our RotaryEmbedding uses, so no permutation.
+  Qwen3-MoE, Mixtral (models/moe.py MoEMLP in the expert layers; attention as qwen3 / mistral)
+         mlp.gate (Mixtral on disk: block_sparse_moe.gate) -> mlp.router.weight [E, H];
+         experts -> mlp.experts.w1 [E, 2F, H] (per expert cat(gate, up)) and w2 [E, H, F] (down).
+         Read in either layout: transformers 5's fused parameters (experts.gate_up_proj,
+         experts.down_proj: the same layouts as ours) or the per-expert tensors its save_pretrained
+         and the Hub checkpoints hold (Qwen3-MoE experts.{j}.gate/up/down_proj; Mixtral
+         experts.{j}.w1 (gate), w3 (up), w2 (down)); written per expert unless fused_experts.
+         Qwen3-MoE's dense layers (mlp_only_layers, decoder_sparse_step) keep mlp.fc1/fc2; its layer
+         pattern becomes an explicit moe_layer_freq 0/1 list. Routing (models/moe.py topk_routing):
+         Mixtral = the default (top-k of the logits, softmax over the k); Qwen3-MoE = the default
+         with norm_topk_prob (the same weights), --moe-router-pre-softmax without it.
 """
 from __future__ import annotations
 
@@ -30,12 +42,14 @@ from .config import GPTConfig
 from .rope import yarn_mscale
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
-FAMILIES = ("gpt2",) + LLAMA_LIKE
+MOE_FAMILIES = ("qwen3_moe", "mixtral")      # llama-like attention, experts in the MLPs
+FAMILIES = ("gpt2",) + LLAMA_LIKE + MOE_FAMILIES
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "dbrx",
-             "jamba", "granitemoe", "phimoe")
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "mixtral": "MixtralForCausalLM"}
+MOE_TYPES = ("qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3", "dbrx", "jamba", "granitemoe",
+             "phimoe")                       # refused: mixture-of-experts families we do not convert
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
@@ -99,7 +113,7 @@ def hf_to_megatron_sp(hf_config: dict, state: dict[str, torch.Tensor]):
     _refuse_unsupported(hf_config, state)
     if kind == "gpt2":
         return _gpt2_to_ours(hf_config, state)
-    if kind in LLAMA_LIKE:
+    if kind in LLAMA_LIKE + MOE_FAMILIES:
         return _llama_like_to_ours(hf_config, state)
     raise ConversionError(f"Hugging Face model_type={kind!r} is not supported "
                           f"({', '.join(FAMILIES)}).")
@@ -110,9 +124,60 @@ def _refuse_unsupported(hf_config: dict, state) -> None:
     if kind == "gpt_oss" or any(k.endswith(".sinks") for k in state):
         raise ConversionError(f"model_type={kind!r} uses attention sinks, which megatron_sp does not "
                               f"implement.")
+    if kind in MOE_FAMILIES:
+        _refuse_unsupported_moe(hf_config, state)
+        return
+    if kind == "qwen2_moe" or any(".shared_expert_gate." in k for k in state):
+        raise ConversionError(f"model_type={kind!r} is a mixture-of-experts model with a "
+                              f"sigmoid-gated shared expert (shared_expert_gate), which megatron_sp "
+                              f"does not implement; of the MoE families only "
+                              f"{' and '.join(MOE_FAMILIES)} convert.")
     if kind in MOE_TYPES or any((hf_config.get(k) or 0) > 0 for k in MOE_KEYS):
-        raise ConversionError(f"model_type={kind!r} is a mixture-of-experts model; megatron_sp "
-                              f"trains dense models only.")
+        raise ConversionError(f"model_type={kind!r} is a mixture-of-experts model megatron_sp does "
+                              f"not convert (of the MoE families only {' and '.join(MOE_FAMILIES)}).")
+
+
+MOE_REQUIRED = {  # the config.json keys a conversion reads (the experts' count: either name)
+    "qwen3_moe": ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                  "moe_intermediate_size", "num_experts_per_tok", "vocab_size"),
+    "mixtral": ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "num_experts_per_tok", "vocab_size")}
+
+
+def _num_experts(hf_config: dict):
+    """The experts per MoE layer: num_experts (Qwen3-MoE's config.json) or num_local_experts
+    (Mixtral's; transformers maps either name to the other)."""
+    n = hf_config.get("num_experts")
+    return hf_config.get("num_local_experts") if n is None else n
+
+
+def _refuse_unsupported_moe(hf_config: dict, state) -> None:
+    """What a qwen3_moe / mixtral config.json holds that megatron_sp's MoE layer cannot be (one
+    sentence each). Not mapped, on purpose: router_aux_loss_coef and output_router_logits are
+    training flags of transformers (pass --moe-aux-loss-coeff to train with a load-balancing loss)."""
+    kind = hf_config["model_type"]
+    missing = [k for k in MOE_REQUIRED[kind] if k not in hf_config]
+    if _num_experts(hf_config) is None:
+        missing.insert(0, "num_experts" if kind == "qwen3_moe" else "num_local_experts")
+    if missing:
+        raise ConversionError(f"the {kind} (mixture-of-experts) config.json has no "
+                              f"{', '.join(missing)}.")
+    n, k = _num_experts(hf_config), hf_config["num_experts_per_tok"]
+    if not (isinstance(n, int) and n >= 1 and isinstance(k, int) and 1 <= k <= n):
+        raise ConversionError(f"{kind} with {n} experts and num_experts_per_tok={k} has no "
+                              f"expert layer megatron_sp can build (1 <= top-k <= experts).")
+    if kind == "mixtral" and (hf_config.get("router_jitter_noise") or 0.0) != 0.0:
+        raise ConversionError(f"mixtral router_jitter_noise={hf_config['router_jitter_noise']} "
+                              f"(multiplicative noise on the router's input in training) is not "
+                              f"implemented by megatron_sp's router; set it to 0 to convert.")
+    for key in ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
+                "n_shared_experts"):
+        if hf_config.get(key):
+            raise ConversionError(f"{kind} with {key}={hf_config[key]} (a shared expert) is not "
+                                  f"the {kind} architecture megatron_sp converts.")
+    if any(".shared_expert" in name for name in state):
+        raise ConversionError(f"the {kind} checkpoint holds shared-expert tensors, which {kind} "
+                              f"does not have.")
 
 
 def _gpt2_to_ours(hf_config, state):
@@ -194,12 +259,60 @@ def _rope_fields(hf_config: dict) -> dict:
 def _sliding_window(hf_config: dict) -> int | None:
     """The attention window when some layer uses one (the model then refuses longer sequences)."""
     kind = hf_config.get("model_type")
-    if kind in ("qwen2", "qwen3") and not hf_config.get("use_sliding_window", False):
+    if kind in ("qwen2", "qwen3", "qwen3_moe") and not hf_config.get("use_sliding_window", False):
         return None
     layer_types = hf_config.get("layer_types")
     if layer_types and all(t == "full_attention" for t in layer_types):
         return None
     return hf_config.get("sliding_window")
+
+
+def _moe_fields(hf_config: dict) -> dict:
+    """GPTConfig MoE fields of a qwen3_moe / mixtral config.json (empty for the dense families)."""
+    kind, L = hf_config["model_type"], hf_config["num_hidden_layers"]
+    if kind not in MOE_FAMILIES:
+        return {}
+    n, k = _num_experts(hf_config), hf_config["num_experts_per_tok"]
+    if kind == "mixtral":      # every layer has experts; Mixtral's router is our default routing
+        return dict(num_experts=n, moe_router_topk=k, moe_layer_freq=1,
+                    moe_ffn_hidden_size=hf_config["intermediate_size"])
+    step = hf_config.get("decoder_sparse_step") or 1
+    dense = set(hf_config.get("mlp_only_layers") or [])
+    # transformers' Qwen3MoeDecoderLayer: layer i is sparse iff i is not in mlp_only_layers and
+    # (i + 1) % decoder_sparse_step == 0 (num_experts > 0 is checked above)
+    freq = [int(i not in dense and (i + 1) % step == 0) for i in range(L)]
+    return dict(num_experts=n, moe_router_topk=k, moe_layer_freq=freq,
+                moe_ffn_hidden_size=hf_config["moe_intermediate_size"],
+                # norm_topk_prob: softmax over all, top-k, renormalised = our default routing
+                # (softmax over the top-k logits), which --moe-router-pre-softmax's absence says;
+                # without it: --moe-router-pre-softmax (the printed flags rebuild either exactly)
+                moe_router_pre_softmax=not hf_config.get("norm_topk_prob", False))
+
+
+def _moe_prefix(state, kind: str, i: int) -> str:
+    """The HF module of layer i's experts: model.layers.{i}.mlp. (transformers 5, Qwen3-MoE) or
+    model.layers.{i}.block_sparse_moe. (Mixtral as saved on disk)."""
+    legacy = f"model.layers.{i}.block_sparse_moe."
+    if kind == "mixtral" and legacy + "gate.weight" in state:
+        return legacy
+    return f"model.layers.{i}.mlp."
+
+
+def _experts_to_ours(state, kind: str, i: int, num_experts: int) -> dict:
+    """Layer i's router and experts, in our names, from either HF layout (module docstring)."""
+    p, o = _moe_prefix(state, kind, i), f"layers.{i}.mlp."
+    g = lambda key: _get(state, key).float()
+    out = {o + "router.weight": g(p + "gate.weight")}                       # [E, H]
+    if p + "experts.gate_up_proj" in state:                                  # fused (transformers 5)
+        out[o + "experts.w1"] = g(p + "experts.gate_up_proj")                # [E, 2F, H]
+        out[o + "experts.w2"] = g(p + "experts.down_proj")                   # [E, H, F]
+        return out
+    names = ("w1", "w3", "w2") if kind == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    e = lambda j, n: g(f"{p}experts.{j}.{n}.weight")
+    out[o + "experts.w1"] = torch.stack([torch.cat([e(j, names[0]), e(j, names[1])], dim=0)
+                                         for j in range(num_experts)])       # [E, 2F, H]
+    out[o + "experts.w2"] = torch.stack([e(j, names[2]) for j in range(num_experts)])   # [E, H, F]
+    return out
 
 
 def _llama_like_to_ours(hf_config, state):
@@ -214,14 +327,15 @@ def _llama_like_to_ours(hf_config, state):
     gq = hf_config.get("num_key_value_heads") or h
     d = hf_config.get("head_dim") or H // h
     tied = bool(hf_config.get("tie_word_embeddings", False))
-    qkv_bias, qk_norm = kind == "qwen2", kind == "qwen3"
+    qkv_bias, qk_norm = kind == "qwen2", kind in ("qwen3", "qwen3_moe")
     config = GPTConfig(
         num_layers=L, hidden_size=H, num_attention_heads=h, num_query_groups=gq, kv_channels=d,
         ffn_hidden_size=hf_config["intermediate_size"], vocab_size=hf_config["vocab_size"],
         max_position_embeddings=hf_config.get("max_position_embeddings", 2048),
         normalization="RMSNorm", norm_epsilon=hf_config.get("rms_norm_eps", 1e-6),
         activation="swiglu", add_bias_linear=False, add_qkv_bias=qkv_bias, tie_embeddings=tied,
-        qk_layernorm=qk_norm, sliding_window=_sliding_window(hf_config), **_rope_fields(hf_config))
+        qk_layernorm=qk_norm, sliding_window=_sliding_window(hf_config), **_rope_fields(hf_config),
+        **_moe_fields(hf_config))
     g = lambda k: _get(state, k).float()
     out = {"embedding.word_embeddings.weight": g("model.embed_tokens.weight")}
     for i in range(L):
@@ -241,6 +355,9 @@ def _llama_like_to_ours(hf_config, state):
             out[o + "attention.k_layernorm.weight"] = g(p + "self_attn.k_norm.weight")
         out[o + "attention.proj.weight"] = g(p + "self_attn.o_proj.weight")
         out[o + "post_attention_norm.weight"] = g(p + "post_attention_layernorm.weight")
+        if config.is_moe_layer(i):
+            out.update(_experts_to_ours(state, kind, i, config.num_experts))
+            continue
         out[o + "mlp.fc1.weight"] = torch.cat([g(p + "mlp.gate_proj.weight"),
                                                g(p + "mlp.up_proj.weight")], dim=0)
         out[o + "mlp.fc2.weight"] = g(p + "mlp.down_proj.weight")
@@ -254,7 +371,8 @@ def _llama_like_to_ours(hf_config, state):
 
 def infer_family(config: GPTConfig) -> str:
     """The HF family a GPTConfig exports to: gpt2, qwen3 (qk-norm), qwen2 (q/k/v bias only),
-    mistral (a sliding window) or llama."""
+    mistral (a sliding window) or llama; with experts (num_experts) qwen3_moe (qk-norm) or
+    mixtral."""
     c = config
     if (c.normalization == "LayerNorm" and c.activation in ("gelu_tanh", "gelu")
             and c.position_embedding_type == "learned_absolute"):
@@ -264,6 +382,8 @@ def infer_family(config: GPTConfig) -> str:
             f"no Hugging Face architecture matches normalization={c.normalization}, activation="
             f"{c.activation}, position_embedding_type={c.position_embedding_type} (GPT-2: "
             f"LayerNorm, gelu_tanh, learned_absolute; Llama/Mistral/Qwen: RMSNorm, swiglu, rope).")
+    if c.num_experts is not None:
+        return "qwen3_moe" if c.qk_layernorm else "mixtral"
     if c.qk_layernorm:
         return "qwen3"
     if c.add_qkv_bias and not c.add_bias_linear:
@@ -274,7 +394,8 @@ def infer_family(config: GPTConfig) -> str:
 def _check_family(c: GPTConfig, family: str) -> None:
     """Refuse an export the family cannot represent, with the reason."""
     needs = {"llama": (False, False), "mistral": (False, False), "qwen2": (True, False),
-             "qwen3": (False, True)}      # (q/k/v bias, qk-norm)
+             "qwen3": (False, True), "qwen3_moe": (False, True),
+             "mixtral": (False, False)}   # (q/k/v bias, qk-norm)
     bias, norm = needs[family]
     if c.add_bias_linear or bool(c.add_qkv_bias) != bias or bool(c.qk_layernorm) != norm:
         raise ConversionError(
@@ -285,6 +406,52 @@ def _check_family(c: GPTConfig, family: str) -> None:
     if c.sliding_window and family in ("llama",):
         raise ConversionError(f"llama has no sliding window; this model records "
                               f"sliding_window={c.sliding_window}: export it as mistral.")
+    if family in MOE_FAMILIES:
+        _check_moe_family(c, family)
+    elif c.num_experts is not None:
+        raise ConversionError(f"{family} has no experts; this model has num_experts="
+                              f"{c.num_experts}: export it as "
+                              f"{'qwen3_moe' if c.qk_layernorm else 'mixtral'}.")
+
+
+def _check_moe_family(c: GPTConfig, family: str) -> None:
+    """Refuse a qwen3_moe / mixtral export whose experts or routing the family cannot hold. Not
+    checked, on purpose: the load-balancing / z-loss coefficients and the capacity factor are
+    training choices (transformers' models route every token, as ours does without a capacity)."""
+    if c.num_experts is None:
+        raise ConversionError(f"{family} is a mixture-of-experts family but this model has no "
+                              f"experts (num_experts None): export it as "
+                              f"{'qwen3' if family == 'qwen3_moe' else 'mistral or llama'}.")
+    if c.moe_shared_expert_intermediate_size:
+        raise ConversionError(f"{family} has no shared expert; this model has "
+                              f"moe_shared_expert_intermediate_size="
+                              f"{c.moe_shared_expert_intermediate_size}.")
+    if c.moe_router_score_function != "softmax" or c.moe_router_topk_scaling_factor is not None:
+        raise ConversionError(f"{family} routes with a softmax and unscaled weights; this model "
+                              f"has moe_router_score_function={c.moe_router_score_function!r}, "
+                              f"moe_router_topk_scaling_factor={c.moe_router_topk_scaling_factor}.")
+    if family == "mixtral":
+        if not all(c.is_moe_layer(i) for i in range(c.num_layers)):
+            raise ConversionError(f"mixtral has experts in every layer; this model's "
+                                  f"moe_layer_freq={c.moe_layer_freq} leaves dense layers "
+                                  f"(qwen3_moe, with qk-norm, can hold them).")
+        if c.moe_router_pre_softmax and not c.moe_norm_topk_prob:
+            raise ConversionError("mixtral renormalises its top-k routing weights; this model has "
+                                  "moe_router_pre_softmax without moe_norm_topk_prob.")
+
+
+def _qwen3_moe_layers(c: GPTConfig) -> dict:
+    """decoder_sparse_step and mlp_only_layers of our MoE layer pattern: the step that leaves the
+    fewest mlp_only_layers (transformers: layer i sparse iff i not in mlp_only_layers and
+    (i + 1) % decoder_sparse_step == 0)."""
+    sparse = {i for i in range(c.num_layers) if c.is_moe_layer(i)}
+    best = None
+    for step in range(1, c.num_layers + 1):
+        stepped = {i for i in range(c.num_layers) if (i + 1) % step == 0}
+        if sparse <= stepped and (best is None or len(stepped - sparse) < len(best[1])):
+            best = (step, sorted(stepped - sparse))
+    step, dense = best if sparse else (1, list(range(c.num_layers)))
+    return {"decoder_sparse_step": step, "mlp_only_layers": dense}
 
 
 def _rope_parameters(c: GPTConfig) -> dict:
@@ -305,11 +472,15 @@ def _rope_parameters(c: GPTConfig) -> dict:
 
 
 def megatron_sp_to_hf(config: GPTConfig, full: dict[str, torch.Tensor], family: str = "auto",
-                      token_ids: dict | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+                      token_ids: dict | None = None, fused_experts: bool = False
+                      ) -> tuple[dict, dict[str, torch.Tensor]]:
     """(HF config.json dict, HF state dict) of the family (auto: `infer_family`).
 
     token_ids: {"bos_token_id": ..., "eos_token_id": ..., "pad_token_id": ...} from the tokenizer,
     written into the config when given.
+    fused_experts (qwen3_moe, mixtral): the experts as transformers 5's in-memory parameters
+    (mlp.experts.gate_up_proj / down_proj, for `load_state_dict`) instead of the per-expert tensors
+    of the Hub checkpoints and of transformers' save_pretrained (what a model folder holds).
     """
     family = infer_family(config) if family == "auto" else family
     if config.rotary_percent != 1.0:
@@ -319,12 +490,12 @@ def megatron_sp_to_hf(config: GPTConfig, full: dict[str, torch.Tensor], family: 
         full = {k: v + 1 if "norm" in k and k.endswith(".weight") else v for k, v in full.items()}
     if family == "gpt2":
         hf, state = _ours_to_gpt2(config, full)
-    elif family in LLAMA_LIKE:
+    elif family in LLAMA_LIKE + MOE_FAMILIES:
         if infer_family(config) == "gpt2":
             raise ConversionError(f"a GPT-2-style model (LayerNorm, gelu, learned positions) cannot "
                                   f"be exported as {family}.")
         _check_family(config, family)
-        hf, state = _ours_to_llama_like(config, full, family)
+        hf, state = _ours_to_llama_like(config, full, family, fused_experts)
     else:
         raise ConversionError(f"unknown family {family!r}; choose one of {FAMILIES} or auto.")
     hf.update({k: v for k, v in (token_ids or {}).items() if v is not None and v >= 0})
@@ -364,7 +535,7 @@ def _ours_to_gpt2(c: GPTConfig, full):
     return hf, s
 
 
-def _ours_to_llama_like(c: GPTConfig, full, family: str):
+def _ours_to_llama_like(c: GPTConfig, full, family: str, fused_experts: bool = False):
     H, L, h, g, d = (c.hidden_size, c.num_layers, c.num_attention_heads, c.num_query_groups,
                      c.kv_channels)
     s = {"model.embed_tokens.weight": full["embedding.word_embeddings.weight"]}
@@ -385,6 +556,9 @@ def _ours_to_llama_like(c: GPTConfig, full, family: str):
             s[p + "self_attn.k_norm.weight"] = full[o + "attention.k_layernorm.weight"]
         s[p + "self_attn.o_proj.weight"] = full[o + "attention.proj.weight"]
         s[p + "post_attention_layernorm.weight"] = full[o + "post_attention_norm.weight"]
+        if c.is_moe_layer(i):
+            s.update(_experts_to_hf(c, full, family, i, fused_experts))
+            continue
         gate, up = full[o + "mlp.fc1.weight"].chunk(2, dim=0)
         s[p + "mlp.gate_proj.weight"], s[p + "mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
         s[p + "mlp.down_proj.weight"] = full[o + "mlp.fc2.weight"]
@@ -394,8 +568,28 @@ def _ours_to_llama_like(c: GPTConfig, full, family: str):
     return llama_like_config(c, family), s
 
 
+def _experts_to_hf(c: GPTConfig, full, family: str, i: int, fused: bool) -> dict:
+    """Layer i's router and experts in HF names: fused (transformers 5 parameters) or per expert
+    (Hub / save_pretrained layout; Mixtral's under block_sparse_moe)."""
+    o = f"layers.{i}.mlp."
+    w1, w2 = full[o + "experts.w1"], full[o + "experts.w2"]          # [E, 2F, H], [E, H, F]
+    if fused:
+        p = f"model.layers.{i}.mlp."
+        return {p + "gate.weight": full[o + "router.weight"],
+                p + "experts.gate_up_proj": w1.contiguous(), p + "experts.down_proj": w2.contiguous()}
+    p = f"model.layers.{i}." + ("block_sparse_moe." if family == "mixtral" else "mlp.")
+    names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    s = {p + "gate.weight": full[o + "router.weight"]}
+    for j in range(c.num_experts):
+        gate, up = w1[j].chunk(2, dim=0)                                   # [F, H] each
+        s[f"{p}experts.{j}.{names[0]}.weight"] = gate.contiguous()
+        s[f"{p}experts.{j}.{names[1]}.weight"] = up.contiguous()
+        s[f"{p}experts.{j}.{names[2]}.weight"] = w2[j].contiguous()      # [H, F]
+    return s
+
+
 def llama_like_config(c: GPTConfig, family: str) -> dict:
-    """config.json of a llama / mistral / qwen2 / qwen3 export."""
+    """config.json of a llama / mistral / qwen2 / qwen3 / qwen3_moe / mixtral export."""
     H, L, h, g, d, F = (c.hidden_size, c.num_layers, c.num_attention_heads, c.num_query_groups,
                         c.kv_channels, c.ffn_hidden_size)
     rope = _rope_parameters(c)
@@ -411,8 +605,19 @@ def llama_like_config(c: GPTConfig, family: str) -> dict:
         hf.update(attention_bias=False)
     if family in ("qwen2", "qwen3"):
         hf.update(use_sliding_window=False, sliding_window=None)
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         hf.update(sliding_window=c.sliding_window)
+    if family == "qwen3_moe":   # router_aux_loss_coef: transformers' default (a training flag)
+        hf.update(attention_bias=False, use_sliding_window=bool(c.sliding_window),
+                  sliding_window=c.sliding_window, num_experts=c.num_experts,
+                  num_experts_per_tok=c.moe_router_topk,
+                  moe_intermediate_size=c.moe_ffn_hidden_size,
+                  # the default routing (softmax over the top-k logits) is the renormalised one
+                  norm_topk_prob=bool(c.moe_norm_topk_prob or not c.moe_router_pre_softmax),
+                  **_qwen3_moe_layers(c))
+    if family == "mixtral":     # intermediate_size is the experts' (every layer has experts)
+        hf.update(intermediate_size=c.moe_ffn_hidden_size, num_local_experts=c.num_experts,
+                  num_experts_per_tok=c.moe_router_topk, router_jitter_noise=0.0)
     return hf
 
 
@@ -454,8 +659,9 @@ def load_hf_folder(path: str, attention_backend="sdpa"):
 
 
 def family_flags(config: GPTConfig) -> list[str]:
-    """The flags of the families' features (--qk-layernorm, --use-rope-scaling, --yarn-*) that
-    rebuild `config` on top of its shape flags (models.config's flags of the plain model)."""
+    """The flags of the families' features (--qk-layernorm, --use-rope-scaling, --yarn-*, and the
+    --num-experts / --moe-* of the MoE families) that rebuild `config` on top of its shape flags
+    (models.config's flags of the plain model)."""
     c, flags = config, []
     if c.qk_layernorm:
         flags.append("--qk-layernorm")
@@ -466,6 +672,17 @@ def family_flags(config: GPTConfig) -> list[str]:
                      "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"):
             if getattr(c, name) is not None:
                 flags += ["--" + name.replace("_", "-"), f"{getattr(c, name):g}"]
+    if c.num_experts is not None:   # the converted families' MoE fields (moe_norm_topk_prob has no
+        freq = c.moe_layer_freq     # flag: a preset carries it)
+        flags += ["--num-experts", str(c.num_experts), "--moe-ffn-hidden-size",
+                  str(c.moe_ffn_hidden_size), "--moe-router-topk", str(c.moe_router_topk),
+                  "--moe-layer-freq", str(freq) if isinstance(freq, int)
+                  else "[" + ",".join(str(v) for v in freq) + "]"]
+        if c.moe_router_pre_softmax:
+            flags.append("--moe-router-pre-softmax")
+        if c.moe_shared_expert_intermediate_size:
+            flags += ["--moe-shared-expert-intermediate-size",
+                      str(c.moe_shared_expert_intermediate_size)]
     return flags
 
 

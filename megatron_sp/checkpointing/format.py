@@ -38,14 +38,17 @@ ARCHITECTURE_FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
     "kv_channels", "vocab_size", "normalization", "activation", "position_embedding_type",
     "add_bias_linear", "add_qkv_bias", "tie_embeddings", "qk_layernorm",
-    "apply_layernorm_1p")   # 1p: the stored norm weights are gamma - 1
+    "apply_layernorm_1p",   # 1p: the stored norm weights are gamma - 1
+    "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size")
 # Fields that change the function but not the shapes (a finetune may change them on purpose,
 # e.g. a longer context's RoPE base): a difference is warned about, not refused.
 FUNCTION_FIELDS = ("rotary_base", "norm_epsilon", "use_rope_scaling", "rope_scaling_factor",
                    "rope_low_freq_factor", "rope_high_freq_factor",
                    "rope_original_max_position_embeddings", "yarn_rotary_scaling_factor",
                    "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
-                   "yarn_mscale", "yarn_mscale_all_dim", "sliding_window", "rotary_percent")
+                   "yarn_mscale", "yarn_mscale_all_dim", "sliding_window", "rotary_percent",
+                   "moe_router_topk", "moe_router_pre_softmax", "moe_router_score_function",
+                   "moe_router_topk_scaling_factor", "moe_norm_topk_prob")
 
 
 class CheckpointError(UserError, RuntimeError):

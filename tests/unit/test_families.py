@@ -153,10 +153,12 @@ def test_export_writes_tokenizer_ids(tmp_path):
 
 
 def test_unsupported_families_refused_in_one_sentence():
-    with pytest.raises(families.ConversionError, match="mixture-of-experts"):
-        families.hf_to_megatron_sp({"model_type": "mixtral", "num_local_experts": 8}, {})
-    with pytest.raises(families.ConversionError, match="mixture-of-experts"):
-        families.hf_to_megatron_sp({"model_type": "qwen3_moe"}, {})
+    # mixtral and qwen3_moe convert (tests/unit/test_moe_conversion.py); the other MoE families not
+    with pytest.raises(families.ConversionError, match="mixture-of-experts model megatron_sp does "
+                                                       "not convert"):
+        families.hf_to_megatron_sp({"model_type": "deepseek_v3", "n_routed_experts": 8}, {})
+    with pytest.raises(families.ConversionError, match="sigmoid-gated shared expert"):
+        families.hf_to_megatron_sp({"model_type": "qwen2_moe", "num_experts": 8}, {})
     with pytest.raises(families.ConversionError, match="attention sinks"):
         families.hf_to_megatron_sp({"model_type": "gpt_oss"}, {})
     linear = dict(COMMON, model_type="llama", rope_parameters={"rope_type": "linear", "factor": 2.0,
@@ -167,7 +169,7 @@ def test_unsupported_families_refused_in_one_sentence():
         import tempfile
         with tempfile.TemporaryDirectory() as d:
             with open(os.path.join(d, "config.json"), "w") as f:
-                json.dump({"model_type": "mixtral", "num_local_experts": 8}, f)
+                json.dump({"model_type": "deepseek_v3", "n_routed_experts": 8}, f)
             open(os.path.join(d, "model.safetensors"), "wb").close()
             convert.main(["--loader", "hf", "--saver", "megatron_sp", "--load-dir", d,
                           "--save-dir", os.path.join(d, "out")])
