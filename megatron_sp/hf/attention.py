@@ -62,7 +62,7 @@ from megatron_sp.mesh import group_size, head_layout_problem
 from megatron_sp.ulysses.attention import UlyssesAttention, expand_kv_heads
 from megatron_sp.ulysses.comm import head_to_seq_all_to_all, seq_to_head_qkv_all_to_all
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "qwen3_moe", "mixtral")
 INNER = ("sdpa", "flash_attention_2")
 PREFIX = "megatron_sp_ulysses_"
 _STATE = "_megatron_sp_ulysses"          # the attribute each attention module carries
@@ -214,6 +214,11 @@ def _refusal(config, sp: int) -> str | None:
         return (f"megatron_sp.hf.sequence_parallel knows the model families "
                 f"{', '.join(FAMILIES)}, not '{family}'; convert the checkpoint to one of them "
                 f"or train it with pretrain_gpt.py.")
+    if getattr(config, "output_router_logits", False):
+        return ("megatron_sp.hf.sequence_parallel: output_router_logits=True would add a router "
+                "loss over each rank's own tokens only, and the sequence-parallel loss does not "
+                "include it; set config.output_router_logits = False (the experts run on each "
+                "rank's tokens unchanged).")
     if impl is not None and impl.startswith(PREFIX):
         return "megatron_sp.hf.sequence_parallel: this model is already sequence-parallel."
     if impl == "eager":

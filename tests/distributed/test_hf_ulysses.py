@@ -7,7 +7,8 @@ three layouts,
   sp2            two sp groups of 2, each running the whole global batch,
   dp2 x sp2      sp pairs, dp over the pairs, each replica half of the global batch with a
                  different number of masked labels (the loss is the global token mean),
-three SGD steps: the loss equals the unsharded model's (HF's own loss on the same global batch)
+and the mixtures of experts qwen3_moe (sp4) and mixtral (dp2 x sp2), each rank routing its own
+tokens; three SGD steps: the loss equals the unsharded model's (HF's own loss on the same global batch)
 to LOSS_TOL relative, and the gradients averaged over the dp x sp ranks that share the
 parameters equal the unsharded gradients to GRAD_TOL (absolute, fp32).
 Packed documents (position_ids restarting at 0, documents crossing the sp chunks) at sp4 and
@@ -40,6 +41,14 @@ FAMILIES = {
     "qwen3": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16),
     "gpt2": dict(n_head=4),
 }
+# Mixtures of experts (issue 37): each rank routes its own tokens (no router loss: HF's
+# output_router_logits is off), so sp changes nothing but the attention; one layout each.
+MOE_FAMILIES = {
+    "qwen3_moe": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "mixtral": dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                    num_experts_per_tok=2, intermediate_size=32),
+}
 
 
 def build(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
@@ -50,7 +59,7 @@ def build(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
     else:
         kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=VOCAB,
                   max_position_embeddings=64, tie_word_embeddings=False)
-    kw.update(FAMILIES.get(family, {}), loss_type="ForCausalLM", **overrides)
+    kw.update({**FAMILIES, **MOE_FAMILIES}.get(family, {}), loss_type="ForCausalLM", **overrides)
     config = AutoConfig.for_model(family, **kw)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn).float()
@@ -372,6 +381,8 @@ def _rank_main(rank, world, seed):
     # long packed sequences: the SDPA backend's blockwise path (no s x s mask) past MASK_TOKENS
     from megatron_sp.attention import backends
     backends.MASK_TOKENS = 16
+    results[("qwen3_moe", "sp4")] = _train_layout(rank, groups, "qwen3_moe", "sp4", seed)
+    results[("mixtral", "dp2 x sp2")] = _train_layout(rank, groups, "mixtral", "dp2 x sp2", seed)
     results[("qwen3", "packed sp4 blockwise")] = _packed(rank, groups, "qwen3", "sp4", seed)
     results[("mistral", "packed dp2 x sp2 blockwise")] = _packed(rank, groups, "mistral",
                                                                  "dp2 x sp2", seed)

@@ -138,6 +138,13 @@ def test_unknown_family_and_eager_refused_without_processes():
                                   num_hidden_layers=1, intermediate_size=64, vocab_size=50)
     with pytest.raises(SequenceParallelError, match="not 'gpt_neox'"):
         sequence_parallel(AutoModelForCausalLM.from_config(config), None)
+    moe = AutoConfig.for_model("qwen3_moe", hidden_size=32, num_attention_heads=4,
+                               num_key_value_heads=2, num_hidden_layers=1, intermediate_size=64,
+                               moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                               vocab_size=50, output_router_logits=True)
+    with pytest.raises(SequenceParallelError, match="output_router_logits=True would add a router "
+                                                    "loss over each rank's own tokens only"):
+        sequence_parallel(AutoModelForCausalLM.from_config(moe, attn_implementation="sdpa"), None)
 
 
 def test_batch_checksum_tells_batches_apart():
