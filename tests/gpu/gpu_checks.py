@@ -43,11 +43,13 @@ Items, in order (each a subprocess with its own time limit, cut to what the time
                  ours vs Hugging Face LlamaForCausalLM on the same weights; MFU per row
   documents      bench/gpu_long_context.py --attention flex --documents: the longest llama-1b
                  sequence with packed documents through FlexAttention, beside the planner
+  moe            bench/moe.py --bf16: the MoE layer against HF's Qwen3-MoE block (16K tokens, H 2048,
+                 32 experts, top 8); rows in bench/results/gpu_moe.json
   sharded        the same run with --use-torch-fsdp2, --use-distributed-optimizer, and each with
                  --optimizer-cpu-offload ("not available" when pretrain_gpt.py lacks the flag)
 
 GPU_CHECKS_ONLY=key,key,... runs only those items (keys: cuda, schemas, kernels, rehearsal, nccl,
-offload, long, throughput, documents, sharded; install and probe always run), e.g.
+offload, long, throughput, documents, moe, sharded; install and probe always run), e.g.
 `GPU_CHECKS_ONLY=cuda,schemas,kernels,rehearsal bash tests/gpu/run_gpu_checks.sh`.
 Subprocesses run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set (long
 sequences: fewer unusable split blocks). Without CUDA every GPU item is skipped with one line, and
@@ -383,6 +385,21 @@ def documents_longest(c: Checks, info: dict) -> None:
           _tail(_bench_table(text), 1) or _failure(text), dt)
 
 
+def moe_layer(c: Checks, info: dict) -> None:
+    """bench/moe.py in bf16 on the GPU: the MoE layer (grouped mm, loop) against HF's Qwen3-MoE
+    block at Qwen3-30B-A3B's width (H 2048, F 768, top 8 of 32 experts here), 16K tokens."""
+    name = "moe layer vs HF (bf16)"
+    if not info["cuda"]:
+        c.add(name, "skipped", "no CUDA device")
+        return
+    status, dt, text = c.run([PY, "bench/moe.py", "--bf16", "--tokens", "16384", "--hidden",
+                              "2048", "--ffn", "768", "--experts", "32", "--topk", "8"],
+                             min(150.0, max(30.0, c.left() - 60)), log="moe")
+    rows = [ln for ln in text.splitlines() if ln.startswith(("HF ", "ours"))]
+    c.add(name, {"ok": "ok", "failed": "FAILED"}.get(status, status),
+          " | ".join(" ".join(r.split()) for r in rows) if rows else _failure(text), dt)
+
+
 def _override(args: list[str], values: dict) -> list[str]:
     """args with each flag's value replaced (a flag not in args is appended with its value)."""
     out = list(args)
@@ -687,7 +704,7 @@ def _bench_table(text: str) -> str:
 # is that row's status) and saved at once, so a timeout keeps what was measured.
 
 ONLY_KEYS = ("cuda", "schemas", "kernels", "rehearsal", "nccl", "offload", "long", "throughput",
-             "documents", "sharded")
+             "documents", "moe", "sharded")
 # key: (item name, needs CUDA, time limit s)
 ATTENTION_ITEMS = {
     "schemas": ("aten attention schemas", False, 60),
@@ -1298,6 +1315,8 @@ def main(argv=None) -> int:
             throughput(c, info)
         if "documents" in only:
             documents_longest(c, info)
+        if "moe" in only:
+            moe_layer(c, info)
         if "sharded" in only:
             nccl_and_sharded(c, info, first=False)
         pretrain_results(c, info)

@@ -92,3 +92,15 @@ def test_model_reports_its_router_losses_and_trains():
     assert set(losses) == {"load_balancing_loss", "z_loss"} and all(v > 0 for v in losses.values())
     for mlp in model.moe_layers():
         assert mlp.router.weight.grad.abs().sum() > 0 and mlp.experts.w1.grad.abs().sum() > 0
+
+
+def test_bench_moe_runs_and_agrees_with_hf():
+    """bench/moe.py at a toy size: ours (grouped mm and loop) against HF's block, outputs within
+    1e-5 (fp32), one row per implementation with a positive time."""
+    from megatron_sp.testing import load_script
+    rows = load_script("bench/moe.py").main(["--tokens", "64", "--hidden", "32", "--ffn", "16",
+                                              "--experts", "4", "--topk", "2", "--reps", "1",
+                                              "--no-write"])
+    assert [r["impl"] for r in rows] == ["HF Qwen3MoeSparseMoeBlock", "ours, grouped mm",
+                                         "ours, per-expert loop"]
+    assert all(r["ms"] > 0 and r["max_abs_diff"] <= 1e-5 for r in rows), rows
