@@ -251,6 +251,7 @@ PUBLISHED = {   # parameters of the Hugging Face checkpoints (safetensors totals
     "qwen3-0.6b": 596_049_920, "qwen3-4b": 4_022_468_096, "qwen3-8b": 8_190_735_360,
     "qwen2.5-7b": 7_615_616_512, "llama3.1-8b": 8_030_261_248, "llama3.2-1b": 1_235_814_400,
     "mistral-7b": 7_248_023_552,
+    "qwen3-30b-a3b": 30_532_122_624, "mixtral-8x7b": 46_702_792_704,     # experts (issue 37)
 }
 
 

@@ -249,22 +249,14 @@ def test_exports_the_families_cannot_hold_are_refused(seed):
     assert families.infer_family(preset("mixtral-8x7b")) == "mixtral"
 
 
-PUBLISHED = {"qwen3-30b-a3b": 30_532_122_624, "mixtral-8x7b": 46_702_792_704}
-
-
-@pytest.mark.parametrize("name", list(PUBLISHED))
-def test_moe_presets_have_published_sizes(name):
-    cfg = preset(name)
-    assert cfg.num_parameters() == PUBLISHED[name]
-    hf_config = families.llama_like_config(cfg, families.infer_family(cfg))
-    with torch.device("meta"):   # the transformers model our export describes: the same count
-        model = transformers.AutoModelForCausalLM.from_config(
-            transformers.AutoConfig.for_model(**hf_config))
-    assert sum(p.numel() for p in model.parameters()) == PUBLISHED[name]
-    if name == "qwen3-30b-a3b":
-        assert hf_config["norm_topk_prob"] is True and hf_config["mlp_only_layers"] == []
-        assert (hf_config["num_experts"], hf_config["num_experts_per_tok"],
-                hf_config["moe_intermediate_size"], hf_config["head_dim"]) == (128, 8, 768, 128)
-    else:
-        assert (hf_config["num_local_experts"], hf_config["num_experts_per_tok"],
-                hf_config["intermediate_size"]) == (8, 2, 14336)
+def test_moe_presets_export_their_experts():
+    """The presets' sizes are in test_families.py's PUBLISHED; they export their experts, and
+    qwen3-30b-a3b its routing as norm_topk_prob with every layer sparse."""
+    hf_config = families.llama_like_config(preset("qwen3-30b-a3b"),
+                                           families.infer_family(preset("qwen3-30b-a3b")))
+    assert hf_config["norm_topk_prob"] is True and hf_config["mlp_only_layers"] == []
+    assert (hf_config["num_experts"], hf_config["num_experts_per_tok"],
+            hf_config["moe_intermediate_size"], hf_config["head_dim"]) == (128, 8, 768, 128)
+    mixtral = families.llama_like_config(preset("mixtral-8x7b"), "mixtral")
+    assert (mixtral["num_local_experts"], mixtral["num_experts_per_tok"],
+            mixtral["intermediate_size"]) == (8, 2, 14336)
