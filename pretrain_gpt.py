@@ -175,9 +175,11 @@ def apply_checkpoint_args(args, argv=None) -> int | None:
     config = GPTConfig.from_dict(saved)
     parser = build_parser()
     stored = parser.parse_args(config_to_flags(config))
-    model_group = next(g for g in parser._action_groups if g.title == "model")
+    from megatron_sp.cli.arguments import MOE_GROUP
+    model_actions = [a for g in parser._action_groups if g.title in ("model", MOE_GROUP)
+                     for a in g._group_actions]
     explicit = cli.explicit_flags(argv)
-    for action in model_group._group_actions:
+    for action in model_actions:
         if action.dest in ("model", "vocab_size", "seq_length"):   # not part of the stored model
             continue
         value = getattr(stored, action.dest)

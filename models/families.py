@@ -683,6 +683,17 @@ def family_flags(config: GPTConfig) -> list[str]:
         if c.moe_shared_expert_intermediate_size:
             flags += ["--moe-shared-expert-intermediate-size",
                       str(c.moe_shared_expert_intermediate_size)]
+        # the router and its losses (a resumed run keeps them under --use-checkpoint-args)
+        if c.moe_router_score_function != "softmax":
+            flags += ["--moe-router-score-function", c.moe_router_score_function]
+        if c.moe_router_load_balancing_type != "aux_loss":
+            flags += ["--moe-router-load-balancing-type", c.moe_router_load_balancing_type]
+        for name in ("moe_router_topk_scaling_factor", "moe_z_loss_coeff",
+                     "moe_expert_capacity_factor"):
+            if getattr(c, name) is not None:
+                flags += ["--" + name.replace("_", "-"), f"{getattr(c, name):g}"]
+        if c.moe_aux_loss_coeff:
+            flags += ["--moe-aux-loss-coeff", f"{c.moe_aux_loss_coeff:g}"]
     return flags
 
 

@@ -64,27 +64,29 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--yarn-mscale", type=float, help="YaRN mscale (1)")
     m.add_argument("--yarn-mscale-all-dim", type=float, help="YaRN mscale_all_dim (0)")
     # Mixture of experts (models/moe.py), Megatron-LM's names; one rank holds all the experts.
-    m.add_argument("--num-experts", type=int, help="experts of each mixture-of-experts layer "
+    # Model flags too (--use-checkpoint-args restores them), listed under --help-all.
+    moe = p.add_argument_group(MOE_GROUP)
+    moe.add_argument("--num-experts", type=int, help="experts of each mixture-of-experts layer "
                    "(default: a dense model)")
-    m.add_argument("--moe-ffn-hidden-size", type=int, help="hidden size of each expert's SwiGLU "
+    moe.add_argument("--moe-ffn-hidden-size", type=int, help="hidden size of each expert's SwiGLU "
                    "MLP (default --ffn-hidden-size)")
-    m.add_argument("--moe-router-topk", type=int, help="experts per token (Megatron's default 2)")
-    m.add_argument("--moe-layer-freq", default=None, help="experts in every k-th layer (1: all), "
+    moe.add_argument("--moe-router-topk", type=int, help="experts per token (Megatron's default 2)")
+    moe.add_argument("--moe-layer-freq", default=None, help="experts in every k-th layer (1: all), "
                    "or a 0/1 list per layer such as \"([1]*3+[0]*1)*3\" (Megatron's)")
-    m.add_argument("--moe-shared-expert-intermediate-size", type=int, help="hidden size of the "
+    moe.add_argument("--moe-shared-expert-intermediate-size", type=int, help="hidden size of the "
                    "shared expert every token also goes through")
-    _bool_flag(m, "--moe-router-pre-softmax", "softmax over all experts before the top-k")
-    m.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"],
+    _bool_flag(moe, "--moe-router-pre-softmax", "softmax over all experts before the top-k")
+    moe.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"],
                    help="router scores (default softmax)")
-    m.add_argument("--moe-router-topk-scaling-factor", type=float, help="routing weights of the "
+    moe.add_argument("--moe-router-topk-scaling-factor", type=float, help="routing weights of the "
                    "top-k times this")
-    m.add_argument("--moe-aux-loss-coeff", type=float, help="weight of the load-balancing loss "
+    moe.add_argument("--moe-aux-loss-coeff", type=float, help="weight of the load-balancing loss "
                    "(default 0)")
-    m.add_argument("--moe-z-loss-coeff", type=float, help="weight of the router z-loss")
-    m.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"],
+    moe.add_argument("--moe-z-loss-coeff", type=float, help="weight of the router z-loss")
+    moe.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"],
                    help="load-balancing loss over the micro-batch (aux_loss, default) or per "
                         "sequence (seq_aux_loss), or none")
-    m.add_argument("--moe-expert-capacity-factor", type=float, help="each expert takes at most "
+    moe.add_argument("--moe-expert-capacity-factor", type=float, help="each expert takes at most "
                    "this x its even share of the tokens, the others are dropped (default: none "
                    "dropped)")
 
@@ -277,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
 USAGE = ("%(prog)s [--model PRESET] [--data-path PREFIX ...] [flags]   (no flags: the embedded "
          "default run)")
 # Groups that --help leaves to --help-all: Megatron-LM's variants and compatibility flags.
-HELP_ALL_ONLY = ("Megatron-LM precision, optimizer and model variants",
+MOE_GROUP = "mixture of experts"
+HELP_ALL_ONLY = (MOE_GROUP, "Megatron-LM precision, optimizer and model variants",
                  "Megatron-LM schedule, data, checkpoint and logging flags",
                  "Megatron-LM compatibility (mapped, no-op and refused flags)")
 
@@ -301,9 +304,9 @@ class MegatronArgumentParser(argparse.ArgumentParser):
             formatter.add_arguments(group._group_actions)
             formatter.end_section()
         if hidden:
-            formatter.add_text(f"--help-all: {hidden} more flags (Megatron-LM's precision, "
-                               f"schedule and model variants, and its flags mapped, ignored or "
-                               f"refused here).")
+            formatter.add_text(f"--help-all: {hidden} more flags (mixture of experts, "
+                               f"Megatron-LM's precision, schedule and model variants, and its "
+                               f"flags mapped, ignored or refused here).")
         return formatter.format_help()
 
     def error(self, message: str):

@@ -104,3 +104,23 @@ def test_bench_moe_runs_and_agrees_with_hf():
     assert [r["impl"] for r in rows] == ["HF Qwen3MoeSparseMoeBlock", "ours, grouped mm",
                                          "ours, per-expert loop"]
     assert all(r["ms"] > 0 and r["max_abs_diff"] <= 1e-5 for r in rows), rows
+
+
+def test_printed_flags_rebuild_the_moe_config(monkeypatch):
+    """config_to_flags (what convert.py prints, what --use-checkpoint-args applies) read back by
+    pretrain_gpt.py give the same GPTConfig, router and router-loss fields included."""
+    from megatron_sp.models.config import config_to_flags
+    from megatron_sp.testing import load_script
+    pretrain_gpt = load_script("pretrain_gpt.py")
+    cfg = preset("llama-tiny", **{**MOE, "moe_layer_freq": [1, 0, 1, 1], "moe_router_topk": 3,
+                                  "moe_router_score_function": "sigmoid",
+                                  "moe_router_load_balancing_type": "seq_aux_loss",
+                                  "moe_router_topk_scaling_factor": 2.5,
+                                  "moe_expert_capacity_factor": 1.25,
+                                  "moe_shared_expert_intermediate_size": 48})
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    job, _ = pretrain_gpt.load_job([*config_to_flags(cfg), "--vocab-size", "256", "--mock-data",
+                                    "--seq-length", "32"])
+    rebuilt = pretrain_gpt.model_config(job, 256)
+    moe_fields = [f for f in cfg.to_dict() if f.startswith("moe_") or f == "num_experts"]
+    assert {f: getattr(rebuilt, f) for f in moe_fields} == {f: getattr(cfg, f) for f in moe_fields}
