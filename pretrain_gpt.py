@@ -353,7 +353,8 @@ def build_model(config, mesh, job: JobConfig, device):
         with fp8.model_init_context(job.precision):
             model = GPTModel(config, mesh, attention_backend=fp8.attention_backend(job.model),
                              sequence_parallel=p.sequence_parallel, rng_tracker=tracker,
-                             memory=MemoryOptions.from_config(job.memory), **spec)
+                             memory=MemoryOptions.from_config(job.memory),
+                             expert_parallel_size=p.expert_model_parallel_size, **spec)
         init_parameters(model, seed=seed)
         chunks.append(model.to(device))
     from megatron_sp.compile import CompileLayoutError, compile_from_config

@@ -50,6 +50,33 @@ def _statistics_bytes():
     return calls, nbytes, 2 * sum(per_layer)
 
 
+def _dispatch_bytes():
+    """One forward + backward at sp 2 x dp 2 with ep 2: the dispatcher's row all-to-alls send, per
+    MoE layer, the formula's bytes (megatron_sp.moe.dispatch_bytes) from every ep rank's tokens per
+    expert, gathered after the step."""
+    import torch.distributed as dist
+    from megatron_sp.mesh import ParallelMesh
+    from megatron_sp.models import GPTModel, preset
+    from megatron_sp.models.init import init_parameters
+    from megatron_sp.moe import DISPATCH_KIND, dispatch_bytes
+    mesh = ParallelMesh.from_sizes(sp=2)
+    model = GPTModel(preset("llama-tiny", **MOE), mesh, expert_parallel_size=2)
+    init_parameters(model, seed=3)
+    ids = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(5 + mesh.dp_rank))
+    comm_stats.reset()
+    model(input_ids=ids, labels=ids).sum().backward()
+    calls = comm_stats.calls().get(DISPATCH_KIND, 0)
+    nbytes = comm_stats.snapshot().get(DISPATCH_KIND, 0)
+    groups = mesh.expert_groups(2)
+    expected = 0
+    for mlp in model.moe_layers():
+        mine = mlp.last_aux["tokens_per_expert"]                          # [E]
+        counts = [torch.empty_like(mine) for _ in range(2)]
+        dist.all_gather(counts, mine, group=groups.ep_group)
+        expected += dispatch_bytes(torch.stack(counts), groups.ep_rank, 64, 4)
+    return calls, nbytes, expected
+
+
 def _checks(rank, world):
     torch.set_num_threads(1)
     seq_aux = {"moe_router_load_balancing_type": "seq_aux_loss"}
@@ -62,8 +89,15 @@ def _checks(rank, world):
         _case("moe pp2 x sp2, 4 micro-batches, seq aux loss, sigmoid",
               {**seq_aux, "moe_router_score_function": "sigmoid"}, sp=2, pp=2, micro_batch=1,
               pipeline={}),
+        _case("moe ep2 x sp2 (dp2), seq aux loss", seq_aux, sp=2, micro_batch=2,
+              model_kwargs={"expert_parallel_size": 2}),
+        _case("moe ep4 x sp4", sp=4, micro_batch=4, model_kwargs={"expert_parallel_size": 4}),
+        _case("moe ep2 over dp2 x sp2 packed, shared expert, every other layer",
+              {**seq_aux, "moe_shared_expert_intermediate_size": 48, "moe_layer_freq": 2},
+              sp=2, micro_batch=1, packed=True, model_kwargs={"expert_parallel_size": 2}),
     ]
-    return {"model": check_layouts(rank, world, cases), "stats": _statistics_bytes()}
+    return {"model": check_layouts(rank, world, cases), "stats": _statistics_bytes(),
+            "dispatch": _dispatch_bytes()}
 
 
 @pytest.mark.timeout(400)
@@ -72,5 +106,7 @@ def test_moe_layouts_match_one_rank():
     for r in results:
         calls, nbytes, expected = r["stats"]
         assert calls == 4 and nbytes == expected, r["stats"]
+        calls, nbytes, expected = r["dispatch"]
+        assert calls == 2 * 2 * 2 and nbytes == expected > 0, r["dispatch"]   # 2 layers x 2 x fwd+bwd
     for name, loss, grad in results[0]["model"]:
         print(f"{name}: loss rel {loss:.1e}, grad {grad:.1e}")
