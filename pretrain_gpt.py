@@ -581,6 +581,12 @@ def say_startup(job: JobConfig, mesh, config, chunks) -> None:
               f"> attention backend: {backend}"]
     if described != backend:     # a backend with nothing more to say is named once
         lines.append(f"> attention: {described}")
+    ep = job.parallel.expert_model_parallel_size
+    if ep > 1:
+        groups = mesh.expert_groups(ep)   # cached at model construction: no collective here
+        lines.append(f"> expert parallelism: ep={ep} (each rank holds {config.num_experts // ep} "
+                     f"of {config.num_experts} experts per MoE layer, tokens dispatched by "
+                     f"all-to-all), expert gradients reduced over edp={groups.edp}")
     n = job.memory.ulysses_head_chunks
     if n > 1:
         per = config.num_attention_heads // (mesh.tp_size * mesh.sp_size * n)

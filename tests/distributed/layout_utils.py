@@ -2,9 +2,8 @@
 
 Every rank of a spawned gloo job trains the one-rank reference locally (a ParallelMesh.single()
 model, no communication) and the parallel model on the real mesh, on the same global batches, then
-compares per-step losses (1e-5 relative) and full gradients (gathered over tp and, for
-expert-parallel experts, over ep; 1e-4) after every
-step. Parameters are initialised layout-independently, so both start from identical weights.
+compares per-step losses (1e-5 relative) and full gradients (gathered over tp, and over ep for
+expert-parallel experts; 1e-4) after every step. Parameters are initialised layout-independently, so both start from identical weights.
 """
 from __future__ import annotations
 

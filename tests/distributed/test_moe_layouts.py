@@ -2,7 +2,8 @@
 layouts against the same model on one rank, 4 gloo ranks, one spawn (layout_utils: 3 optimizer
 steps, loss 1e-5 relative, every gradient 1e-4, router and experts included).
 
-Every layer holds all experts (no expert parallelism yet); each rank routes its own tokens. The
+Each rank routes its own tokens; without expert parallelism every layer holds all experts, with it
+(model_kwargs expert_parallel_size) E/ep, the rows dispatched by all-to-all over the ep group. The
 router losses are those of whole sequences: their statistics are summed over the context ranks
 (sp x cp) before they are combined (megatron_sp/moe/comm.py), and they are averaged over
 micro-batches and data-parallel replicas through the scale the trainer sets. The Switch loss of a
@@ -10,7 +11,9 @@ micro-batch is not linear in its sequences, so the layouts with data parallelism
 micro-batches use the per-sequence loss (seq_aux_loss), whose mean is; the z-loss is linear. Cases:
 sp 4 (aux_loss + z-loss, every layer MoE), sp 2 x cp 2 with packed documents (aux_loss, a shared
 expert, MoE every other layer), sp 2 x dp 2 (seq_aux_loss), pp 2 x sp 2 with 4 micro-batches
-(seq_aux_loss, sigmoid scores), and the router losses' statistics all-reduce counted exactly.
+(seq_aux_loss, sigmoid scores), ep 2 x sp 2 (dp 2, seq_aux_loss), ep 4 x sp 4, ep 2 over dp 2 x sp 2
+with packed documents (a shared expert, every other layer), and the router losses' statistics
+all-reduce and the dispatcher's row all-to-alls counted exactly.
 """
 import pytest
 import torch
