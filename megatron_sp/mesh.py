@@ -247,6 +247,16 @@ class ParallelDims:
                 groups.append(list(ranks))
         return groups
 
+    def expert_ranks(self, ep: int, rank: int) -> tuple[list[int], list[int]]:
+        """(ep group, edp group) global ranks of `rank` under --expert-model-parallel-size ep
+        (tp = 1): with N = dp*cp*sp ranks per stage and rank = f + pp_rank*N, the ep group is the
+        block of ep consecutive f holding f, the edp group the stage's ranks with the same f % ep."""
+        n = self.dp * self.cp * self.sp
+        stage, f = divmod(rank, n)
+        base = stage * n + f // ep * ep
+        return (list(range(base, base + ep)),
+                [stage * n + j * ep + f % ep for j in range(n // ep)])
+
     def embedding_ranks(self, rank: int) -> list[int]:
         """First and last pipeline stage holding `rank`'s (tp, sp, cp, dp) coordinates."""
         c = dict(self.coords(rank))

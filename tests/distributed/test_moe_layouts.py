@@ -12,8 +12,10 @@ micro-batches use the per-sequence loss (seq_aux_loss), whose mean is; the z-los
 sp 4 (aux_loss + z-loss, every layer MoE), sp 2 x cp 2 with packed documents (aux_loss, a shared
 expert, MoE every other layer), sp 2 x dp 2 (seq_aux_loss), pp 2 x sp 2 with 4 micro-batches
 (seq_aux_loss, sigmoid scores), ep 2 x sp 2 (dp 2, seq_aux_loss), ep 4 x sp 4, ep 2 over dp 2 x sp 2
-with packed documents (a shared expert, every other layer), and the router losses' statistics
-all-reduce and the dispatcher's row all-to-alls counted exactly.
+with packed documents (a shared expert, every other layer), ep 4 over sp 2 x cp 2 packed (ring ranks
+hold different experts), ep 2 x pp 2 x sp 2, and the router losses' statistics all-reduce and the
+dispatcher's row all-to-alls counted exactly (the ep / edp groups checked against the mesh's rank
+arithmetic on the way).
 """
 import pytest
 import torch
@@ -71,6 +73,9 @@ def _dispatch_bytes():
     calls = comm_stats.calls().get(DISPATCH_KIND, 0)
     nbytes = comm_stats.snapshot().get(DISPATCH_KIND, 0)
     groups = mesh.expert_groups(2)
+    ep_ranks, edp_ranks = mesh.dims.expert_ranks(2, mesh.rank)    # the DeviceMesh's groups
+    assert dist.get_process_group_ranks(groups.ep_group) == ep_ranks, ep_ranks
+    assert dist.get_process_group_ranks(groups.edp_group) == edp_ranks, edp_ranks
     expected = 0
     for mlp in model.moe_layers():
         mine = mlp.last_aux["tokens_per_expert"]                          # [E]
@@ -98,6 +103,10 @@ def _checks(rank, world):
         _case("moe ep2 over dp2 x sp2 packed, shared expert, every other layer",
               {**seq_aux, "moe_shared_expert_intermediate_size": 48, "moe_layer_freq": 2},
               sp=2, micro_batch=1, packed=True, model_kwargs={"expert_parallel_size": 2}),
+        _case("moe ep4 over sp2 x cp2 packed", sp=2, cp=2, micro_batch=4, packed=True,
+              model_kwargs={"expert_parallel_size": 4}),
+        _case("moe ep2 x pp2 x sp2, 4 micro-batches, seq aux loss", seq_aux, sp=2, pp=2,
+              micro_batch=1, pipeline={}, model_kwargs={"expert_parallel_size": 2}),
     ]
     return {"model": check_layouts(rank, world, cases), "stats": _statistics_bytes(),
             "dispatch": _dispatch_bytes()}

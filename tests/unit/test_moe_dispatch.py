@@ -93,3 +93,14 @@ def test_refusals_are_one_sentence(overrides, ep, words):
 def test_mesh_expert_groups_on_one_rank():
     groups = ParallelMesh.single().expert_groups(1)
     assert (groups.ep, groups.ep_rank, groups.edp, groups.ep_group, groups.edp_group) == (1, 0, 1, None, None)
+
+
+def test_expert_ranks_arithmetic():
+    from megatron_sp.mesh import ParallelDims
+    dims = ParallelDims(world_size=16, sp=2, cp=2, pp=2)      # dp 2: N = 8 ranks per stage
+    assert dims.expert_ranks(4, 5) == ([4, 5, 6, 7], [1, 5])
+    assert dims.expert_ranks(2, 13) == ([12, 13], [9, 11, 13, 15])
+    assert dims.expert_ranks(8, 0) == (list(range(8)), [0])
+    for rank in range(16):      # every ep group is a block of f, every edp group a stride of ep
+        ep_ranks, edp_ranks = dims.expert_ranks(2, rank)
+        assert rank in ep_ranks and rank in edp_ranks and len(set(ep_ranks) & set(edp_ranks)) == 1
