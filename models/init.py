@@ -2,7 +2,8 @@
 
 Each parameter is drawn whole from its own generator, seeded from (seed, global parameter name), then
 this rank's tensor-parallel shard is copied in (expert-parallel experts: the full [E, ...] tensor,
-this ep rank's E/ep rows). Any two layouts therefore start from identical weights, and only one full parameter is in host memory at a time (an 8B model never sits whole on the host).
+this ep rank's E/ep rows). Any two layouts therefore start from identical weights, and only one
+full parameter is in host memory at a time (an 8B model never sits whole on the host).
 
 Megatron's scheme: weights ~ N(0, std), the two output projections of each layer (attention proj and
 fc2) ~ N(0, std / sqrt(2 * num_layers)), biases 0, norm weights 1 (0 with --apply-layernorm-1p,

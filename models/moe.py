@@ -20,8 +20,9 @@ all-reduce them over the sequence-parallel ranks first (Megatron's global-batch 
 
 Expert parallelism (tp = 1, alltoall dispatcher): megatron_sp/moe/dispatch.py.
 
-Not done yet: tensor parallelism of experts, capacity dropping under expert parallelism, Qwen2-MoE's sigmoid gate on the shared expert, padding
-to capacity (--moe-pad-expert-input-to-capacity), group-limited routing, expert bias (aux-loss-free).
+Not done yet: tensor parallelism of experts, capacity dropping under expert parallelism, Qwen2-MoE's
+sigmoid gate on the shared expert, padding to capacity (--moe-pad-expert-input-to-capacity),
+group-limited routing, expert bias (aux-loss-free).
 """
 from __future__ import annotations
 
