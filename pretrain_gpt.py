@@ -355,7 +355,8 @@ def build_model(config, mesh, job: JobConfig, device):
         with fp8.model_init_context(job.precision):
             model = GPTModel(config, mesh, attention_backend=fp8.attention_backend(job.model),
                              sequence_parallel=p.sequence_parallel, rng_tracker=tracker,
-                             memory=MemoryOptions.from_config(job.memory), **spec)
+                             memory=MemoryOptions.from_config(job.memory),
+                             expert_parallel_size=p.expert_model_parallel_size, **spec)
         init_parameters(model, seed=seed)
         chunks.append(model.to(device))
     from megatron_sp.compile import CompileLayoutError, compile_from_config
@@ -582,6 +583,12 @@ def say_startup(job: JobConfig, mesh, config, chunks) -> None:
               f"> attention backend: {backend}"]
     if described != backend:     # a backend with nothing more to say is named once
         lines.append(f"> attention: {described}")
+    ep = job.parallel.expert_model_parallel_size
+    if ep > 1:
+        groups = mesh.expert_groups(ep)   # cached at model construction: no collective here
+        lines.append(f"> expert parallelism: ep={ep} (each rank holds {config.num_experts // ep} "
+                     f"of {config.num_experts} experts per MoE layer, tokens dispatched by "
+                     f"all-to-all), expert gradients reduced over edp={groups.edp}")
     n = job.memory.ulysses_head_chunks
     if n > 1:
         per = config.num_attention_heads // (mesh.tp_size * mesh.sp_size * n)

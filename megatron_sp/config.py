@@ -178,8 +178,9 @@ class ParallelConfig:
     hierarchical_context_parallel_sizes: tuple[int, ...] | None = None
     """--hierarchical-context-parallel-sizes: a2a+p2p's Ulysses and ring degrees (A R)."""
     expert_model_parallel_size: int = 1
-    """--expert-model-parallel-size: Megatron-LM's expert-parallel degree; 1 only (every rank
-    holds all the experts of its layers)."""
+    """--expert-model-parallel-size: Megatron-LM's expert-parallel degree (ep): each MoE layer's
+    experts split over ep consecutive dp x cp x sp ranks, tokens dispatched by all-to-all
+    (tp 1; not with FSDP2, the distributed optimizer, capacity dropping or checkpoints yet)."""
     expert_tensor_parallel_size: int | None = None
     """--expert-tensor-parallel-size: tensor-parallel degree of the experts; 1 (or unset) only."""
 
@@ -206,12 +207,19 @@ class ParallelConfig:
                                   f"--use-distributed-optimizer or --use-torch-fsdp2.")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             _resolve(self, sequence_parallel=False)   # Megatron drops it at tp=1 too: nothing to shard
-        for name in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
-            size = getattr(self, name)
-            if size is not None and size != 1:
-                raise ConfigError(f"{_flag(name)} {size}: expert parallelism is not implemented "
-                                  f"yet; every rank holds all the experts (data parallelism "
-                                  f"replicates them), so pass 1 or leave the flag out.")
+        ep = self.expert_model_parallel_size
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise ConfigError(f"--expert-model-parallel-size must be a positive integer, got {ep!r}.")
+        if ep > 1 and self.sharded_state:
+            mode = "--use-torch-fsdp2" if self.use_torch_fsdp2 else "--use-distributed-optimizer"
+            raise ConfigError(f"--expert-model-parallel-size {ep} with {mode} is not implemented "
+                              f"yet: drop {mode} (replicated state) or use "
+                              f"--expert-model-parallel-size 1.")
+        size = self.expert_tensor_parallel_size
+        if size is not None and size != 1:
+            raise ConfigError(f"--expert-tensor-parallel-size {size}: expert tensor parallelism "
+                              f"is not implemented yet; the experts are whole on each rank, so "
+                              f"pass 1 or leave the flag out.")
         self._resolve_context()
 
     def _resolve_context(self) -> None:

@@ -6,6 +6,9 @@
   the all-reduce overlaps the rest of backward.
 - Under --sequence-parallel, tp-replicated parameters (norms, row-parallel biases) saw only their
   tp rank's tokens: their gradients are summed over tp.
+- Expert-parallel experts (--expert-model-parallel-size: each ep rank holds different experts) are
+  summed over their expert-data-parallel group instead, in buckets of their own; the gradient norm
+  sums their squares over the ep group.
 - Tied embeddings with pipelining: the first and last stage each hold the word embeddings; their
   gradients are summed over the embedding group so both copies stay identical.
 - The global gradient norm over every rank, and the scalar reductions of loss and token counts.
@@ -34,21 +37,38 @@ def all_reduce_sum(tensor: torch.Tensor, group, kind: str = "dp/all_reduce") -> 
     return tensor
 
 
+def is_expert_parallel(p) -> bool:
+    """Whether `p` is one ep rank's E/ep experts (models/moe.py marks them; ep > 1)."""
+    return getattr(p, "expert_parallel", False) and getattr(p, "ep_size", 1) > 1
+
+
+def refuse_expert_parallel(params, mode: str) -> None:
+    """LayoutError when `params` hold expert-parallel experts: `mode` (FSDP2, the distributed
+    optimizer) shards over dp x sp, which does not know the experts differ per ep rank."""
+    for p in params:
+        if is_expert_parallel(p):
+            from megatron_sp.mesh import LayoutError
+            raise LayoutError(f"--expert-model-parallel-size {p.ep_size} with {mode} is not "
+                              f"implemented yet: drop {mode} (replicated state) or use "
+                              f"--expert-model-parallel-size 1.")
+
+
 class _Bucket:
-    def __init__(self, params):
+    def __init__(self, params, group, kind="dp_sp/all_reduce"):
         self.params = params
+        self.group, self.kind = group, kind
         self.ready = 0
         self.handle = None
         self.buffer = None
 
-    def launch(self, group, dtype=None):
+    def launch(self, dtype=None):
         grads = [p.grad.reshape(-1) for p in self.params]
         self.buffer = torch.cat(grads)                                # [sum of numels]
         if dtype is not None:        # --grad-reduce-in-bf16: bf16 on the wire, fp32 grads after
             self.buffer = self.buffer.to(dtype)
-        comm_stats.record("dp_sp/all_reduce", comm_stats.all_reduce_bytes(
-            self.buffer.numel(), self.buffer.element_size(), dist.get_world_size(group)))
-        self.handle = dist.all_reduce(self.buffer, group=group, async_op=True)
+        comm_stats.record(self.kind, comm_stats.all_reduce_bytes(
+            self.buffer.numel(), self.buffer.element_size(), dist.get_world_size(self.group)))
+        self.handle = dist.all_reduce(self.buffer, group=self.group, async_op=True)
 
     def finish(self):
         self.handle.wait()
@@ -82,19 +102,33 @@ class GradientSync:
         if self.group is None:
             return
         limit = bucket_mb * 2**20
-        current, size = [], 0
+        # Expert-parallel experts (different experts on each ep rank) are reduced over their
+        # expert-data-parallel group instead, in buckets of their own (none when edp is one rank).
+        by_group = {}
         for p in reversed(params):               # backward visits layers roughly in reverse
-            current.append(p)
-            size += p.numel() * 4
-            if size >= limit:
-                self.buckets.append(_Bucket(current))
-                current, size = [], 0
-        if current:
-            self.buckets.append(_Bucket(current))
+            if is_expert_parallel(p):
+                key = ("edp", p.ep_size)
+                group = mesh.expert_groups(p.ep_size).edp_group
+            else:
+                key, group = ("dp_sp",), self.group
+            if group is not None:
+                by_group.setdefault(key, (group, []))[1].append(p)
+        for key, (group, members) in by_group.items():
+            kind = "edp/all_reduce" if key[0] == "edp" else "dp_sp/all_reduce"
+            current, size = [], 0
+            for p in members:
+                current.append(p)
+                size += p.numel() * 4
+                if size >= limit:
+                    self.buckets.append(_Bucket(current, group, kind))
+                    current, size = [], 0
+            if current:
+                self.buckets.append(_Bucket(current, group, kind))
         if overlap:
             owner = {p: b for b in self.buckets for p in b.params}
             for p in params:
-                p.register_post_accumulate_grad_hook(self._make_hook(owner[p]))
+                if p in owner:
+                    p.register_post_accumulate_grad_hook(self._make_hook(owner[p]))
 
     def _make_hook(self, bucket):
         def hook(param):
@@ -102,7 +136,7 @@ class GradientSync:
                 return
             bucket.ready += 1
             if bucket.ready == len(bucket.params) and bucket.handle is None:
-                bucket.launch(self.group, self.reduce_dtype)
+                bucket.launch(self.reduce_dtype)
         return hook
 
     def start_last_backward(self):
@@ -116,7 +150,7 @@ class GradientSync:
                 p.grad = torch.zeros_like(p)
         for bucket in self.buckets:
             if bucket.handle is None:
-                bucket.launch(self.group, self.reduce_dtype)
+                bucket.launch(self.reduce_dtype)
         for bucket in self.buckets:
             bucket.finish()
         if self.sp_params and _active(self.mesh.tp_group):
@@ -144,14 +178,18 @@ def global_grad_norm(params, mesh, grads=None, shard_group=None) -> float:
     device = next((g.device for g in grads if g is not None), _device(params))
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
+    experts = {}   # ep size -> squared norm of this ep rank's experts
     for p, grad in zip(params, grads):   # summed on the device: no host sync per parameter
         if grad is None or getattr(p, "embedding_copy", False):
             continue
         sq = grad.detach().double().pow(2).sum()
-        if getattr(p, "tp_partition_dim", None) is not None:
+        if is_expert_parallel(p):
+            experts[p.ep_size] = experts.get(p.ep_size, 0.0) + sq
+        elif getattr(p, "tp_partition_dim", None) is not None:
             sharded += sq
         else:
             replicated += sq
+    sharded = sharded + _sum_over_ep(experts, mesh)
     # Replicated parameters hold the same gradient on every tp rank: count them once.
     total = torch.stack([sharded, replicated / mesh.tp_size])
     all_reduce_sum(total, shard_group, "dp_sp/all_reduce")
@@ -161,20 +199,36 @@ def global_grad_norm(params, mesh, grads=None, shard_group=None) -> float:
     return math.sqrt(total.item())
 
 
+def _sum_over_ep(experts: dict, mesh):
+    """The per-ep-size sums of expert-parallel parameters (each ep rank holds different experts),
+    each summed over its ep group; 0 without any. Every rank of a stage holds the same layers, so
+    the ep groups agree on whether to reduce."""
+    total = 0.0
+    for ep, value in sorted(experts.items()):
+        value = torch.as_tensor(value, dtype=torch.float64).clone()
+        total = total + all_reduce_sum(value, mesh.expert_groups(ep).ep_group, "ep/all_reduce")
+    return total
+
+
 def model_parallel_sum(params, per_param, mesh) -> float:
     """Sum of per_param(p) over the whole model (e.g. zeros in the gradient, squared weights):
-    tp shards summed, tp-replicated parameters once, stages summed, tied embedding copies skipped."""
+    tp shards summed, tp-replicated parameters once, expert-parallel experts summed over ep,
+    stages summed, tied embedding copies skipped."""
     device = _device(params)
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
+    experts = {}
     for p in params:
         if getattr(p, "embedding_copy", False):
             continue
         value = per_param(p).to(device)
-        if getattr(p, "tp_partition_dim", None) is not None:
+        if is_expert_parallel(p):
+            experts[p.ep_size] = experts.get(p.ep_size, 0.0) + value
+        elif getattr(p, "tp_partition_dim", None) is not None:
             sharded += value
         else:
             replicated += value
+    sharded = sharded + _sum_over_ep(experts, mesh)
     total = torch.stack([sharded, replicated / mesh.tp_size])
     all_reduce_sum(total, mesh.tp_group, "tp/all_reduce")
     total = total.sum()

@@ -247,12 +247,37 @@ class ParallelDims:
                 groups.append(list(ranks))
         return groups
 
+    def expert_ranks(self, ep: int, rank: int) -> tuple[list[int], list[int]]:
+        """(ep group, edp group) global ranks of `rank` under --expert-model-parallel-size ep
+        (tp = 1): with N = dp*cp*sp ranks per stage and rank = f + pp_rank*N, the ep group is the
+        block of ep consecutive f holding f, the edp group the stage's ranks with the same f % ep."""
+        n = self.dp * self.cp * self.sp
+        stage, f = divmod(rank, n)
+        base = stage * n + f // ep * ep
+        return (list(range(base, base + ep)),
+                [stage * n + j * ep + f % ep for j in range(n // ep)])
+
     def embedding_ranks(self, rank: int) -> list[int]:
         """First and last pipeline stage holding `rank`'s (tp, sp, cp, dp) coordinates."""
         c = dict(self.coords(rank))
         first = self.rank_of(**dict(c, pp=0))
         last = self.rank_of(**dict(c, pp=self.pp - 1))
         return sorted({first, last})
+
+
+@dataclass
+class ExpertGroups:
+    """The expert-parallel layout of one rank (ParallelMesh.expert_groups): its index in the ep
+    group (which experts it holds) and the edp group (its replicas, over which expert gradients are
+    reduced); a group is None where it has one rank."""
+
+    ep: int
+    ep_rank: int
+    edp: int
+    edp_rank: int
+    ep_group: object = None
+    edp_group: object = None
+    device_mesh: object = None
 
 
 class ParallelMesh:
@@ -363,6 +388,40 @@ class ParallelMesh:
         if getattr(self, "_context_group", None) is None:
             self._context_group = self.device_mesh["cp", "sp"]._flatten("context").get_group()
         return self._context_group
+
+    def expert_groups(self, ep: int) -> "ExpertGroups":
+        """The expert-parallel groups of --expert-model-parallel-size `ep` (tp = 1): with N =
+        dp*cp*sp ranks per stage and f this rank's dp x cp x sp flat index (rank = f + pp_rank*N),
+        the ep group is the block of `ep` consecutive f holding this rank (so Ulysses and ring
+        ranks, which hold different tokens, hold different experts) and the expert-data-parallel
+        (edp) group the ranks of the stage with the same f % ep. Built once per ep from a
+        DeviceMesh over arange(world).view(pp, N // ep, ep) named ("pp", "edp", "ep"), then
+        cached: every rank must ask at the same point (collective)."""
+        cache = self.__dict__.setdefault("_expert_groups", {})
+        if ep in cache:
+            return cache[ep]
+        n = self.dims.dp * self.dims.cp * self.dims.sp
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise LayoutError(f"--expert-model-parallel-size must be a positive integer, got {ep!r}.")
+        if self.dims.tp != 1 and ep > 1:
+            raise LayoutError(f"--expert-model-parallel-size {ep} needs "
+                              f"--tensor-model-parallel-size 1 (got {self.dims.tp}).")
+        if n % ep:
+            raise LayoutError(f"--expert-model-parallel-size {ep} does not divide the {n} ranks "
+                              f"of a pipeline stage (dp*cp*sp = {self.dims.dp}*{self.dims.cp}*"
+                              f"{self.dims.sp}); choose a divisor of {n}.")
+        f = self.rank % n if self.dims.world_size > 1 else 0
+        groups = ExpertGroups(ep=ep, ep_rank=f % ep, edp=n // ep, edp_rank=f // ep)
+        if ep > 1 or (self.dims.world_size > 1 and n // ep > 1):
+            from torch.distributed.device_mesh import DeviceMesh
+            mesh = DeviceMesh(self.device_type,
+                              torch.arange(self.dims.world_size).view(self.dims.pp, n // ep, ep),
+                              mesh_dim_names=("pp", "edp", "ep"))
+            groups.device_mesh = mesh
+            groups.ep_group = mesh.get_group("ep") if ep > 1 else None
+            groups.edp_group = mesh.get_group("edp") if n // ep > 1 else None
+        cache[ep] = groups
+        return groups
 
     def check_sequence(self, seq_length: int, sequence_parallel: bool = False,
                        what: str = "--seq-length") -> None:

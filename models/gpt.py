@@ -391,14 +391,14 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config, mesh, backend, sequence_parallel, rng_tracker=None, mlp_tiles=1,
-                 head_chunks=1, layer_number=0):
+                 head_chunks=1, layer_number=0, expert_groups=None):
         super().__init__()
         self.input_norm = make_norm(config)
         self.attention = SelfAttention(config, mesh, backend, sequence_parallel, rng_tracker,
                                        head_chunks=head_chunks)
         self.post_attention_norm = make_norm(config)
         if config.is_moe_layer(layer_number):   # experts (models/moe.py); --mlp-tiles: dense only
-            self.mlp = MoEMLP(config.moe_config(), config.hidden_size)
+            self.mlp = MoEMLP(config.moe_config(), config.hidden_size, expert_groups=expert_groups)
             if mesh.sp_size * mesh.cp_size > 1:   # the router losses over whole sequences
                 self.mlp.context_group = mesh.context_group()
         else:
@@ -472,6 +472,8 @@ class GPTModel(nn.Module):
         sequence_parallel: Megatron's --sequence-parallel (tp sequence sharding).
         rng_tracker: megatron_sp.tensor_parallel.RNGTracker for dropout inside tp regions.
         memory: megatron_sp.memory.MemoryOptions (recompute, tiled MLP, chunked loss, offload).
+        expert_parallel_size: --expert-model-parallel-size: the MoE layers hold E/ep experts each,
+            their tokens dispatched by all-to-all over the ep group (mesh.expert_groups, tp = 1).
 
     host_pool (attribute, default None): a megatron_sp.memory.host_pool.HostPool that holds the
     activations offloaded under memory.offload_activations (None: torch's pinned buffers).
@@ -480,10 +482,28 @@ class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig, mesh: ParallelMesh | None = None, *, layer_ids=None,
                  pre_process: bool | None = None, post_process: bool | None = None,
                  attention_backend="sdpa", sequence_parallel: bool = False, rng_tracker=None,
-                 memory: MemoryOptions | None = None):
+                 memory: MemoryOptions | None = None, expert_parallel_size: int = 1):
         super().__init__()
         mesh = mesh or ParallelMesh.single()
         config.check_parallel(mesh.tp_size, mesh.sp_size, mesh.pp_size)
+        # Expert parallelism (--expert-model-parallel-size): the groups are built once on the
+        # mesh (collective: every rank asks here, whatever layers its stage holds).
+        expert_groups = None
+        if expert_parallel_size != 1:
+            if not getattr(config, "num_experts", None):
+                raise LayoutError(f"--expert-model-parallel-size {expert_parallel_size} needs a "
+                                  f"mixture-of-experts model (--num-experts).")
+            if config.num_experts % expert_parallel_size:
+                raise LayoutError(f"--num-experts {config.num_experts} is not divisible by "
+                                  f"--expert-model-parallel-size {expert_parallel_size}: each "
+                                  f"expert-parallel rank must hold the same number of whole experts.")
+            if config.moe_expert_capacity_factor is not None:
+                raise LayoutError(f"--moe-expert-capacity-factor with --expert-model-parallel-size "
+                                  f"{expert_parallel_size} is not implemented yet: drop the "
+                                  f"capacity factor (no token dropping) or use "
+                                  f"--expert-model-parallel-size 1.")
+            expert_groups = mesh.expert_groups(expert_parallel_size)
+        self.expert_parallel_size = expert_parallel_size
         self.config, self.mesh = config, mesh
         self.sequence_parallel = sequence_parallel and mesh.tp_size > 1
         self.rng_tracker = rng_tracker
@@ -516,7 +536,8 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(config, mesh, backend, self.sequence_parallel, rng_tracker,
                                      mlp_tiles=self.memory.mlp_tiles,
-                                     head_chunks=self.memory.ulysses_head_chunks, layer_number=i)
+                                     head_chunks=self.memory.ulysses_head_chunks, layer_number=i,
+                                     expert_groups=expert_groups)
             for i in self.layer_ids})
         self.final_norm = self.output_layer = None
         if self.post_process:

@@ -1,8 +1,9 @@
 """Layout-independent parameter initialisation (docs/design.md §8).
 
 Each parameter is drawn whole from its own generator, seeded from (seed, global parameter name), then
-this rank's tensor-parallel shard is copied in. Any two layouts therefore start from identical weights,
-and only one full parameter is in host memory at a time (an 8B model never sits whole on the host).
+this rank's tensor-parallel shard is copied in (expert-parallel experts: the full [E, ...] tensor,
+this ep rank's E/ep rows). Any two layouts therefore start from identical weights, and only one
+full parameter is in host memory at a time (an 8B model never sits whole on the host).
 
 Megatron's scheme: weights ~ N(0, std), the two output projections of each layer (attention proj and
 fc2) ~ N(0, std / sqrt(2 * num_layers)), biases 0, norm weights 1 (0 with --apply-layernorm-1p,
@@ -51,7 +52,12 @@ def init_parameters(model, seed: int, std: float | None = None) -> None:
     std = config.init_method_std if std is None else std
     for name, param in model.named_parameters():
         shape = full_shape(param, mesh.tp_size)
+        ep = getattr(param, "ep_size", 1) if getattr(param, "expert_parallel", False) else 1
+        if ep > 1:   # E/ep local experts: the full [E, ...] tensor, this ep rank's rows
+            shape = torch.Size([shape[0] * ep, *shape[1:]])
         real_rows = getattr(param, "real_rows", None)
         full = _full_init(name, shape, std, config.num_layers, real_rows, seed,
                           getattr(config, "apply_layernorm_1p", False))
+        if ep > 1:
+            full = full.chunk(ep, dim=0)[param.ep_rank]
         param.copy_(shard_of_full(full, param, mesh.tp_rank, mesh.tp_size).to(param.dtype))

@@ -18,8 +18,11 @@ between the experts and unpermute. The load-balancing statistics (token counts, 
 probabilities, token totals) are returned apart from the final combine, so a distributed version can
 all-reduce them over the sequence-parallel ranks first (Megatron's global-batch aux loss).
 
-Not done yet: expert / tensor parallelism, Qwen2-MoE's sigmoid gate on the shared expert, padding
-to capacity (--moe-pad-expert-input-to-capacity), group-limited routing, expert bias (aux-loss-free).
+Expert parallelism (tp = 1, alltoall dispatcher): megatron_sp/moe/dispatch.py.
+
+Not done yet: tensor parallelism of experts, capacity dropping under expert parallelism, Qwen2-MoE's
+sigmoid gate on the shared expert, padding to capacity (--moe-pad-expert-input-to-capacity),
+group-limited routing, expert bias (aux-loss-free).
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megatron_sp.moe import reduce_statistics
+from megatron_sp.mesh import LayoutError
+from megatron_sp.moe import dispatch_experts_combine, reduce_statistics
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
@@ -432,12 +436,28 @@ class MoELayer(nn.Module):
     adds the two losses to the language-model loss.
     """
 
-    def __init__(self, config: MoEConfig, hidden_size: int, use_grouped_mm: bool | None = None):
+    def __init__(self, config: MoEConfig, hidden_size: int, use_grouped_mm: bool | None = None,
+                 expert_groups=None):
         super().__init__()
         self.config = config
         self.router = TopKRouter(config, hidden_size)
-        self.experts = GroupedExperts(config.num_experts, hidden_size, config.moe_ffn_hidden_size,
-                                      use_grouped_mm)
+        # Expert parallelism (megatron_sp.mesh.ExpertGroups; None: every expert here): E/ep local
+        # experts, the router still over all E; the rows travel by megatron_sp.moe.dispatch.
+        ep = 1 if expert_groups is None else expert_groups.ep
+        if config.num_experts % ep:
+            raise LayoutError(f"--num-experts {config.num_experts} is not divisible by "
+                              f"--expert-model-parallel-size {ep}: each expert-parallel rank "
+                              f"must hold the same number of whole experts.")
+        if ep > 1 and config.moe_expert_capacity_factor is not None:
+            raise LayoutError(f"--moe-expert-capacity-factor with --expert-model-parallel-size "
+                              f"{ep} is not implemented yet: drop the capacity factor (no token "
+                              f"dropping) or use --expert-model-parallel-size 1.")
+        self.experts = GroupedExperts(config.num_experts // ep, hidden_size,
+                                      config.moe_ffn_hidden_size, use_grouped_mm)
+        self.ep_group = None if expert_groups is None else expert_groups.ep_group
+        if ep > 1:   # init_parameters draws the full [E, ...] tensor and keeps these rows
+            for w in (self.experts.w1, self.experts.w2):
+                w.expert_parallel, w.ep_rank, w.ep_size = True, expert_groups.ep_rank, ep
         shared = config.moe_shared_expert_intermediate_size
         self.shared_expert = SharedExpertMLP(hidden_size, shared) if shared else None
         self.context_group = None     # set by the model: the ranks sharing its sequences
@@ -474,7 +494,12 @@ class MoELayer(nn.Module):
                                        self.config.moe_expert_capacity_factor)
             keep = capacity_keep_mask(probs, indices, self.config.num_experts, capacity)
         permuted, tokens_per_expert, order = permute(tokens, indices, self.config.num_experts, keep)
-        y = unpermute(self.experts(permuted, tokens_per_expert), probs, order, b * s)   # [T, H]
+        if self.ep_group is not None:   # all-to-all to the experts' ranks and back
+            expert_out = dispatch_experts_combine(permuted, tokens_per_expert, self.experts,
+                                                  self.ep_group)
+        else:
+            expert_out = self.experts(permuted, tokens_per_expert)
+        y = unpermute(expert_out, probs, order, b * s)            # [T, H]
         if self.shared_expert is not None:
             y = y + self.shared_expert(tokens)
         aux["tokens_per_expert"] = tokens_per_expert

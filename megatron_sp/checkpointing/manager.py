@@ -66,8 +66,15 @@ class CheckpointManager:
         self.last_saved = None
         self.exit_reason = None
         self.end_iteration = job.training.end_iteration()
-        self.signals = SignalHandler() if self.options.exit_signal_handler else None
         self.lock = None
+        ep = getattr(job.parallel, "expert_model_parallel_size", 1)
+        if ep > 1 and (self.options.save or self.options.load):   # before any step is trained
+            raise CheckpointError(
+                f"checkpoints with expert parallelism are not implemented yet "
+                f"(--expert-model-parallel-size {ep} with "
+                f"{'--save' if self.options.save else '--load'}): drop --save / --load or train "
+                f"with --expert-model-parallel-size 1.")
+        self.signals = SignalHandler() if self.options.exit_signal_handler else None
 
     def start(self) -> None:
         """Before the first step (collective): rank 0 takes the --save lock and refuses a fresh run

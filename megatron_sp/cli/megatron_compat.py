@@ -110,7 +110,8 @@ HONOURED_NOTES = {
     "--overlap-param-gather": "distributed optimizer: every bucket's all-gather launched after the "
                               "step (FSDP2 prefetches the next layer's)",
     "--use-torch-fsdp2": "parameters, gradients and optimizer state sharded over dp x sp by FSDP2",
-    "--num-experts": "SwiGLU experts (models/moe.py); one rank holds all of them (tp 1)",
+    "--num-experts": "SwiGLU experts (models/moe.py); one rank holds all of them, or E/ep with "
+                     "--expert-model-parallel-size (tp 1)",
     "--moe-layer-freq": "an integer k, or Megatron's 0/1 list expression (read with ast, not "
                         "evaluated)",
     "--moe-aux-loss-coeff": "averaged over micro-batches and dp replicas as Megatron; the "
@@ -119,9 +120,12 @@ HONOURED_NOTES = {
     "--moe-expert-capacity-factor": "tokens over capacity dropped; not with --moe-token-"
                                     "dispatcher-type allgather (as Megatron)",
     "--moe-router-dtype": "fp32 (the router always runs in fp32); others refused",
-    "--moe-token-dispatcher-type": "alltoall, allgather: one rank holds every expert, tokens are "
-                                   "permuted locally",
-    "--expert-model-parallel-size": "1; expert parallelism (> 1) refused: not implemented yet",
+    "--moe-token-dispatcher-type": "alltoall, allgather: tokens are permuted locally, then (with "
+                                   "--expert-model-parallel-size > 1) all-to-all to their "
+                                   "experts' ranks",
+    "--expert-model-parallel-size": "experts split over ep dp x cp x sp ranks, alltoall dispatch "
+                                    "(tp 1); not yet with FSDP2, the distributed optimizer, "
+                                    "capacity dropping or checkpoints",
     "--expert-tensor-parallel-size": "1; > 1 refused: not implemented yet",
 }
 

@@ -41,7 +41,7 @@ import math
 
 import torch
 
-from megatron_sp.grad_sync import clip_grad_norm
+from megatron_sp.grad_sync import clip_grad_norm, refuse_expert_parallel
 from megatron_sp.training.optimizer import fused_adamw, param_groups
 from megatron_sp.sharding import comm
 from megatron_sp.sharding.state_bytes import model_state_bytes, optimizer_tensors
@@ -183,6 +183,7 @@ class DistributedOptimizer:
         self.n, self.rank = group_size(self.group), group_rank(self.group)
         self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
         self.device = self.params[0].device
+        refuse_expert_parallel(self.params, "--use-distributed-optimizer")
         self.pieces = {p: _Piece(p, self.n) for p in self.params}
         self.sp_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         self.embedding_params = [p for p in self.params if getattr(p, "embedding_tied", False)]

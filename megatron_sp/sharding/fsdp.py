@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_sp.grad_sync import _active, all_reduce_sum
+from megatron_sp.grad_sync import _active, all_reduce_sum, refuse_expert_parallel
 
 from .state_bytes import local_tensor, model_state_bytes, optimizer_tensors
 
@@ -103,6 +103,7 @@ def apply_fsdp2(chunks, mesh, *, bf16: bool = False, cpu_offload: bool = False,
     """Shard every model chunk with fully_shard over dp x sp; returns the Trainer's sharding."""
     from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                                         fully_shard)
+    refuse_expert_parallel([p for c in chunks for p in c.parameters()], "--use-torch-fsdp2")
     device = device or next(chunks[0].parameters()).device
     ensure_process_group(device.type)
     dp_sp = dp_sp_device_mesh(mesh, device.type)

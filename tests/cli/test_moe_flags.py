@@ -87,8 +87,12 @@ def test_moe_layer_freq_refuses_anything_else(value, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["--expert-model-parallel-size", "2"], "expert parallelism is not implemented yet"),
-    (["--expert-tensor-parallel-size", "2"], "expert parallelism is not implemented yet"),
+    (["--expert-model-parallel-size", "2", "--use-torch-fsdp2"],
+     "--expert-model-parallel-size 2 with --use-torch-fsdp2 is not implemented yet"),
+    (["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
+     "--expert-model-parallel-size 2 with --use-distributed-optimizer is not implemented yet"),
+    (["--expert-model-parallel-size", "0"], "--expert-model-parallel-size must be a positive"),
+    (["--expert-tensor-parallel-size", "2"], "expert tensor parallelism is not implemented yet"),
     (["--moe-router-dtype", "fp64"], "the router always runs in fp32"),
     (["--moe-pad-expert-input-to-capacity"], "not implemented"),
     (["--moe-token-dispatcher-type", "allgather", "--moe-expert-capacity-factor", "1.0"],
@@ -145,3 +149,24 @@ def test_moe_run_logs_the_load_balancing_loss(tmp_path):
     train = [r for r in records if "lm_loss" in r]
     assert len(train) == 2 and all(r["load_balancing_loss"] > 0 for r in train)
     assert [r["load_balancing_loss"] for r in train] == pytest.approx(values, rel=1e-5)
+
+
+def test_expert_model_parallel_size_reaches_the_model(monkeypatch):
+    """--expert-model-parallel-size 2 parses and build_model hands it to GPTModel (recorded here
+    instead of building: one process has no ep group)."""
+    job = parse_job(BASE + ["--num-experts", "4", "--expert-model-parallel-size", "2"])
+    assert job.parallel.expert_model_parallel_size == 2
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_model(config, mesh, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(pretrain_gpt, "GPTModel", fake_model)
+    from megatron_sp.mesh import ParallelMesh
+    with pytest.raises(Stop):
+        pretrain_gpt.build_model(config_of(["--num-experts", "4"]), ParallelMesh.single(), job, "cpu")
+    assert seen["expert_parallel_size"] == 2

@@ -2,8 +2,8 @@
 
 Every rank of a spawned gloo job trains the one-rank reference locally (a ParallelMesh.single()
 model, no communication) and the parallel model on the real mesh, on the same global batches, then
-compares per-step losses (1e-5 relative) and full gradients (gathered over tp, 1e-4) after every
-step. Parameters are initialised layout-independently, so both start from identical weights.
+compares per-step losses (1e-5 relative) and full gradients (gathered over tp, and over ep for
+expert-parallel experts; 1e-4) after every step. Parameters are initialised layout-independently, so both start from identical weights.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from megatron_sp.mesh import ParallelMesh
 from megatron_sp.training.optimizer import LRScheduler, build_optimizer
 from megatron_sp.pipeline import chunk_specs, get_forward_backward_func
 from megatron_sp.tensor_parallel import gather_full_like
+from megatron_sp.tensor_parallel.mappings import gather_along_dim
 from megatron_sp.training import Trainer
 from megatron_sp.models import GPTModel, preset
 from megatron_sp.models.init import init_parameters
@@ -72,6 +73,15 @@ def build_chunks(mesh, config, *, sequence_parallel=False, model_kwargs=None, pi
     return chunks, get_forward_backward_func(mesh.pp_size, len(chunks))
 
 
+def full_gradient(p, mesh):
+    """p's gradient at full shape: tp shards gathered (gather_full_like), and expert-parallel
+    experts (E/ep rows per ep rank) gathered over the ep group along dim 0."""
+    grad = gather_full_like(p.grad, p, mesh.tp_group)
+    if getattr(p, "expert_parallel", False) and getattr(p, "ep_size", 1) > 1:
+        grad = gather_along_dim(grad, 0, mesh.expert_groups(p.ep_size).ep_group)
+    return grad
+
+
 def train_layout(mesh, config, batches, micro_batch_size, *, sequence_parallel=False, seed=7,
                  model_kwargs=None, lr=1e-3, pipeline=None):
     """Train on `mesh`; return per-step (loss, grad_norm, {name: full gradient}).
@@ -93,8 +103,7 @@ def train_layout(mesh, config, batches, micro_batch_size, *, sequence_parallel=F
     history = []
     for batch in batches:
         result = trainer.train_step(micro_batches(batch, micro_batch_size, mesh.dp_rank, mesh.dp_size))
-        grads = {name: gather_full_like(p.grad, p, mesh.tp_group)
-                 for chunk in chunks for name, p in chunk.named_parameters()}
+        grads = {name: full_gradient(p, mesh) for chunk in chunks for name, p in chunk.named_parameters()}
         history.append((result.loss, result.grad_norm, grads))
     return history
 

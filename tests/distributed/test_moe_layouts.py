@@ -2,7 +2,8 @@
 layouts against the same model on one rank, 4 gloo ranks, one spawn (layout_utils: 3 optimizer
 steps, loss 1e-5 relative, every gradient 1e-4, router and experts included).
 
-Every layer holds all experts (no expert parallelism yet); each rank routes its own tokens. The
+Each rank routes its own tokens; without expert parallelism every layer holds all experts, with it
+(model_kwargs expert_parallel_size) E/ep, the rows dispatched by all-to-all over the ep group. The
 router losses are those of whole sequences: their statistics are summed over the context ranks
 (sp x cp) before they are combined (megatron_sp/moe/comm.py), and they are averaged over
 micro-batches and data-parallel replicas through the scale the trainer sets. The Switch loss of a
@@ -10,7 +11,11 @@ micro-batch is not linear in its sequences, so the layouts with data parallelism
 micro-batches use the per-sequence loss (seq_aux_loss), whose mean is; the z-loss is linear. Cases:
 sp 4 (aux_loss + z-loss, every layer MoE), sp 2 x cp 2 with packed documents (aux_loss, a shared
 expert, MoE every other layer), sp 2 x dp 2 (seq_aux_loss), pp 2 x sp 2 with 4 micro-batches
-(seq_aux_loss, sigmoid scores), and the router losses' statistics all-reduce counted exactly.
+(seq_aux_loss, sigmoid scores), ep 2 x sp 2 (dp 2, seq_aux_loss), ep 4 x sp 4, ep 2 over dp 2 x sp 2
+with packed documents (a shared expert, every other layer), ep 4 over sp 2 x cp 2 packed (ring ranks
+hold different experts), ep 2 x pp 2 x sp 2, and the router losses' statistics all-reduce and the
+dispatcher's row all-to-alls counted exactly (the ep / edp groups checked against the mesh's rank
+arithmetic on the way).
 """
 import pytest
 import torch
@@ -50,6 +55,36 @@ def _statistics_bytes():
     return calls, nbytes, 2 * sum(per_layer)
 
 
+def _dispatch_bytes():
+    """One forward + backward at sp 2 x dp 2 with ep 2: the dispatcher's row all-to-alls send, per
+    MoE layer, the formula's bytes (megatron_sp.moe.dispatch_bytes) from every ep rank's tokens per
+    expert, gathered after the step."""
+    import torch.distributed as dist
+    from megatron_sp.mesh import ParallelMesh
+    from megatron_sp.models import GPTModel, preset
+    from megatron_sp.models.init import init_parameters
+    from megatron_sp.moe import DISPATCH_KIND, dispatch_bytes
+    mesh = ParallelMesh.from_sizes(sp=2)
+    model = GPTModel(preset("llama-tiny", **MOE), mesh, expert_parallel_size=2)
+    init_parameters(model, seed=3)
+    ids = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(5 + mesh.dp_rank))
+    comm_stats.reset()
+    model(input_ids=ids, labels=ids).sum().backward()
+    calls = comm_stats.calls().get(DISPATCH_KIND, 0)
+    nbytes = comm_stats.snapshot().get(DISPATCH_KIND, 0)
+    groups = mesh.expert_groups(2)
+    ep_ranks, edp_ranks = mesh.dims.expert_ranks(2, mesh.rank)    # the DeviceMesh's groups
+    assert dist.get_process_group_ranks(groups.ep_group) == ep_ranks, ep_ranks
+    assert dist.get_process_group_ranks(groups.edp_group) == edp_ranks, edp_ranks
+    expected = 0
+    for mlp in model.moe_layers():
+        mine = mlp.last_aux["tokens_per_expert"]                          # [E]
+        counts = [torch.empty_like(mine) for _ in range(2)]
+        dist.all_gather(counts, mine, group=groups.ep_group)
+        expected += dispatch_bytes(torch.stack(counts), groups.ep_rank, 64, 4)
+    return calls, nbytes, expected
+
+
 def _checks(rank, world):
     torch.set_num_threads(1)
     seq_aux = {"moe_router_load_balancing_type": "seq_aux_loss"}
@@ -62,8 +97,19 @@ def _checks(rank, world):
         _case("moe pp2 x sp2, 4 micro-batches, seq aux loss, sigmoid",
               {**seq_aux, "moe_router_score_function": "sigmoid"}, sp=2, pp=2, micro_batch=1,
               pipeline={}),
+        _case("moe ep2 x sp2 (dp2), seq aux loss", seq_aux, sp=2, micro_batch=2,
+              model_kwargs={"expert_parallel_size": 2}),
+        _case("moe ep4 x sp4", sp=4, micro_batch=4, model_kwargs={"expert_parallel_size": 4}),
+        _case("moe ep2 over dp2 x sp2 packed, shared expert, every other layer",
+              {**seq_aux, "moe_shared_expert_intermediate_size": 48, "moe_layer_freq": 2},
+              sp=2, micro_batch=1, packed=True, model_kwargs={"expert_parallel_size": 2}),
+        _case("moe ep4 over sp2 x cp2 packed", sp=2, cp=2, micro_batch=4, packed=True,
+              model_kwargs={"expert_parallel_size": 4}),
+        _case("moe ep2 x pp2 x sp2, 4 micro-batches, seq aux loss", seq_aux, sp=2, pp=2,
+              micro_batch=1, pipeline={}, model_kwargs={"expert_parallel_size": 2}),
     ]
-    return {"model": check_layouts(rank, world, cases), "stats": _statistics_bytes()}
+    return {"model": check_layouts(rank, world, cases), "stats": _statistics_bytes(),
+            "dispatch": _dispatch_bytes()}
 
 
 @pytest.mark.timeout(400)
@@ -72,5 +118,7 @@ def test_moe_layouts_match_one_rank():
     for r in results:
         calls, nbytes, expected = r["stats"]
         assert calls == 4 and nbytes == expected, r["stats"]
+        calls, nbytes, expected = r["dispatch"]
+        assert calls == 2 * 2 * 2 and nbytes == expected > 0, r["dispatch"]   # 2 layers x 2 x fwd+bwd
     for name, loss, grad in results[0]["model"]:
         print(f"{name}: loss rel {loss:.1e}, grad {grad:.1e}")

@@ -1,0 +1,106 @@
+"""Expert parallelism on one process (no process group): the dispatcher's regrouping of received
+rows from (source, local expert) order to local-expert order and back, its byte formula, the
+expert-parallel parameters' initialisation from the full tensor, and what is refused."""
+import pytest
+import torch
+
+from megatron_sp.checkpointing import CheckpointError
+from megatron_sp.checkpointing.io import refuse_expert_parallel
+from megatron_sp.grad_sync import refuse_expert_parallel as refuse_sharding
+from megatron_sp.mesh import LayoutError, ParallelMesh
+from megatron_sp.models import GPTModel, preset
+from megatron_sp.models.init import init_parameters
+from megatron_sp.moe.dispatch import dispatch_bytes, regroup_order
+
+MOE = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2,
+           ffn_hidden_size=128, vocab_size=256, num_experts=4, moe_ffn_hidden_size=32,
+           moe_router_topk=2)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_regroup_orders_rows_by_local_expert_stably(seed):
+    gen = torch.Generator().manual_seed(seed)
+    ep, local = 3, 2
+    received = torch.randint(0, 4, (ep, local), generator=gen)            # [source, local expert]
+    received[1, 0] = 0                                                    # an empty block
+    # Each row labelled (source, local expert, index within its block), in arrival order.
+    labels = [(s, e, i) for s in range(ep) for e in range(local) for i in range(received[s, e])]
+    order = regroup_order(received)
+    regrouped = [labels[j] for j in order.tolist()]
+    assert regrouped == sorted(labels, key=lambda t: (t[1], t[0], t[2]))  # expert, then source
+    counts = received.sum(dim=0).tolist()                                 # local tokens_per_expert
+    assert [sum(1 for t in regrouped if t[1] == e) for e in range(local)] == counts
+    inverse = torch.argsort(order)
+    assert [regrouped[j] for j in inverse.tolist()] == labels             # undone exactly
+
+
+def test_regroup_with_no_rows():
+    assert regroup_order(torch.zeros(2, 2, dtype=torch.int64)).numel() == 0
+
+
+def test_dispatch_bytes_formula():
+    # ep 2, E 4: rank 0 holds experts 0, 1; rank 1 holds 2, 3.
+    counts = torch.tensor([[1, 2, 3, 4],      # source 0 sends 3 + 4 rows to rank 1
+                           [5, 6, 7, 8]])     # source 1 sends 5 + 6 rows to rank 0
+    assert dispatch_bytes(counts, 0, 64, 4) == 2 * (7 + 11) * 64 * 4
+    assert dispatch_bytes(counts, 1, 64, 4, backward=False) == (11 + 7) * 64 * 4
+
+
+def test_expert_parallel_parameters_are_rows_of_the_full_tensor():
+    cfg = preset("llama-tiny", **MOE)
+    full = GPTModel(cfg)
+    init_parameters(full, seed=3)
+    ep = 2
+    for ep_rank in range(ep):
+        model = GPTModel(cfg)
+        for layer in model.layers.values():   # what MoELayer marks under ep (groups need ranks)
+            experts = layer.mlp.experts
+            for name in ("w1", "w2"):
+                w = torch.nn.Parameter(getattr(experts, name).data[: cfg.num_experts // ep].clone())
+                w.expert_parallel, w.ep_rank, w.ep_size = True, ep_rank, ep
+                setattr(experts, name, w)
+        init_parameters(model, seed=3)
+        ref = dict(full.named_parameters())
+        for name, p in model.named_parameters():
+            if getattr(p, "expert_parallel", False):
+                rows = slice(ep_rank * 2, ep_rank * 2 + 2)
+                assert torch.equal(p, ref[name][rows]), name
+            else:
+                assert torch.equal(p, ref[name]), name
+        with pytest.raises(CheckpointError, match="checkpoints with expert parallelism are not "
+                                                   "implemented yet"):
+            refuse_expert_parallel([model], "--save")
+        with pytest.raises(LayoutError, match="with --use-torch-fsdp2 is not implemented yet"):
+            refuse_sharding(list(model.parameters()), "--use-torch-fsdp2")
+
+
+@pytest.mark.parametrize("overrides,ep,words", [
+    ({}, 2, "does not divide the 1 ranks of a pipeline stage"),
+    ({"num_experts": 6, "moe_router_topk": 2}, 4, "--num-experts 6 is not divisible by "
+                                                   "--expert-model-parallel-size 4"),
+    ({"moe_expert_capacity_factor": 1.0}, 2, "--moe-expert-capacity-factor with "
+                                             "--expert-model-parallel-size 2 is not implemented"),
+    ({"num_experts": None}, 2, "needs a mixture-of-experts model"),
+])
+def test_refusals_are_one_sentence(overrides, ep, words):
+    with pytest.raises(LayoutError) as err:
+        GPTModel(preset("llama-tiny", **{**MOE, **overrides}), ParallelMesh.single(),
+                 expert_parallel_size=ep)
+    message = str(err.value)
+    assert words in message and message.endswith(".") and ". " not in message, message
+
+
+def test_mesh_expert_groups_on_one_rank():
+    groups = ParallelMesh.single().expert_groups(1)
+    assert (groups.ep, groups.ep_rank, groups.edp, groups.ep_group, groups.edp_group) == (1, 0, 1, None, None)
+
+
+def test_expert_ranks_arithmetic():
+    from megatron_sp.mesh import ParallelDims
+    dims = ParallelDims(world_size=16, sp=2, cp=2, pp=2)      # dp 2: N = 8 ranks per stage
+    assert dims.expert_ranks(4, 5) == ([4, 5, 6, 7], [1, 5])
+    assert dims.expert_ranks(2, 13) == ([12, 13], [9, 11, 13, 15])
+    assert dims.expert_ranks(8, 0) == (list(range(8)), [0])
+    for rank in range(16):      # every ep group is a block of f, every edp group a stride of ep
+        ep_ranks, edp_ranks = dims.expert_ranks(2, rank)
+        assert rank in ep_ranks and rank in edp_ranks and len(set(ep_ranks) & set(edp_ranks)) == 1
