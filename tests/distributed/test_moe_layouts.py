@@ -105,6 +105,10 @@ def _checks(rank, world):
               sp=2, micro_batch=1, packed=True, model_kwargs={"expert_parallel_size": 2}),
         _case("moe ep4 over sp2 x cp2 packed", sp=2, cp=2, micro_batch=4, packed=True,
               model_kwargs={"expert_parallel_size": 4}),
+        _case("moe ep4 over dp2 x sp2, seq aux loss", seq_aux, sp=2, micro_batch=2,
+              model_kwargs={"expert_parallel_size": 4}),
+        _case("moe ep4 over dp4, seq aux loss", seq_aux, micro_batch=1,
+              model_kwargs={"expert_parallel_size": 4}),
         _case("moe ep2 x pp2 x sp2, 4 micro-batches, seq aux loss", seq_aux, sp=2, pp=2,
               micro_batch=1, pipeline={}, model_kwargs={"expert_parallel_size": 2}),
     ]
