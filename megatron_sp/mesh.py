@@ -415,6 +415,7 @@ class ParallelMesh:
         if ep > 1 or (self.dims.world_size > 1 and n // ep > 1):
             from torch.distributed.device_mesh import DeviceMesh
             mesh = DeviceMesh(self.device_type,
+                              # [world] -> [pp, N/ep, ep]: rank = f + pp_rank*N, f = edp*ep + ep_rank
                               torch.arange(self.dims.world_size).view(self.dims.pp, n // ep, ep),
                               mesh_dim_names=("pp", "edp", "ep"))
             groups.device_mesh = mesh

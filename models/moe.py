@@ -84,20 +84,21 @@ class MoEConfig:
         if self.moe_router_load_balancing_type not in LOAD_BALANCING_TYPES:
             raise ValueError(f"moe_router_load_balancing_type={self.moe_router_load_balancing_type!r} "
                              f"(--moe-router-load-balancing-type) is not one of {LOAD_BALANCING_TYPES}.")
-        scale = self.moe_router_topk_scaling_factor
-        if scale is not None and not scale > 0:
-            raise ValueError(f"moe_router_topk_scaling_factor (--moe-router-topk-scaling-factor) must "
-                             f"be None or > 0, got {scale!r}.")
-        if not self.moe_aux_loss_coeff >= 0:
-            raise ValueError(f"moe_aux_loss_coeff (--moe-aux-loss-coeff) must be >= 0, got "
-                             f"{self.moe_aux_loss_coeff!r}.")
-        if self.moe_z_loss_coeff is not None and not self.moe_z_loss_coeff >= 0:
-            raise ValueError(f"moe_z_loss_coeff (--moe-z-loss-coeff) must be None or >= 0, got "
-                             f"{self.moe_z_loss_coeff!r}.")
-        cf = self.moe_expert_capacity_factor
-        if cf is not None and not cf > 0:
-            raise ValueError(f"moe_expert_capacity_factor (--moe-expert-capacity-factor) must be None "
-                             f"(no dropping) or > 0, got {cf!r}.")
+        # (field, its flag, smallest allowed, strictly above it, what None means)
+        for name, flag, low, strict, unset in (
+                ("moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor", 0, True,
+                 "None"),
+                ("moe_aux_loss_coeff", "--moe-aux-loss-coeff", 0, False, None),
+                ("moe_z_loss_coeff", "--moe-z-loss-coeff", 0, False, "None"),
+                ("moe_expert_capacity_factor", "--moe-expert-capacity-factor", 0, True,
+                 "None (no dropping)")):
+            value = getattr(self, name)
+            if value is None and unset:
+                continue
+            if not (value > low if strict else value >= low):
+                bound = f"{'>' if strict else '>='} {low}"
+                raise ValueError(f"{name} ({flag}) must be "
+                                 f"{unset + ' or ' if unset else ''}{bound}, got {value!r}.")
         for name in ("moe_router_pre_softmax", "norm_topk_prob"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoEConfig.{name} must be True or False, got {getattr(self, name)!r}.")
