@@ -14,7 +14,10 @@ Geometry of a parameter's full shape (from its `tp_partition_dim`, `tp_chunks`, 
 - fused projections (tp_chunks = c, SwiGLU's gate+up): stored as [c, n/c, ...] so that each rank's
   shard (one slice of every chunk) is one rectangle [c, n/(c*tp), ...];
 - vocabulary rows (`real_rows` = V): the unpadded [V, H] rows only (the padding to a multiple of
-  128*tp depends on tp); padding rows stay zero on load.
+  128*tp depends on tp); padding rows stay zero on load;
+- expert-parallel experts (`expert_parallel`, `ep_rank`, `ep_size`: one ep rank's E/ep experts of
+  a [E, ...] stack): the full [E, ...] tensor, this rank's rows at offset ep_rank * E/ep on dim 0
+  (the edp replicas write the same rectangle once), so a checkpoint loads under any ep.
 """
 from __future__ import annotations
 
@@ -80,6 +83,8 @@ def param_shard(param: torch.Tensor, tensor: torch.Tensor, tp_rank: int, tp_size
     if tuple(tensor.shape) != tuple(param.shape):
         raise CheckpointError(f"state of shape {tuple(tensor.shape)} does not match its parameter "
                               f"{tuple(param.shape)}.")
+    if getattr(param, "expert_parallel", False) and getattr(param, "ep_size", 1) > 1:
+        return _expert_shard(param, tensor.detach())
     dim = getattr(param, "tp_partition_dim", None)
     local = tensor.detach()
     shape = list(local.shape)
@@ -110,6 +115,18 @@ def param_shard(param: torch.Tensor, tensor: torch.Tensor, tp_rank: int, tp_size
     offsets = [0] * len(shape)
     offsets[dim] = tp_rank * shape[dim]
     return Shard(local, torch.Size(gshape), torch.Size(offsets))
+
+
+def _expert_shard(param: torch.Tensor, local: torch.Tensor) -> Shard:
+    """One ep rank's experts [E/ep, ...] as rows ep_rank * E/ep.. of the full [E, ...] stack."""
+    if getattr(param, "tp_partition_dim", None) is not None:
+        raise CheckpointError("expert-parallel experts split over tp as well have no stored "
+                              "rectangle yet.")
+    rows = local.shape[0]
+    offsets = [0] * local.dim()
+    offsets[0] = param.ep_rank * rows
+    return Shard(local, torch.Size([rows * param.ep_size] + list(local.shape[1:])),
+                 torch.Size(offsets))
 
 
 def named_parameters(chunks) -> list[tuple[str, torch.nn.Parameter]]:

@@ -492,18 +492,6 @@ def async_save_failed() -> bool:
     return _pending is not None and _pending.failed()
 
 
-def refuse_expert_parallel(chunks, what: str) -> None:
-    """CheckpointError when the model holds expert-parallel experts (one ep rank's E/ep rows each):
-    their full-shape keys need a gather / a row slice that is not written yet."""
-    for chunk in chunks:
-        for p in chunk.parameters():
-            if getattr(p, "expert_parallel", False) and getattr(p, "ep_size", 1) > 1:
-                raise CheckpointError(
-                    f"checkpoints with expert parallelism are not implemented yet ({what} with "
-                    f"--expert-model-parallel-size {p.ep_size}): drop --save / --load or train "
-                    f"with --expert-model-parallel-size 1.")
-
-
 def save_checkpoint(root: str, iteration: int | str, chunks, mesh, *, optimizer=None, scheduler=None,
                     train_state=None, config=None, args=None, rng_tracker=None,
                     async_save: bool = False, save_rng: bool = True) -> str:
@@ -513,7 +501,6 @@ def save_checkpoint(root: str, iteration: int | str, chunks, mesh, *, optimizer=
     written in the background; the checkpoint appears (folder renamed, tracker updated) at the next
     save or at `finalize_async_save()`.
     """
-    refuse_expert_parallel(chunks, "--save")
     global _pending
     finalize_async_save()
     t0 = time.time()
@@ -617,7 +604,6 @@ def load_checkpoint(path: str, chunks, mesh, *, optimizer=None, scheduler=None, 
     checkpoint's (Megatron's --override-opt_param-scheduler /
     --use-checkpoint-opt_param-scheduler). The ranks agree on every refusal: all raise the same.
     """
-    refuse_expert_parallel(chunks, "--load")
     opened, error = None, None
     try:
         opened = _open_checkpoint(path, step, missing_ok, verify, config, scheduler, schedule,

@@ -67,13 +67,6 @@ class CheckpointManager:
         self.exit_reason = None
         self.end_iteration = job.training.end_iteration()
         self.lock = None
-        ep = getattr(job.parallel, "expert_model_parallel_size", 1)
-        if ep > 1 and (self.options.save or self.options.load):   # before any step is trained
-            raise CheckpointError(
-                f"checkpoints with expert parallelism are not implemented yet "
-                f"(--expert-model-parallel-size {ep} with "
-                f"{'--save' if self.options.save else '--load'}): drop --save / --load or train "
-                f"with --expert-model-parallel-size 1.")
         self.signals = SignalHandler() if self.options.exit_signal_handler else None
 
     def start(self) -> None:

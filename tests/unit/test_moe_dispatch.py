@@ -4,8 +4,7 @@ expert-parallel parameters' initialisation from the full tensor, and what is ref
 import pytest
 import torch
 
-from megatron_sp.checkpointing import CheckpointError
-from megatron_sp.checkpointing.io import refuse_expert_parallel
+from megatron_sp.checkpointing.format import model_state
 from megatron_sp.grad_sync import refuse_expert_parallel as refuse_sharding
 from megatron_sp.mesh import LayoutError, ParallelMesh
 from megatron_sp.models import GPTModel, preset
@@ -67,9 +66,15 @@ def test_expert_parallel_parameters_are_rows_of_the_full_tensor():
                 assert torch.equal(p, ref[name][rows]), name
             else:
                 assert torch.equal(p, ref[name]), name
-        with pytest.raises(CheckpointError, match="checkpoints with expert parallelism are not "
-                                                   "implemented yet"):
-            refuse_expert_parallel([model], "--save")
+        # Checkpoint geometry: this rank's rows of the full [E, ...] stack, at ep_rank * E/ep.
+        stored = model_state([model], 0, 1)
+        for name, p in model.named_parameters():
+            shard = stored[f"model/{name}"]
+            if getattr(p, "expert_parallel", False):
+                assert tuple(shard.global_shape) == tuple(ref[name].shape), name
+                assert shard.offsets[0] == ep_rank * 2 and list(shard.offsets[1:]) == [0, 0]
+            else:
+                assert tuple(shard.global_shape) == tuple(p.shape)
         with pytest.raises(LayoutError, match="with --use-torch-fsdp2 is not implemented yet"):
             refuse_sharding(list(model.parameters()), "--use-torch-fsdp2")
 
