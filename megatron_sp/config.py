@@ -407,6 +407,9 @@ class ModelFlags:
     moe_expert_capacity_factor: float | None = None
     """--moe-expert-capacity-factor: each expert takes at most capacity_factor x tokens x topk /
     experts tokens, the others are dropped (default: no dropping)."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """--moe-pad-expert-input-to-capacity: with --moe-expert-capacity-factor, every expert's input
+    padded with zero rows to its capacity (static shapes; the same outputs)."""
     moe_token_dispatcher_type: str | None = None
     """--moe-token-dispatcher-type: alltoall or allgather, accepted: one rank holds every expert
     and permutes its tokens locally (no dispatch communication)."""
@@ -427,7 +430,7 @@ class ModelFlags:
                  "moe_shared_expert_intermediate_size", "moe_router_pre_softmax",
                  "moe_router_score_function", "moe_router_topk_scaling_factor",
                  "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type",
-                 "moe_expert_capacity_factor")
+                 "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity")
 
     def moe_flags_given(self) -> list[str]:
         """The --moe-* flags of the model that were given (their command-line names)."""
@@ -465,6 +468,10 @@ class ModelFlags:
             raise ConfigError(f"--moe-token-dispatcher-type {dispatcher} is not one of alltoall, "
                               f"allgather (one rank holds every expert and permutes its tokens "
                               f"locally either way); pass one of them or leave the flag out.")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise ConfigError("--moe-pad-expert-input-to-capacity needs "
+                              "--moe-expert-capacity-factor, as in Megatron-LM: there is no "
+                              "capacity to pad to without it.")
         if dispatcher == "allgather" and self.moe_expert_capacity_factor is not None:
             raise ConfigError("--moe-expert-capacity-factor needs --moe-token-dispatcher-type "
                               "alltoall, as in Megatron-LM: pass alltoall or drop the capacity "

@@ -66,6 +66,7 @@ class GPTConfig:
     moe_z_loss_coeff: float | None = None    # --moe-z-loss-coeff
     moe_router_load_balancing_type: str = "aux_loss"   # aux_loss | seq_aux_loss | none
     moe_expert_capacity_factor: float | None = None    # None: no token dropping
+    moe_pad_expert_input_to_capacity: bool = False      # every expert gets `capacity` rows
 
     def __post_init__(self):
         def positive(name):
@@ -146,6 +147,7 @@ class GPTConfig:
             moe_aux_loss_coeff=self.moe_aux_loss_coeff, moe_z_loss_coeff=self.moe_z_loss_coeff,
             moe_router_load_balancing_type=self.moe_router_load_balancing_type,
             moe_expert_capacity_factor=self.moe_expert_capacity_factor,
+            moe_pad_expert_input_to_capacity=self.moe_pad_expert_input_to_capacity,
             norm_topk_prob=self.moe_norm_topk_prob)
 
     def is_moe_layer(self, layer: int) -> bool:

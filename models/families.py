@@ -680,6 +680,8 @@ def family_flags(config: GPTConfig) -> list[str]:
                   else "[" + ",".join(str(v) for v in freq) + "]"]
         if c.moe_router_pre_softmax:
             flags.append("--moe-router-pre-softmax")
+        if c.moe_pad_expert_input_to_capacity:
+            flags.append("--moe-pad-expert-input-to-capacity")
         if c.moe_shared_expert_intermediate_size:
             flags += ["--moe-shared-expert-intermediate-size",
                       str(c.moe_shared_expert_intermediate_size)]

@@ -497,11 +497,6 @@ class GPTModel(nn.Module):
                 raise LayoutError(f"--num-experts {config.num_experts} is not divisible by "
                                   f"--expert-model-parallel-size {expert_parallel_size}: each "
                                   f"expert-parallel rank must hold the same number of whole experts.")
-            if config.moe_expert_capacity_factor is not None:
-                raise LayoutError(f"--moe-expert-capacity-factor with --expert-model-parallel-size "
-                                  f"{expert_parallel_size} is not implemented yet: drop the "
-                                  f"capacity factor (no token dropping) or use "
-                                  f"--expert-model-parallel-size 1.")
             expert_groups = mesh.expert_groups(expert_parallel_size)
         self.expert_parallel_size = expert_parallel_size
         self.config, self.mesh = config, mesh

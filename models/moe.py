@@ -20,8 +20,12 @@ all-reduce them over the sequence-parallel ranks first (Megatron's global-batch 
 
 Expert parallelism (tp = 1, alltoall dispatcher): megatron_sp/moe/dispatch.py.
 
-Not done yet: tensor parallelism of experts, capacity dropping under expert parallelism, Qwen2-MoE's
-sigmoid gate on the shared expert, padding to capacity (--moe-pad-expert-input-to-capacity),
+Capacity (--moe-expert-capacity-factor) is that of this rank's tokens, as Megatron's: the dropping
+happens before any dispatch, so it is the same whatever --expert-model-parallel-size. With
+--moe-pad-expert-input-to-capacity every expert then gets exactly `capacity` rows (zero rows after
+its kept ones: static shapes for the experts and the dispatch); their outputs are discarded.
+
+Not done yet: tensor parallelism of experts, Qwen2-MoE's sigmoid gate on the shared expert,
 group-limited routing, expert bias (aux-loss-free).
 """
 from __future__ import annotations
@@ -64,6 +68,7 @@ class MoEConfig:
     moe_z_loss_coeff: float | None = None
     moe_router_load_balancing_type: str = "aux_loss"
     moe_expert_capacity_factor: float | None = None
+    moe_pad_expert_input_to_capacity: bool = False
     norm_topk_prob: bool = False
 
     def __post_init__(self):
@@ -99,9 +104,13 @@ class MoEConfig:
                 bound = f"{'>' if strict else '>='} {low}"
                 raise ValueError(f"{name} ({flag}) must be "
                                  f"{unset + ' or ' if unset else ''}{bound}, got {value!r}.")
-        for name in ("moe_router_pre_softmax", "norm_topk_prob"):
+        for name in ("moe_router_pre_softmax", "norm_topk_prob", "moe_pad_expert_input_to_capacity"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoEConfig.{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise ValueError("moe_pad_expert_input_to_capacity (--moe-pad-expert-input-to-capacity) "
+                             "needs moe_expert_capacity_factor (--moe-expert-capacity-factor): "
+                             "there is no capacity to pad to without it.")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -290,6 +299,20 @@ def permute(hidden: torch.Tensor, indices: torch.Tensor, num_experts: int,
     return hidden[order // k], tokens_per_expert, order
 
 
+def pad_to_capacity(permuted: torch.Tensor, tokens_per_expert: torch.Tensor, capacity: int):
+    """--moe-pad-expert-input-to-capacity: permuted [N, H] grouped by expert -> (padded
+    [E*capacity, H], expert e's rows at e*capacity.. followed by zero rows, slots [N]: the padded row
+    of each permuted row). Every expert has at most `capacity` rows (capacity_keep_mask)."""
+    num_experts = tokens_per_expert.numel()
+    expert = torch.repeat_interleave(torch.arange(num_experts, device=permuted.device),
+                                     tokens_per_expert)                         # [N]
+    starts = torch.cumsum(tokens_per_expert, 0) - tokens_per_expert             # [E]
+    within = torch.arange(permuted.shape[0], device=permuted.device) - starts[expert]   # [N]
+    slots = expert * capacity + within                                          # [N]
+    padded = permuted.new_zeros(num_experts * capacity, permuted.shape[-1])     # [E*capacity, H]
+    return padded.index_copy(0, slots, permuted), slots
+
+
 def unpermute(expert_out: torch.Tensor, probs: torch.Tensor, order: torch.Tensor,
               num_tokens: int) -> torch.Tensor:
     """Weighted sum of each token's expert outputs (Megatron's unpermute with probs):
@@ -449,10 +472,6 @@ class MoELayer(nn.Module):
             raise LayoutError(f"--num-experts {config.num_experts} is not divisible by "
                               f"--expert-model-parallel-size {ep}: each expert-parallel rank "
                               f"must hold the same number of whole experts.")
-        if ep > 1 and config.moe_expert_capacity_factor is not None:
-            raise LayoutError(f"--moe-expert-capacity-factor with --expert-model-parallel-size "
-                              f"{ep} is not implemented yet: drop the capacity factor (no token "
-                              f"dropping) or use --expert-model-parallel-size 1.")
         self.experts = GroupedExperts(config.num_experts // ep, hidden_size,
                                       config.moe_ffn_hidden_size, use_grouped_mm)
         self.ep_group = None if expert_groups is None else expert_groups.ep_group
@@ -484,22 +503,33 @@ class MoELayer(nn.Module):
             z = cfg.moe_z_loss_coeff * total / n_tokens
         return {"load_balancing_loss": lb, "z_loss": z}
 
+    def run_experts(self, permuted: torch.Tensor, tokens_per_expert: torch.Tensor,
+                    capacity: int | None) -> torch.Tensor:
+        """permuted [N, H] grouped by expert -> the experts' outputs [N, H]: here, or all-to-all
+        to the experts' ranks and back (ep > 1); padded to `capacity` rows per expert first with
+        --moe-pad-expert-input-to-capacity (the padding rows' outputs are discarded)."""
+        slots = None
+        if self.config.moe_pad_expert_input_to_capacity:
+            permuted, slots = pad_to_capacity(permuted, tokens_per_expert, capacity)  # [E*C, H]
+            tokens_per_expert = torch.full_like(tokens_per_expert, capacity)
+        if self.ep_group is not None:
+            out = dispatch_experts_combine(permuted, tokens_per_expert, self.experts, self.ep_group)
+        else:
+            out = self.experts(permuted, tokens_per_expert)
+        return out if slots is None else out[slots]               # [E*C, H] -> [N, H]
+
     def forward(self, x: torch.Tensor):
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)                              # [b, s, H] -> [T, H]
         probs, indices, logits = self.router(tokens)
         aux = self.router_losses(logits, indices, b)
-        keep = None
-        if self.config.moe_expert_capacity_factor is not None:
+        keep = capacity = None
+        if self.config.moe_expert_capacity_factor is not None:   # of this rank's b*s tokens
             capacity = expert_capacity(b * s, self.config.moe_router_topk, self.config.num_experts,
                                        self.config.moe_expert_capacity_factor)
             keep = capacity_keep_mask(probs, indices, self.config.num_experts, capacity)
         permuted, tokens_per_expert, order = permute(tokens, indices, self.config.num_experts, keep)
-        if self.ep_group is not None:   # all-to-all to the experts' ranks and back
-            expert_out = dispatch_experts_combine(permuted, tokens_per_expert, self.experts,
-                                                  self.ep_group)
-        else:
-            expert_out = self.experts(permuted, tokens_per_expert)
+        expert_out = self.run_experts(permuted, tokens_per_expert, capacity)
         y = unpermute(expert_out, probs, order, b * s)            # [T, H]
         if self.shared_expert is not None:
             y = y + self.shared_expert(tokens)

@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     moe.add_argument("--moe-expert-capacity-factor", type=float, help="each expert takes at most "
                    "this x its even share of the tokens, the others are dropped (default: none "
                    "dropped)")
+    _bool_flag(moe, "--moe-pad-expert-input-to-capacity", "with --moe-expert-capacity-factor: every expert's input padded to its capacity (static shapes)")
 
     t = p.add_argument_group("training")
     t.add_argument("--micro-batch-size", type=int, default=1)

@@ -56,7 +56,8 @@ HONOURED = (
     "--moe-shared-expert-intermediate-size", "--moe-router-pre-softmax",
     "--moe-router-score-function", "--moe-router-topk-scaling-factor", "--moe-aux-loss-coeff",
     "--moe-z-loss-coeff", "--moe-router-load-balancing-type", "--moe-expert-capacity-factor",
-    "--moe-router-dtype", "--moe-token-dispatcher-type", "--expert-model-parallel-size",
+    "--moe-pad-expert-input-to-capacity", "--moe-router-dtype", "--moe-token-dispatcher-type",
+    "--expert-model-parallel-size",
     "--expert-tensor-parallel-size",
 )
 
@@ -117,8 +118,11 @@ HONOURED_NOTES = {
     "--moe-aux-loss-coeff": "averaged over micro-batches and dp replicas as Megatron; the "
                             "load balancing loss in the log line",
     "--moe-z-loss-coeff": "the z loss in the log line",
-    "--moe-expert-capacity-factor": "tokens over capacity dropped; not with --moe-token-"
+    "--moe-expert-capacity-factor": "tokens over capacity dropped (capacity of each rank's "
+                                    "tokens, before dispatch); not with --moe-token-"
                                     "dispatcher-type allgather (as Megatron)",
+    "--moe-pad-expert-input-to-capacity": "every expert's input padded to its capacity with "
+                                          "zero rows (needs --moe-expert-capacity-factor)",
     "--moe-router-dtype": "fp32 (the router always runs in fp32); others refused",
     "--moe-token-dispatcher-type": "alltoall, allgather: tokens are permuted locally, then (with "
                                    "--expert-model-parallel-size > 1) all-to-all to their "
@@ -158,12 +162,7 @@ NOOP = {
 }
 
 # Refused: flag -> (number of values, one sentence: why and what to use).
-REFUSED = {
-    "--moe-pad-expert-input-to-capacity": (0, "padding every expert's input to its capacity is "
-                                              "not implemented; drop the flag (with "
-                                              "--moe-expert-capacity-factor the tokens over "
-                                              "capacity are dropped, no padding)."),
-}
+REFUSED: dict = {}
 
 # Megatron's --attention-backend values onto ours (te, sdpa stay accepted as aliases). The rule
 # for a missing package: Megatron's names (fused, flash, and --use-flash-attn) fall back to SDPA

@@ -94,7 +94,8 @@ def test_moe_layer_freq_refuses_anything_else(value, tmp_path, monkeypatch):
     (["--expert-model-parallel-size", "0"], "--expert-model-parallel-size must be a positive"),
     (["--expert-tensor-parallel-size", "2"], "expert tensor parallelism is not implemented yet"),
     (["--moe-router-dtype", "fp64"], "the router always runs in fp32"),
-    (["--moe-pad-expert-input-to-capacity"], "not implemented"),
+    (["--moe-pad-expert-input-to-capacity"], "--moe-pad-expert-input-to-capacity needs "
+                                               "--moe-expert-capacity-factor"),
     (["--moe-token-dispatcher-type", "allgather", "--moe-expert-capacity-factor", "1.0"],
      "--moe-expert-capacity-factor needs --moe-token-dispatcher-type alltoall"),
     (["--moe-token-dispatcher-type", "flex"], "is not one of alltoall, allgather"),

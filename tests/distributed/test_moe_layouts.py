@@ -15,7 +15,8 @@ expert, MoE every other layer), sp 2 x dp 2 (seq_aux_loss), pp 2 x sp 2 with 4 m
 with packed documents (a shared expert, every other layer), ep 4 over sp 2 x cp 2 packed (ring ranks
 hold different experts), ep 2 x pp 2 x sp 2, and the router losses' statistics all-reduce and the
 dispatcher's row all-to-alls counted exactly (the ep / edp groups checked against the mesh's rank
-arithmetic on the way).
+arithmetic on the way). Capacity dropping under ep (ep 2, and ep 4 padded to capacity) against ep 1
+in the same layout: dropping is per rank's tokens, as Megatron's (see _capacity_under_ep).
 """
 import pytest
 import torch
@@ -85,6 +86,36 @@ def _dispatch_bytes():
     return calls, nbytes, expected
 
 
+def _capacity_under_ep():
+    """Capacity dropping (factor 0.5: tokens are dropped) is that of each rank's own tokens, before
+    any dispatch, so at dp 2 x sp 2 the runs with ep 2 and with ep 4 plus padding to capacity
+    train exactly as ep 1 (the same layout: the one-rank model would drop among all tokens).
+    Returns the comparisons and the assignments kept / routed in the last forward of ep 1."""
+    from megatron_sp.mesh import ParallelMesh
+    from megatron_sp.models import preset
+    from layout_utils import compare, global_batches, train_layout
+    cfg = preset("llama-tiny", **{**MOE, "moe_router_load_balancing_type": "seq_aux_loss",
+                                  "moe_expert_capacity_factor": 0.5})
+    padded = preset("llama-tiny", **{**MOE, "moe_router_load_balancing_type": "seq_aux_loss",
+                                     "moe_expert_capacity_factor": 0.5,
+                                     "moe_pad_expert_input_to_capacity": True})
+    batches = global_batches(cfg.vocab_size, 32, 4, 3, seed=17)
+    mesh = ParallelMesh.from_sizes(sp=2)
+    ep1 = train_layout(mesh, cfg, batches, 2)
+    results = [("capacity ep2 vs ep1",) + compare(ep1, train_layout(
+                   mesh, cfg, batches, 2, model_kwargs={"expert_parallel_size": 2}), "ep2")]
+    results.append(("capacity ep4 padded vs ep1",) + compare(ep1, train_layout(
+        mesh, padded, batches, 2, model_kwargs={"expert_parallel_size": 4}), "ep4 padded"))
+    from megatron_sp.models import GPTModel
+    from megatron_sp.models.init import init_parameters
+    model = GPTModel(cfg, mesh)
+    init_parameters(model, seed=3)
+    ids = batches[0]["tokens"][:2, mesh.sp_rank * 16:(mesh.sp_rank + 1) * 16]
+    model(input_ids=ids, labels=ids)
+    kept = sum(int(m.last_aux["tokens_per_expert"].sum()) for m in model.moe_layers())
+    return results, kept, 2 * 2 * 16 * 2            # 2 layers x tokens (2 x 16) x topk
+
+
 def _checks(rank, world):
     torch.set_num_threads(1)
     seq_aux = {"moe_router_load_balancing_type": "seq_aux_loss"}
@@ -113,7 +144,7 @@ def _checks(rank, world):
               micro_batch=1, pipeline={}, model_kwargs={"expert_parallel_size": 2}),
     ]
     return {"model": check_layouts(rank, world, cases), "stats": _statistics_bytes(),
-            "dispatch": _dispatch_bytes()}
+            "dispatch": _dispatch_bytes(), "capacity": _capacity_under_ep()}
 
 
 @pytest.mark.timeout(400)
@@ -124,5 +155,7 @@ def test_moe_layouts_match_one_rank():
         assert calls == 4 and nbytes == expected, r["stats"]
         calls, nbytes, expected = r["dispatch"]
         assert calls == 2 * 2 * 2 and nbytes == expected > 0, r["dispatch"]   # 2 layers x 2 x fwd+bwd
-    for name, loss, grad in results[0]["model"]:
+    capacity, kept, routed = results[0]["capacity"]
+    assert 0 < kept < routed, (kept, routed)          # tokens were dropped
+    for name, loss, grad in results[0]["model"] + capacity:
         print(f"{name}: loss rel {loss:.1e}, grad {grad:.1e}")

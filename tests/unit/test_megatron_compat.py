@@ -85,7 +85,7 @@ def test_mapped_and_noop_flags_are_said_once():
 
 @pytest.mark.parametrize("argv,words", [
     (["--expert-model-parallel-size", "2", "--use-distributed-optimizer"], "is not implemented yet"),
-    (["--moe-pad-expert-input-to-capacity"], "not implemented"),
+    (["--moe-pad-expert-input-to-capacity"], "needs --moe-expert-capacity-factor"),
     (["--ckpt-format", "torch"], "torch_dist"),
     (["--lr-decay-samples", "100", "--train-iters", "10"], "--train-samples"),
     (["--global-batch-size", "8", "--rampup-batch-size", "3", "2", "10"], "multiple of INCR"),

@@ -83,8 +83,6 @@ def test_expert_parallel_parameters_are_rows_of_the_full_tensor():
     ({}, 2, "does not divide the 1 ranks of a pipeline stage"),
     ({"num_experts": 6, "moe_router_topk": 2}, 4, "--num-experts 6 is not divisible by "
                                                    "--expert-model-parallel-size 4"),
-    ({"moe_expert_capacity_factor": 1.0}, 2, "--moe-expert-capacity-factor with "
-                                             "--expert-model-parallel-size 2 is not implemented"),
     ({"num_experts": None}, 2, "needs a mixture-of-experts model"),
 ])
 def test_refusals_are_one_sentence(overrides, ep, words):

@@ -216,6 +216,37 @@ def test_capacity_drops_lowest_probability_assignments(seed):
     torch.testing.assert_close(y[0], expected, rtol=OUT_TOL, atol=OUT_TOL)
 
 
+@pytest.mark.parametrize("grouped", [False, None])
+def test_padding_to_capacity_changes_shapes_not_values(seed, grouped):
+    """--moe-pad-expert-input-to-capacity: every expert runs on exactly `capacity` rows (its kept
+    ones, then zero rows), and the output and every gradient equal the unpadded layer's (1e-6)."""
+    gen = torch.Generator().manual_seed(seed)
+    T, cf = 24, 0.75
+    kwargs = dict(num_experts=E, moe_ffn_hidden_size=F, moe_router_topk=K,
+                  moe_expert_capacity_factor=cf)
+    plain = MoELayer(MoEConfig(**kwargs), H, use_grouped_mm=grouped)
+    padded = MoELayer(MoEConfig(**kwargs, moe_pad_expert_input_to_capacity=True), H,
+                      use_grouped_mm=grouped)
+    padded.load_state_dict(plain.state_dict())
+    seen = []
+    real_forward = padded.experts.forward
+    padded.experts.forward = lambda rows, counts: (seen.append((rows.shape[0], counts.tolist())),
+                                                   real_forward(rows, counts))[1]
+    x = torch.randn(2, T // 2, H, generator=gen)
+    x0, x1 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y0, _ = plain(x0)
+    y1, _ = padded(x1)
+    capacity = expert_capacity(T, K, E, cf)
+    assert seen == [(E * capacity, [capacity] * E)]
+    torch.testing.assert_close(y1, y0, rtol=1e-6, atol=1e-6)
+    g = torch.randn(y0.shape, generator=gen)
+    (y0 * g).sum().backward()
+    (y1 * g).sum().backward()
+    torch.testing.assert_close(x1.grad, x0.grad, rtol=1e-6, atol=1e-6)
+    for (name, p0), p1 in zip(plain.named_parameters(), padded.parameters()):
+        torch.testing.assert_close(p1.grad, p0.grad, rtol=1e-6, atol=1e-6, msg=name)
+
+
 def test_sigmoid_and_scaling_routing(seed):
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(10, E, generator=gen)
@@ -234,6 +265,7 @@ BAD_CONFIGS = [
     (dict(moe_expert_capacity_factor=-1.0), "moe_expert_capacity_factor"),
     (dict(moe_router_load_balancing_type="sinkhorn"), "moe_router_load_balancing_type"),
     (dict(num_experts=0), "num_experts"),
+    (dict(moe_pad_expert_input_to_capacity=True), "needs moe_expert_capacity_factor"),
 ]
 
 
