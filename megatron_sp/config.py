@@ -390,6 +390,9 @@ class ModelFlags:
     moe_shared_expert_intermediate_size: int | None = None
     """--moe-shared-expert-intermediate-size: hidden size of the shared expert every token also
     goes through (None: no shared expert)."""
+    moe_shared_expert_gate: bool = False
+    """--moe-shared-expert-gate: the shared expert's output times sigmoid(x . g) per token
+    (Qwen2-MoE's shared_expert_gate; Megatron-core's moe_shared_expert_gate)."""
     moe_router_pre_softmax: bool = False
     """--moe-router-pre-softmax: softmax over all experts before the top-k (default: top-k of the
     logits, then softmax over the k)."""
@@ -430,7 +433,8 @@ class ModelFlags:
                  "moe_shared_expert_intermediate_size", "moe_router_pre_softmax",
                  "moe_router_score_function", "moe_router_topk_scaling_factor",
                  "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type",
-                 "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity")
+                 "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
+                 "moe_shared_expert_gate")
 
     def moe_flags_given(self) -> list[str]:
         """The --moe-* flags of the model that were given (their command-line names)."""
@@ -468,6 +472,9 @@ class ModelFlags:
             raise ConfigError(f"--moe-token-dispatcher-type {dispatcher} is not one of alltoall, "
                               f"allgather (one rank holds every expert and permutes its tokens "
                               f"locally either way); pass one of them or leave the flag out.")
+        if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
+            raise ConfigError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size: "
+                              "there is no shared expert to gate without it.")
         if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
             raise ConfigError("--moe-pad-expert-input-to-capacity needs "
                               "--moe-expert-capacity-factor, as in Megatron-LM: there is no "

@@ -58,6 +58,7 @@ class GPTConfig:
     moe_layer_freq: int | list = 1           # --moe-layer-freq: layer i is MoE if i % k == 0, or
                                              # a list of 0/1 per layer
     moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False     # sigmoid gate on the shared expert (Qwen2-MoE)
     moe_router_pre_softmax: bool = False     # softmax over all experts, then top-k
     moe_router_score_function: str = "softmax"   # softmax | sigmoid
     moe_router_topk_scaling_factor: float | None = None
@@ -141,6 +142,7 @@ class GPTConfig:
             num_experts=self.num_experts, moe_ffn_hidden_size=self.moe_ffn_hidden_size,
             moe_router_topk=self.moe_router_topk,
             moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
+            moe_shared_expert_gate=self.moe_shared_expert_gate,
             moe_router_pre_softmax=self.moe_router_pre_softmax,
             moe_router_score_function=self.moe_router_score_function,
             moe_router_topk_scaling_factor=self.moe_router_topk_scaling_factor,
@@ -213,6 +215,7 @@ class GPTConfig:
         if self.num_experts is not None:      # MoE layers: router + experts (+ shared) for the MLP
             experts = self.num_experts * 3 * H * self.moe_ffn_hidden_size + self.num_experts * H
             experts += 3 * H * (self.moe_shared_expert_intermediate_size or 0)
+            experts += H if self.moe_shared_expert_gate else 0
             moe_layers = sum(self.is_moe_layer(i) for i in range(L))
             total += moe_layers * (experts - mlp)
         return total
@@ -299,6 +302,15 @@ PRESETS.update({
     # says it as moe_router_pre_softmax + moe_norm_topk_prob instead).
     "qwen3-30b-a3b": dict(_qwen(48, 2048, 32, 4, 6144, tied=False), num_experts=128,
                           moe_ffn_hidden_size=768, moe_router_topk=8, moe_layer_freq=1),
+    # Qwen1.5-MoE-A2.7B (qwen2_moe): 60 experts of 1408, top-4 of a softmax over all 60 without
+    # renormalising (norm_topk_prob false: --moe-router-pre-softmax), and a shared expert of 5632
+    # behind a per-token sigmoid gate in every layer; q/k/v bias, no qk-norm.
+    "qwen1.5-moe-a2.7b": dict(_qwen(24, 2048, 16, 16, 5632, tied=False, qk_norm=False,
+                                    qkv_bias=True, max_pos=8192, head_dim=None),
+                              num_experts=60, moe_ffn_hidden_size=1408, moe_router_topk=4,
+                              moe_layer_freq=1, moe_router_pre_softmax=True,
+                              moe_shared_expert_intermediate_size=5632,
+                              moe_shared_expert_gate=True),
     # Mixtral-8x7B v0.1: 8 experts of intermediate_size 14336 in every layer, top-2, no window.
     "mixtral-8x7b": dict(_llama(32, 4096, 32, 8, 14336, vocab=32000, theta=1000000.0,
                                 max_pos=32768), num_experts=8, moe_ffn_hidden_size=14336,

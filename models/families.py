@@ -1,5 +1,6 @@
 """The Hugging Face families we convert both ways: gpt2, llama (plain, Llama-3.1 RoPE scaling, YaRN),
-mistral, qwen2 (Qwen2/2.5), qwen3, and the mixture-of-experts qwen3_moe (Qwen3-MoE) and mixtral.
+mistral, qwen2 (Qwen2/2.5), qwen3, and the mixture-of-experts qwen3_moe (Qwen3-MoE), qwen2_moe
+(Qwen1.5-MoE / Qwen2-MoE: a sigmoid-gated shared expert) and mixtral.
 
 One mapping between a HF `config.json` + state dict and a GPTConfig + {our name: full tensor}
 (vocabulary unpadded), used by tools/checkpoint/convert.py and by `megatron_sp.load_pretrained` on a
@@ -42,13 +43,13 @@ from .config import GPTConfig
 from .rope import yarn_mscale
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
-MOE_FAMILIES = ("qwen3_moe", "mixtral")      # llama-like attention, experts in the MLPs
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")   # llama-like attention, experts in the MLPs
 FAMILIES = ("gpt2",) + LLAMA_LIKE + MOE_FAMILIES
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "mixtral": "MixtralForCausalLM"}
-MOE_TYPES = ("qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3", "dbrx", "jamba", "granitemoe",
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+MOE_TYPES = ("olmoe", "deepseek_v2", "deepseek_v3", "dbrx", "jamba", "granitemoe",
              "phimoe")                       # refused: mixture-of-experts families we do not convert
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
@@ -127,11 +128,6 @@ def _refuse_unsupported(hf_config: dict, state) -> None:
     if kind in MOE_FAMILIES:
         _refuse_unsupported_moe(hf_config, state)
         return
-    if kind == "qwen2_moe" or any(".shared_expert_gate." in k for k in state):
-        raise ConversionError(f"model_type={kind!r} is a mixture-of-experts model with a "
-                              f"sigmoid-gated shared expert (shared_expert_gate), which megatron_sp "
-                              f"does not implement; of the MoE families only "
-                              f"{' and '.join(MOE_FAMILIES)} convert.")
     if kind in MOE_TYPES or any((hf_config.get(k) or 0) > 0 for k in MOE_KEYS):
         raise ConversionError(f"model_type={kind!r} is a mixture-of-experts model megatron_sp does "
                               f"not convert (of the MoE families only {' and '.join(MOE_FAMILIES)}).")
@@ -140,6 +136,9 @@ def _refuse_unsupported(hf_config: dict, state) -> None:
 MOE_REQUIRED = {  # the config.json keys a conversion reads (the experts' count: either name)
     "qwen3_moe": ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                   "moe_intermediate_size", "num_experts_per_tok", "vocab_size"),
+    "qwen2_moe": ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                  "moe_intermediate_size", "num_experts_per_tok", "vocab_size",
+                  "shared_expert_intermediate_size"),
     "mixtral": ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                 "num_experts_per_tok", "vocab_size")}
 
@@ -152,13 +151,13 @@ def _num_experts(hf_config: dict):
 
 
 def _refuse_unsupported_moe(hf_config: dict, state) -> None:
-    """What a qwen3_moe / mixtral config.json holds that megatron_sp's MoE layer cannot be (one
+    """What a qwen3_moe / qwen2_moe / mixtral config.json holds that megatron_sp's MoE layer cannot be (one
     sentence each). Not mapped, on purpose: router_aux_loss_coef and output_router_logits are
     training flags of transformers (pass --moe-aux-loss-coeff to train with a load-balancing loss)."""
     kind = hf_config["model_type"]
     missing = [k for k in MOE_REQUIRED[kind] if k not in hf_config]
     if _num_experts(hf_config) is None:
-        missing.insert(0, "num_experts" if kind == "qwen3_moe" else "num_local_experts")
+        missing.insert(0, "num_local_experts" if kind == "mixtral" else "num_experts")
     if missing:
         raise ConversionError(f"the {kind} (mixture-of-experts) config.json has no "
                               f"{', '.join(missing)}.")
@@ -170,6 +169,12 @@ def _refuse_unsupported_moe(hf_config: dict, state) -> None:
         raise ConversionError(f"mixtral router_jitter_noise={hf_config['router_jitter_noise']} "
                               f"(multiplicative noise on the router's input in training) is not "
                               f"implemented by megatron_sp's router; set it to 0 to convert.")
+    if kind == "qwen2_moe":
+        shared = hf_config["shared_expert_intermediate_size"]
+        if not (isinstance(shared, int) and shared >= 1):
+            raise ConversionError(f"qwen2_moe with shared_expert_intermediate_size={shared!r} has "
+                                  f"no shared expert megatron_sp can build (a positive integer).")
+        return
     for key in ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
                 "n_shared_experts"):
         if hf_config.get(key):
@@ -259,7 +264,8 @@ def _rope_fields(hf_config: dict) -> dict:
 def _sliding_window(hf_config: dict) -> int | None:
     """The attention window when some layer uses one (the model then refuses longer sequences)."""
     kind = hf_config.get("model_type")
-    if kind in ("qwen2", "qwen3", "qwen3_moe") and not hf_config.get("use_sliding_window", False):
+    if kind in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") \
+            and not hf_config.get("use_sliding_window", False):
         return None
     layer_types = hf_config.get("layer_types")
     if layer_types and all(t == "full_attention" for t in layer_types):
@@ -268,7 +274,8 @@ def _sliding_window(hf_config: dict) -> int | None:
 
 
 def _moe_fields(hf_config: dict) -> dict:
-    """GPTConfig MoE fields of a qwen3_moe / mixtral config.json (empty for the dense families)."""
+    """GPTConfig MoE fields of a qwen3_moe / qwen2_moe / mixtral config.json (empty for the dense
+    families)."""
     kind, L = hf_config["model_type"], hf_config["num_hidden_layers"]
     if kind not in MOE_FAMILIES:
         return {}
@@ -281,7 +288,11 @@ def _moe_fields(hf_config: dict) -> dict:
     # transformers' Qwen3MoeDecoderLayer: layer i is sparse iff i is not in mlp_only_layers and
     # (i + 1) % decoder_sparse_step == 0 (num_experts > 0 is checked above)
     freq = [int(i not in dense and (i + 1) % step == 0) for i in range(L)]
-    return dict(num_experts=n, moe_router_topk=k, moe_layer_freq=freq,
+    shared = {}
+    if kind == "qwen2_moe":   # Qwen2MoeSparseMoeBlock: + sigmoid(x . g) * shared_expert(x)
+        shared = dict(moe_shared_expert_intermediate_size=hf_config["shared_expert_intermediate_size"],
+                      moe_shared_expert_gate=True)
+    return dict(num_experts=n, moe_router_topk=k, moe_layer_freq=freq, **shared,
                 moe_ffn_hidden_size=hf_config["moe_intermediate_size"],
                 # norm_topk_prob: softmax over all, top-k, renormalised = our default routing
                 # (softmax over the top-k logits), which --moe-router-pre-softmax's absence says;
@@ -315,6 +326,16 @@ def _experts_to_ours(state, kind: str, i: int, num_experts: int) -> dict:
     return out
 
 
+def _shared_expert_to_ours(state, i: int) -> dict:
+    """Qwen2-MoE's shared expert (gate_proj, up_proj, down_proj) and its gate [1, H], in our names."""
+    p, o = f"model.layers.{i}.mlp.", f"layers.{i}.mlp.shared_expert."
+    g = lambda key: _get(state, key).float()
+    return {o + "fc1.weight": torch.cat([g(p + "shared_expert.gate_proj.weight"),
+                                         g(p + "shared_expert.up_proj.weight")], dim=0),  # [2Fs, H]
+            o + "fc2.weight": g(p + "shared_expert.down_proj.weight"),                    # [H, Fs]
+            o + "gate.weight": g(p + "shared_expert_gate.weight")}                        # [1, H]
+
+
 def _llama_like_to_ours(hf_config, state):
     kind = hf_config["model_type"]
     if hf_config.get("hidden_act", "silu") != "silu":
@@ -327,7 +348,8 @@ def _llama_like_to_ours(hf_config, state):
     gq = hf_config.get("num_key_value_heads") or h
     d = hf_config.get("head_dim") or H // h
     tied = bool(hf_config.get("tie_word_embeddings", False))
-    qkv_bias, qk_norm = kind == "qwen2", kind in ("qwen3", "qwen3_moe")
+    qkv_bias = kind == "qwen2" or (kind == "qwen2_moe" and hf_config.get("qkv_bias", True))
+    qk_norm = kind in ("qwen3", "qwen3_moe")
     config = GPTConfig(
         num_layers=L, hidden_size=H, num_attention_heads=h, num_query_groups=gq, kv_channels=d,
         ffn_hidden_size=hf_config["intermediate_size"], vocab_size=hf_config["vocab_size"],
@@ -357,6 +379,8 @@ def _llama_like_to_ours(hf_config, state):
         out[o + "post_attention_norm.weight"] = g(p + "post_attention_layernorm.weight")
         if config.is_moe_layer(i):
             out.update(_experts_to_ours(state, kind, i, config.num_experts))
+            if config.moe_shared_expert_intermediate_size:
+                out.update(_shared_expert_to_ours(state, i))
             continue
         out[o + "mlp.fc1.weight"] = torch.cat([g(p + "mlp.gate_proj.weight"),
                                                g(p + "mlp.up_proj.weight")], dim=0)
@@ -371,8 +395,8 @@ def _llama_like_to_ours(hf_config, state):
 
 def infer_family(config: GPTConfig) -> str:
     """The HF family a GPTConfig exports to: gpt2, qwen3 (qk-norm), qwen2 (q/k/v bias only),
-    mistral (a sliding window) or llama; with experts (num_experts) qwen3_moe (qk-norm) or
-    mixtral."""
+    mistral (a sliding window) or llama; with experts (num_experts) qwen3_moe (qk-norm),
+    qwen2_moe (a gated shared expert) or mixtral."""
     c = config
     if (c.normalization == "LayerNorm" and c.activation in ("gelu_tanh", "gelu")
             and c.position_embedding_type == "learned_absolute"):
@@ -383,6 +407,8 @@ def infer_family(config: GPTConfig) -> str:
             f"{c.activation}, position_embedding_type={c.position_embedding_type} (GPT-2: "
             f"LayerNorm, gelu_tanh, learned_absolute; Llama/Mistral/Qwen: RMSNorm, swiglu, rope).")
     if c.num_experts is not None:
+        if c.moe_shared_expert_gate:
+            return "qwen2_moe"
         return "qwen3_moe" if c.qk_layernorm else "mixtral"
     if c.qk_layernorm:
         return "qwen3"
@@ -395,6 +421,7 @@ def _check_family(c: GPTConfig, family: str) -> None:
     """Refuse an export the family cannot represent, with the reason."""
     needs = {"llama": (False, False), "mistral": (False, False), "qwen2": (True, False),
              "qwen3": (False, True), "qwen3_moe": (False, True),
+             "qwen2_moe": (bool(c.add_qkv_bias), False),   # transformers' qkv_bias either way
              "mixtral": (False, False)}   # (q/k/v bias, qk-norm)
     bias, norm = needs[family]
     if c.add_bias_linear or bool(c.add_qkv_bias) != bias or bool(c.qk_layernorm) != norm:
@@ -415,14 +442,19 @@ def _check_family(c: GPTConfig, family: str) -> None:
 
 
 def _check_moe_family(c: GPTConfig, family: str) -> None:
-    """Refuse a qwen3_moe / mixtral export whose experts or routing the family cannot hold. Not
+    """Refuse a qwen3_moe / qwen2_moe / mixtral export whose experts or routing the family cannot hold. Not
     checked, on purpose: the load-balancing / z-loss coefficients and the capacity factor are
     training choices (transformers' models route every token, as ours does without a capacity)."""
     if c.num_experts is None:
         raise ConversionError(f"{family} is a mixture-of-experts family but this model has no "
                               f"experts (num_experts None): export it as "
                               f"{'qwen3' if family == 'qwen3_moe' else 'mistral or llama'}.")
-    if c.moe_shared_expert_intermediate_size:
+    if family == "qwen2_moe":
+        if not c.moe_shared_expert_gate:
+            raise ConversionError("qwen2_moe has a sigmoid-gated shared expert; this model has "
+                                  "none (moe_shared_expert_gate False): export it as qwen3_moe "
+                                  "or mixtral.")
+    elif c.moe_shared_expert_intermediate_size:
         raise ConversionError(f"{family} has no shared expert; this model has "
                               f"moe_shared_expert_intermediate_size="
                               f"{c.moe_shared_expert_intermediate_size}.")
@@ -478,7 +510,7 @@ def megatron_sp_to_hf(config: GPTConfig, full: dict[str, torch.Tensor], family: 
 
     token_ids: {"bos_token_id": ..., "eos_token_id": ..., "pad_token_id": ...} from the tokenizer,
     written into the config when given.
-    fused_experts (qwen3_moe, mixtral): the experts as transformers 5's in-memory parameters
+    fused_experts (qwen3_moe, qwen2_moe, mixtral): the experts as transformers 5's in-memory parameters
     (mlp.experts.gate_up_proj / down_proj, for `load_state_dict`) instead of the per-expert tensors
     of the Hub checkpoints and of transformers' save_pretrained (what a model folder holds).
     """
@@ -558,6 +590,8 @@ def _ours_to_llama_like(c: GPTConfig, full, family: str, fused_experts: bool = F
         s[p + "post_attention_layernorm.weight"] = full[o + "post_attention_norm.weight"]
         if c.is_moe_layer(i):
             s.update(_experts_to_hf(c, full, family, i, fused_experts))
+            if family == "qwen2_moe":
+                s.update(_shared_expert_to_hf(full, i))
             continue
         gate, up = full[o + "mlp.fc1.weight"].chunk(2, dim=0)
         s[p + "mlp.gate_proj.weight"], s[p + "mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
@@ -588,8 +622,18 @@ def _experts_to_hf(c: GPTConfig, full, family: str, i: int, fused: bool) -> dict
     return s
 
 
+def _shared_expert_to_hf(full, i: int) -> dict:
+    """Layer i's gated shared expert in Qwen2-MoE's names."""
+    o, p = f"layers.{i}.mlp.shared_expert.", f"model.layers.{i}.mlp."
+    gate, up = full[o + "fc1.weight"].chunk(2, dim=0)                      # [Fs, H] each
+    return {p + "shared_expert.gate_proj.weight": gate.contiguous(),
+            p + "shared_expert.up_proj.weight": up.contiguous(),
+            p + "shared_expert.down_proj.weight": full[o + "fc2.weight"],
+            p + "shared_expert_gate.weight": full[o + "gate.weight"]}
+
+
 def llama_like_config(c: GPTConfig, family: str) -> dict:
-    """config.json of a llama / mistral / qwen2 / qwen3 / qwen3_moe / mixtral export."""
+    """config.json of a llama / mistral / qwen2 / qwen3 / qwen3_moe / qwen2_moe / mixtral export."""
     H, L, h, g, d, F = (c.hidden_size, c.num_layers, c.num_attention_heads, c.num_query_groups,
                         c.kv_channels, c.ffn_hidden_size)
     rope = _rope_parameters(c)
@@ -607,7 +651,10 @@ def llama_like_config(c: GPTConfig, family: str) -> dict:
         hf.update(use_sliding_window=False, sliding_window=None)
     if family in ("mistral", "mixtral"):
         hf.update(sliding_window=c.sliding_window)
-    if family == "qwen3_moe":   # router_aux_loss_coef: transformers' default (a training flag)
+    if family == "qwen2_moe":
+        hf.update(qkv_bias=bool(c.add_qkv_bias),
+                  shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size)
+    if family in ("qwen3_moe", "qwen2_moe"):   # router_aux_loss_coef: transformers' default
         hf.update(attention_bias=False, use_sliding_window=bool(c.sliding_window),
                   sliding_window=c.sliding_window, num_experts=c.num_experts,
                   num_experts_per_tok=c.moe_router_topk,
@@ -682,6 +729,8 @@ def family_flags(config: GPTConfig) -> list[str]:
             flags.append("--moe-router-pre-softmax")
         if c.moe_pad_expert_input_to_capacity:
             flags.append("--moe-pad-expert-input-to-capacity")
+        if c.moe_shared_expert_gate:
+            flags.append("--moe-shared-expert-gate")
         if c.moe_shared_expert_intermediate_size:
             flags += ["--moe-shared-expert-intermediate-size",
                       str(c.moe_shared_expert_intermediate_size)]

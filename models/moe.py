@@ -10,7 +10,7 @@ Shapes: b batch, s sequence, H hidden, T = b*s tokens, E experts, k = --moe-rout
     permute      rows grouped by expert: permuted [N, H], tokens_per_expert [E], order [N]
     experts      GroupedExperts: one SwiGLU per expert over its contiguous rows -> [N, H]
     unpermute    y[t] = sum_j probs[t, j] * expert_out[row of (t, j)] -> [T, H]
-    (+ shared)   SharedExpertMLP(tokens), Megatron's ungated form -> y [b, s, H]
+    (+ shared)   SharedExpertMLP(tokens), ungated or sigmoid-gated (Qwen2-MoE) -> y [b, s, H]
 
 The four steps are separate functions so that expert parallelism can slot an all-to-all (token
 dispatch / combine, Megatron's MoEAlltoAllTokenDispatcher) between permute and the experts and
@@ -25,8 +25,7 @@ happens before any dispatch, so it is the same whatever --expert-model-parallel-
 --moe-pad-expert-input-to-capacity every expert then gets exactly `capacity` rows (zero rows after
 its kept ones: static shapes for the experts and the dispatch); their outputs are discarded.
 
-Not done yet: tensor parallelism of experts, Qwen2-MoE's sigmoid gate on the shared expert,
-group-limited routing, expert bias (aux-loss-free).
+Not done yet: group-limited routing, expert bias (aux-loss-free).
 """
 from __future__ import annotations
 
@@ -61,6 +60,7 @@ class MoEConfig:
     moe_ffn_hidden_size: int
     moe_router_topk: int = 2
     moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
     moe_router_pre_softmax: bool = False
     moe_router_score_function: str = "softmax"
     moe_router_topk_scaling_factor: float | None = None
@@ -104,9 +104,14 @@ class MoEConfig:
                 bound = f"{'>' if strict else '>='} {low}"
                 raise ValueError(f"{name} ({flag}) must be "
                                  f"{unset + ' or ' if unset else ''}{bound}, got {value!r}.")
-        for name in ("moe_router_pre_softmax", "norm_topk_prob", "moe_pad_expert_input_to_capacity"):
+        for name in ("moe_router_pre_softmax", "norm_topk_prob", "moe_pad_expert_input_to_capacity",
+                     "moe_shared_expert_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoEConfig.{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.moe_shared_expert_gate and shared is None:
+            raise ValueError("moe_shared_expert_gate (--moe-shared-expert-gate) needs a shared "
+                             "expert (moe_shared_expert_intermediate_size, "
+                             "--moe-shared-expert-intermediate-size): there is nothing to gate.")
         if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
             raise ValueError("moe_pad_expert_input_to_capacity (--moe-pad-expert-input-to-capacity) "
                              "needs moe_expert_capacity_factor (--moe-expert-capacity-factor): "
@@ -433,17 +438,22 @@ class GroupedExperts(nn.Module):
 
 class SharedExpertMLP(nn.Module):
     """Megatron's shared expert (--moe-shared-expert-intermediate-size): a dense SwiGLU MLP every
-    token passes through, added to the routed output without a gate (Qwen2-MoE's sigmoid gate,
-    --moe-shared-expert-gate, is not done). fc1 [2*Fs, H] gate rows first, fc2 [H, Fs]."""
+    token passes through, added to the routed output. fc1 [2*Fs, H] gate rows first, fc2 [H, Fs].
+    gate (--moe-shared-expert-gate, Qwen2-MoE's shared_expert_gate): the output is scaled by
+    sigmoid(x . g) per token, g = gate.weight [1, H]; without it the sum is ungated."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, gate: bool = False):
         super().__init__()
         self.fc1 = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.fc2 = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate = nn.Linear(hidden_size, 1, bias=False) if gate else None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         gate, up = self.fc1(tokens).chunk(2, dim=-1)              # each [T, Fs]
-        return self.fc2(F.silu(gate) * up)                        # [T, H]
+        out = self.fc2(F.silu(gate) * up)                         # [T, H]
+        if self.gate is not None:
+            out = torch.sigmoid(self.gate(tokens)) * out          # [T, 1] * [T, H]
+        return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -479,7 +489,8 @@ class MoELayer(nn.Module):
             for w in (self.experts.w1, self.experts.w2):
                 w.expert_parallel, w.ep_rank, w.ep_size = True, expert_groups.ep_rank, ep
         shared = config.moe_shared_expert_intermediate_size
-        self.shared_expert = SharedExpertMLP(hidden_size, shared) if shared else None
+        self.shared_expert = (SharedExpertMLP(hidden_size, shared, config.moe_shared_expert_gate)
+                              if shared else None)
         self.context_group = None     # set by the model: the ranks sharing its sequences
 
     def router_losses(self, logits: torch.Tensor, indices: torch.Tensor, batch_size: int) -> dict:

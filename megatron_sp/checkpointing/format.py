@@ -42,7 +42,8 @@ ARCHITECTURE_FIELDS = (
     "kv_channels", "vocab_size", "normalization", "activation", "position_embedding_type",
     "add_bias_linear", "add_qkv_bias", "tie_embeddings", "qk_layernorm",
     "apply_layernorm_1p",   # 1p: the stored norm weights are gamma - 1
-    "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size")
+    "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate")
 # Fields that change the function but not the shapes (a finetune may change them on purpose,
 # e.g. a longer context's RoPE base): a difference is warned about, not refused.
 FUNCTION_FIELDS = ("rotary_base", "norm_epsilon", "use_rope_scaling", "rope_scaling_factor",

@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "or a 0/1 list per layer such as \"([1]*3+[0]*1)*3\" (Megatron's)")
     moe.add_argument("--moe-shared-expert-intermediate-size", type=int, help="hidden size of the "
                    "shared expert every token also goes through")
+    _bool_flag(moe, "--moe-shared-expert-gate", "the shared expert's output scaled by a per-token "
+               "sigmoid gate (Qwen2-MoE)")
     _bool_flag(moe, "--moe-router-pre-softmax", "softmax over all experts before the top-k")
     moe.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"],
                    help="router scores (default softmax)")

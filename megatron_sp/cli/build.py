@@ -45,7 +45,8 @@ def moe_fields(model) -> dict:
     fields = {n: getattr(model, n) for n in MOE_FIELDS if getattr(model, n) is not None}
     if isinstance(fields.get("moe_layer_freq"), tuple):
         fields["moe_layer_freq"] = list(fields["moe_layer_freq"])
-    for name in ("moe_router_pre_softmax", "moe_pad_expert_input_to_capacity"):
+    for name in ("moe_router_pre_softmax", "moe_pad_expert_input_to_capacity",
+                 "moe_shared_expert_gate"):
         if getattr(model, name):
             fields[name] = True
     return fields

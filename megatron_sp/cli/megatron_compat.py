@@ -53,7 +53,7 @@ HONOURED = (
     "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
     "--use-torch-fsdp2",
     "--num-experts", "--moe-ffn-hidden-size", "--moe-router-topk", "--moe-layer-freq",
-    "--moe-shared-expert-intermediate-size", "--moe-router-pre-softmax",
+    "--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate", "--moe-router-pre-softmax",
     "--moe-router-score-function", "--moe-router-topk-scaling-factor", "--moe-aux-loss-coeff",
     "--moe-z-loss-coeff", "--moe-router-load-balancing-type", "--moe-expert-capacity-factor",
     "--moe-pad-expert-input-to-capacity", "--moe-router-dtype", "--moe-token-dispatcher-type",
@@ -118,6 +118,8 @@ HONOURED_NOTES = {
     "--moe-aux-loss-coeff": "averaged over micro-batches and dp replicas as Megatron; the "
                             "load balancing loss in the log line",
     "--moe-z-loss-coeff": "the z loss in the log line",
+    "--moe-shared-expert-gate": "Megatron-core's moe_shared_expert_gate: the shared expert's "
+                                "output times a per-token sigmoid gate (Qwen2-MoE)",
     "--moe-expert-capacity-factor": "tokens over capacity dropped (capacity of each rank's "
                                     "tokens, before dispatch); not with --moe-token-"
                                     "dispatcher-type allgather (as Megatron)",

@@ -62,7 +62,7 @@ from megatron_sp.mesh import group_size, head_layout_problem
 from megatron_sp.ulysses.attention import UlyssesAttention, expand_kv_heads
 from megatron_sp.ulysses.comm import head_to_seq_all_to_all, seq_to_head_qkv_all_to_all
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "qwen3_moe", "qwen2_moe", "mixtral")
 INNER = ("sdpa", "flash_attention_2")
 PREFIX = "megatron_sp_ulysses_"
 _STATE = "_megatron_sp_ulysses"          # the attribute each attention module carries

@@ -7,7 +7,8 @@ three layouts,
   sp2            two sp groups of 2, each running the whole global batch,
   dp2 x sp2      sp pairs, dp over the pairs, each replica half of the global batch with a
                  different number of masked labels (the loss is the global token mean),
-and the mixtures of experts qwen3_moe (sp4) and mixtral (dp2 x sp2), each rank routing its own
+and the mixtures of experts qwen3_moe (sp4), qwen2_moe (sp2: a gated shared expert, q/k/v bias)
+and mixtral (dp2 x sp2), each rank routing its own
 tokens; three SGD steps: the loss equals the unsharded model's (HF's own loss on the same global batch)
 to LOSS_TOL relative, and the gradients averaged over the dp x sp ranks that share the
 parameters equal the unsharded gradients to GRAD_TOL (absolute, fp32).
@@ -46,6 +47,9 @@ FAMILIES = {
 MOE_FAMILIES = {
     "qwen3_moe": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_experts=4,
                       num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "qwen2_moe": dict(num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48),
     "mixtral": dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                     num_experts_per_tok=2, intermediate_size=32),
 }
@@ -382,6 +386,7 @@ def _rank_main(rank, world, seed):
     from megatron_sp.attention import backends
     backends.MASK_TOKENS = 16
     results[("qwen3_moe", "sp4")] = _train_layout(rank, groups, "qwen3_moe", "sp4", seed)
+    results[("qwen2_moe", "sp2")] = _train_layout(rank, groups, "qwen2_moe", "sp2", seed)
     results[("mixtral", "dp2 x sp2")] = _train_layout(rank, groups, "mixtral", "dp2 x sp2", seed)
     results[("qwen3", "packed sp4 blockwise")] = _packed(rank, groups, "qwen3", "sp4", seed)
     results[("mistral", "packed dp2 x sp2 blockwise")] = _packed(rank, groups, "mistral",

@@ -153,11 +153,11 @@ def test_export_writes_tokenizer_ids(tmp_path):
 
 
 def test_unsupported_families_refused_in_one_sentence():
-    # mixtral and qwen3_moe convert (tests/unit/test_moe_conversion.py); the other MoE families not
+    # mixtral, qwen3_moe and qwen2_moe convert (tests/unit/test_moe_conversion.py); the others not
     with pytest.raises(families.ConversionError, match="mixture-of-experts model megatron_sp does "
                                                        "not convert"):
         families.hf_to_megatron_sp({"model_type": "deepseek_v3", "n_routed_experts": 8}, {})
-    with pytest.raises(families.ConversionError, match="sigmoid-gated shared expert"):
+    with pytest.raises(families.ConversionError, match="config.json has no hidden_size"):
         families.hf_to_megatron_sp({"model_type": "qwen2_moe", "num_experts": 8}, {})
     with pytest.raises(families.ConversionError, match="attention sinks"):
         families.hf_to_megatron_sp({"model_type": "gpt_oss"}, {})
@@ -252,6 +252,7 @@ PUBLISHED = {   # parameters of the Hugging Face checkpoints (safetensors totals
     "qwen2.5-7b": 7_615_616_512, "llama3.1-8b": 8_030_261_248, "llama3.2-1b": 1_235_814_400,
     "mistral-7b": 7_248_023_552,
     "qwen3-30b-a3b": 30_532_122_624, "mixtral-8x7b": 46_702_792_704,     # experts (issue 37)
+    "qwen1.5-moe-a2.7b": 14_315_784_192,
 }
 
 

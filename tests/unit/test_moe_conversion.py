@@ -1,11 +1,12 @@
-"""Mixture-of-experts conversion (models/families.py): Qwen3-MoE and Mixtral, both ways, against
+"""Mixture-of-experts conversion (models/families.py): Qwen3-MoE, Qwen2-MoE and Mixtral, both ways, against
 transformers on tiny random models built here (never downloaded).
 
 HF -> ours: the same logits as transformers (fp32, LOGITS_ATOL), from the in-memory state dict
 (transformers 5's fused experts) and from a saved folder (save_pretrained's per-expert tensors).
 Ours -> HF: a fresh transformers model holding the export has the original tensors (equal) and
 logits, in both layouts. Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step) and
-norm_topk_prob true and false; Mixtral with and without a sliding window. Refusals in one sentence;
+norm_topk_prob true and false; Qwen2-MoE (q/k/v bias, a sigmoid-gated shared expert) with a dense
+layer, with and without qkv_bias; Mixtral with and without a sliding window. Refusals in one sentence;
 the MoE presets' parameter counts against the published ones."""
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ QWEN3_MOE = {   # name: (Qwen3MoeConfig kwargs, expected moe_layer_freq)
         dict(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False,
              head_dim=8), [0, 1, 0, 1]),
 }
+QWEN2_MOE = {
+    "qwen2_moe dense layer 1, qkv bias": dict(num_hidden_layers=3, decoder_sparse_step=1,
+                                               mlp_only_layers=[1], norm_topk_prob=False),
+    "qwen2_moe no qkv bias, norm_topk_prob": dict(num_hidden_layers=2, qkv_bias=False,
+                                                  norm_topk_prob=True),
+}
 MIXTRAL = {
     "mixtral": dict(num_hidden_layers=2, sliding_window=None),
     "mixtral sliding_window 16": dict(num_hidden_layers=2, sliding_window=16),
@@ -60,6 +67,14 @@ def _qwen3_moe(kwargs, seed):
         num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
         **kwargs)
     return _randomise_(transformers.Qwen3MoeForCausalLM(cfg), seed)
+
+
+def _qwen2_moe(kwargs, seed):
+    cfg = transformers.Qwen2MoeConfig(
+        **COMMON, intermediate_size=40, moe_intermediate_size=16, num_experts=6,
+        num_experts_per_tok=2, shared_expert_intermediate_size=24,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}, **kwargs)
+    return _randomise_(transformers.Qwen2MoeForCausalLM(cfg), seed)
 
 
 def _mixtral(kwargs, seed):
@@ -150,6 +165,20 @@ def test_qwen3_moe_both_ways(name, tmp_path, seed):
         (1, [1]) if freq == [1, 0, 1] else (2, []))
 
 
+@pytest.mark.parametrize("name", list(QWEN2_MOE))
+def test_qwen2_moe_both_ways(name, tmp_path, seed):
+    kwargs = QWEN2_MOE[name]
+    hf = _qwen2_moe(kwargs, seed)
+    assert hf.model.layers[0].mlp.shared_expert_gate.weight.abs().sum() > 0   # a real gate
+    config, written = _check_both_ways(hf, tmp_path, seed)
+    assert config.moe_shared_expert_gate and config.moe_shared_expert_intermediate_size == 24
+    assert config.add_qkv_bias == kwargs.get("qkv_bias", True) and not config.qk_layernorm
+    assert config.moe_layer_freq == ([1, 0, 1] if kwargs["num_hidden_layers"] == 3 else [1, 1])
+    assert written["shared_expert_intermediate_size"] == 24
+    assert written["qkv_bias"] == kwargs.get("qkv_bias", True)
+    assert written["norm_topk_prob"] == kwargs["norm_topk_prob"]
+
+
 @pytest.mark.parametrize("name", list(MIXTRAL))
 def test_mixtral_both_ways(name, tmp_path, seed):
     hf = _mixtral(MIXTRAL[name], seed)
@@ -167,14 +196,16 @@ def test_mixtral_both_ways(name, tmp_path, seed):
             ours(torch.zeros(1, 17, dtype=torch.long))
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_convert_script_both_ways(kind, tmp_path, seed):
     """tools/checkpoint/convert.py: HF folder -> megatron_sp checkpoint -> HF folder."""
     import megatron_sp
     from megatron_sp.testing import load_script
     convert = load_script("tools/checkpoint/convert.py")
-    hf = (_qwen3_moe(QWEN3_MOE["qwen3_moe decoder_sparse_step 2, no norm_topk_prob"][0], seed)
-          if kind == "qwen3_moe" else _mixtral(MIXTRAL["mixtral"], seed))
+    hf = {"qwen3_moe": lambda: _qwen3_moe(
+              QWEN3_MOE["qwen3_moe decoder_sparse_step 2, no norm_topk_prob"][0], seed),
+          "qwen2_moe": lambda: _qwen2_moe(QWEN2_MOE["qwen2_moe dense layer 1, qkv bias"], seed),
+          "mixtral": lambda: _mixtral(MIXTRAL["mixtral"], seed)}[kind]()
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
     expected = _logits(hf, tokens)
@@ -208,8 +239,9 @@ def _one_sentence(message: str) -> None:
 
 
 REFUSED_HF = [
-    (dict(model_type="qwen2_moe", num_experts=8, shared_expert_intermediate_size=64),
-     "shared_expert_gate"),
+    (dict(model_type="qwen2_moe", **COMMON, num_hidden_layers=2, intermediate_size=16,
+          moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
+          shared_expert_intermediate_size=0), "shared_expert_intermediate_size=0"),
     (dict(model_type="deepseek_v3", n_routed_experts=8), "mixture-of-experts"),
     (dict(model_type="olmoe", num_experts=8), "mixture-of-experts"),
     (dict(model_type="mixtral", **COMMON, num_hidden_layers=2, intermediate_size=16,
@@ -239,6 +271,8 @@ def test_exports_the_families_cannot_hold_are_refused(seed):
          "qwen3_moe", "no shared expert"),
         (type(config).from_dict(dict(config.to_dict(), moe_router_score_function="sigmoid")),
          "qwen3_moe", "routes with a softmax"),
+        (type(config).from_dict(dict(config.to_dict(), qk_layernorm=False)), "qwen2_moe",
+         "sigmoid-gated shared expert"),
         (preset("qwen3-8b"), "qwen3_moe", "has no experts"),
     ]
     for cfg, family, phrase in cases:
@@ -257,6 +291,12 @@ def test_moe_presets_export_their_experts():
     assert hf_config["norm_topk_prob"] is True and hf_config["mlp_only_layers"] == []
     assert (hf_config["num_experts"], hf_config["num_experts_per_tok"],
             hf_config["moe_intermediate_size"], hf_config["head_dim"]) == (128, 8, 768, 128)
+    qwen15 = preset("qwen1.5-moe-a2.7b")
+    assert families.infer_family(qwen15) == "qwen2_moe"
+    qwen15_hf = families.llama_like_config(qwen15, "qwen2_moe")
+    assert (qwen15_hf["num_experts"], qwen15_hf["num_experts_per_tok"],
+            qwen15_hf["shared_expert_intermediate_size"], qwen15_hf["norm_topk_prob"],
+            qwen15_hf["qkv_bias"]) == (60, 4, 5632, False, True)
     mixtral = families.llama_like_config(preset("mixtral-8x7b"), "mixtral")
     assert (mixtral["num_local_experts"], mixtral["num_experts_per_tok"],
             mixtral["intermediate_size"]) == (8, 2, 14336)

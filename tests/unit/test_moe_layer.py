@@ -86,6 +86,46 @@ def test_moe_layer_equals_hf_sparse_block(kind, norm, pre_softmax, use_grouped_m
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=GRAD_TOL, atol=GRAD_TOL)
 
 
+def test_gated_shared_expert_equals_hf_qwen2_moe_block(seed):
+    """--moe-shared-expert-gate: Qwen2MoeSparseMoeBlock's routed experts (softmax over all E, no
+    renormalisation) plus sigmoid(x . g) * shared_expert(x); outputs and every gradient."""
+    from transformers.models.qwen2_moe.configuration_qwen2_moe import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+    gen = torch.Generator().manual_seed(seed)
+    hf = Qwen2MoeSparseMoeBlock(Qwen2MoeConfig(hidden_size=H, moe_intermediate_size=F,
+                                               num_experts=E, num_experts_per_tok=K,
+                                               shared_expert_intermediate_size=8,
+                                               norm_topk_prob=False))
+    _fill_(hf, gen)
+    cfg = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, moe_router_topk=K,
+                    moe_router_pre_softmax=True, moe_shared_expert_intermediate_size=8,
+                    moe_shared_expert_gate=True)
+    ours = MoELayer(cfg, H)
+    shared = hf.shared_expert
+    with torch.no_grad():
+        ours.router.weight.copy_(hf.gate.weight)
+        ours.experts.w1.copy_(hf.experts.gate_up_proj)
+        ours.experts.w2.copy_(hf.experts.down_proj)
+        ours.shared_expert.fc1.weight.copy_(torch.cat([shared.gate_proj.weight,
+                                                       shared.up_proj.weight]))   # [2Fs, H]
+        ours.shared_expert.fc2.weight.copy_(shared.down_proj.weight)
+        ours.shared_expert.gate.weight.copy_(hf.shared_expert_gate.weight)       # [1, H]
+    x = torch.randn(2, 7, H, generator=gen)
+    x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_hf, (y_ours, _) = hf(x_hf), ours(x_ours)
+    torch.testing.assert_close(y_ours, y_hf, rtol=OUT_TOL, atol=OUT_TOL)
+    grad = torch.randn(y_hf.shape, generator=gen)
+    y_hf.backward(grad)
+    y_ours.backward(grad)
+    torch.testing.assert_close(x_ours.grad, x_hf.grad, rtol=GRAD_TOL, atol=GRAD_TOL)
+    gate_up = torch.cat([shared.gate_proj.weight.grad, shared.up_proj.weight.grad])
+    for mine, theirs in ((ours.shared_expert.gate.weight, hf.shared_expert_gate.weight.grad),
+                         (ours.shared_expert.fc1.weight, gate_up),
+                         (ours.shared_expert.fc2.weight, shared.down_proj.weight.grad),
+                         (ours.router.weight, hf.gate.weight.grad)):
+        torch.testing.assert_close(mine.grad, theirs, rtol=GRAD_TOL, atol=GRAD_TOL)
+
+
 def test_switch_aux_loss_equals_hf_load_balancing_loss(seed):
     """HF normalises the token fraction by T (not T*k): its value is k times Megatron's."""
     gen = torch.Generator().manual_seed(seed)
