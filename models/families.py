@@ -151,8 +151,8 @@ def _num_experts(hf_config: dict):
 
 
 def _refuse_unsupported_moe(hf_config: dict, state) -> None:
-    """What a qwen3_moe / qwen2_moe / mixtral config.json holds that megatron_sp's MoE layer cannot be (one
-    sentence each). Not mapped, on purpose: router_aux_loss_coef and output_router_logits are
+    """What a qwen3_moe / qwen2_moe / mixtral config.json holds that megatron_sp's MoE layer cannot
+    be (one sentence each). Not mapped, on purpose: router_aux_loss_coef and output_router_logits are
     training flags of transformers (pass --moe-aux-loss-coeff to train with a load-balancing loss)."""
     kind = hf_config["model_type"]
     missing = [k for k in MOE_REQUIRED[kind] if k not in hf_config]
@@ -442,8 +442,8 @@ def _check_family(c: GPTConfig, family: str) -> None:
 
 
 def _check_moe_family(c: GPTConfig, family: str) -> None:
-    """Refuse a qwen3_moe / qwen2_moe / mixtral export whose experts or routing the family cannot hold. Not
-    checked, on purpose: the load-balancing / z-loss coefficients and the capacity factor are
+    """Refuse a qwen3_moe / qwen2_moe / mixtral export whose experts or routing the family cannot
+    hold. Not checked, on purpose: the load-balancing / z-loss coefficients and the capacity factor are
     training choices (transformers' models route every token, as ours does without a capacity)."""
     if c.num_experts is None:
         raise ConversionError(f"{family} is a mixture-of-experts family but this model has no "

@@ -1,5 +1,5 @@
-"""Mixture-of-experts conversion (models/families.py): Qwen3-MoE, Qwen2-MoE and Mixtral, both ways, against
-transformers on tiny random models built here (never downloaded).
+"""Mixture-of-experts conversion (models/families.py): Qwen3-MoE, Qwen2-MoE and Mixtral, both ways,
+against transformers on tiny random models built here (never downloaded).
 
 HF -> ours: the same logits as transformers (fp32, LOGITS_ATOL), from the in-memory state dict
 (transformers 5's fused experts) and from a saved folder (save_pretrained's per-expert tensors).
