@@ -57,7 +57,8 @@ def main(argv=None):
     with reraise_as(ConfigError, ValueError, prefix="the model flags (--model and the flags that "
                                                     "override it) do not fit: "):
         config = model_config(job, job.model.checkpoint_vocab_size or tokenizer.vocab_size)
-        config.check_parallel(mesh.tp_size, mesh.sp_size, mesh.pp_size)
+        config.check_parallel(mesh.tp_size, mesh.sp_size, mesh.pp_size,
+                              sequence_parallel=job.parallel.sequence_parallel)
     check_model_fits(job, config, tokenizer, mesh)
     with progress.phase(mesh, "model built"):
         chunks = build_model(config, mesh, job, device)

@@ -179,10 +179,13 @@ class ParallelConfig:
     """--hierarchical-context-parallel-sizes: a2a+p2p's Ulysses and ring degrees (A R)."""
     expert_model_parallel_size: int = 1
     """--expert-model-parallel-size: Megatron-LM's expert-parallel degree (ep): each MoE layer's
-    experts split over ep consecutive dp x cp x sp ranks, tokens dispatched by all-to-all
-    (tp 1; not with FSDP2, the distributed optimizer, capacity dropping or checkpoints yet)."""
+    experts split over ep consecutive ranks of a stage's (dp, cp, sp, tp) order, tokens dispatched
+    by all-to-all (not with FSDP2, the distributed optimizer, capacity dropping or checkpoints
+    yet)."""
     expert_tensor_parallel_size: int | None = None
-    """--expert-tensor-parallel-size: tensor-parallel degree of the experts; 1 (or unset) only."""
+    """--expert-tensor-parallel-size: tensor-parallel degree of the experts; 1 (or unset, which
+    means 1 here, not tp as in Megatron-LM) only: the experts are whole on each rank and, under
+    tp > 1 with --sequence-parallel, take that tp rank's own tokens (parallel folding)."""
 
     def __post_init__(self):
         pp = self.pipeline_model_parallel_size
@@ -217,9 +220,10 @@ class ParallelConfig:
                               f"--expert-model-parallel-size 1.")
         size = self.expert_tensor_parallel_size
         if size is not None and size != 1:
-            raise ConfigError(f"--expert-tensor-parallel-size {size}: expert tensor parallelism "
-                              f"is not implemented yet; the experts are whole on each rank, so "
-                              f"pass 1 or leave the flag out.")
+            raise ConfigError(f"--expert-tensor-parallel-size {size}: splitting the experts "
+                              f"over tensor parallelism is not implemented yet (each rank holds "
+                              f"whole experts and routes its own tokens under tp > 1), so pass 1 "
+                              f"or leave the flag out (unset means 1 here).")
         self._resolve_context()
 
     def _resolve_context(self) -> None:

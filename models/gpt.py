@@ -49,6 +49,16 @@ def _mark_sequence_parallel(module: nn.Module) -> None:
         p.sequence_parallel = True
 
 
+def _mark_sequence_parallel_moe(mlp: nn.Module) -> None:
+    """A MoE MLP under --sequence-parallel with expert tensor parallelism 1: the router, the
+    shared expert and experts that are not expert-parallel are replicated over tp but see only
+    this tp rank's tokens, so their gradients are summed over tp like the norms'. Expert-parallel
+    experts are summed over their edp group instead, which already holds the tp ranks."""
+    for name, p in mlp.named_parameters():
+        if not getattr(p, "expert_parallel", False):
+            p.sequence_parallel = True
+
+
 class LayerNorm1P(nn.LayerNorm):
     """--apply-layernorm-1p (Megatron's zero-centred gamma): the weight w stores gamma - 1
     (initialised to 0, so weight decay pulls gamma towards 1) and the norm applies 1 + w."""
@@ -399,7 +409,10 @@ class TransformerLayer(nn.Module):
         self.post_attention_norm = make_norm(config)
         if config.is_moe_layer(layer_number):   # experts (models/moe.py); --mlp-tiles: dense only
             self.mlp = MoEMLP(config.moe_config(), config.hidden_size, expert_groups=expert_groups)
-            if mesh.sp_size * mesh.cp_size > 1:   # the router losses over whole sequences
+            if sequence_parallel:   # tp ranks hold different tokens: they count as context too
+                self.mlp.context_group = mesh.token_group()
+                _mark_sequence_parallel_moe(self.mlp)
+            elif mesh.sp_size * mesh.cp_size > 1:   # the router losses over whole sequences
                 self.mlp.context_group = mesh.context_group()
         else:
             self.mlp = MLP(config, mesh, sequence_parallel, tiles=mlp_tiles)
@@ -473,7 +486,8 @@ class GPTModel(nn.Module):
         rng_tracker: megatron_sp.tensor_parallel.RNGTracker for dropout inside tp regions.
         memory: megatron_sp.memory.MemoryOptions (recompute, tiled MLP, chunked loss, offload).
         expert_parallel_size: --expert-model-parallel-size: the MoE layers hold E/ep experts each,
-            their tokens dispatched by all-to-all over the ep group (mesh.expert_groups, tp = 1).
+            their tokens dispatched by all-to-all over the ep group (mesh.expert_groups: ep
+            consecutive ranks of the stage's (dp, cp, sp, tp) order; tp > 1 needs --sequence-parallel).
 
     host_pool (attribute, default None): a megatron_sp.memory.host_pool.HostPool that holds the
     activations offloaded under memory.offload_activations (None: torch's pinned buffers).
@@ -485,7 +499,8 @@ class GPTModel(nn.Module):
                  memory: MemoryOptions | None = None, expert_parallel_size: int = 1):
         super().__init__()
         mesh = mesh or ParallelMesh.single()
-        config.check_parallel(mesh.tp_size, mesh.sp_size, mesh.pp_size)
+        config.check_parallel(mesh.tp_size, mesh.sp_size, mesh.pp_size,
+                              sequence_parallel=sequence_parallel)
         # Expert parallelism (--expert-model-parallel-size): the groups are built once on the
         # mesh (collective: every rank asks here, whatever layers its stage holds).
         expert_groups = None

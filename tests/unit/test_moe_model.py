@@ -45,10 +45,16 @@ def test_bad_moe_fields_are_one_sentence(bad, message):
     assert "\n" not in str(err.value) and str(err.value).endswith(".")
 
 
-def test_moe_with_tensor_parallelism_is_refused():
+def test_moe_with_tensor_parallelism_needs_sequence_parallel():
     cfg = preset("llama-tiny", **MOE)
-    with pytest.raises(ValueError, match=r"num_experts=4 with tp=2: the experts are not split"):
-        cfg.check_parallel(tp=2)
+    for tp, sp in ((2, 1), (2, 2)):
+        with pytest.raises(ValueError, match=rf"num_experts=4 with tp={tp} needs "
+                                             r"--sequence-parallel") as err:
+            cfg.check_parallel(tp=tp, sp=sp)
+        message = str(err.value)
+        assert "\n" not in message and message.endswith(".") and ". " not in message, message
+    cfg.check_parallel(tp=2, sp=2, sequence_parallel=True)    # Megatron's layout: accepted
+    cfg.check_parallel(tp=1, sp=4)                              # no tp: nothing to shard
 
 
 def test_planner_refuses_moe():
