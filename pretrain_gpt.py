@@ -357,7 +357,8 @@ def build_model(config, mesh, job: JobConfig, device):
             model = GPTModel(config, mesh, attention_backend=fp8.attention_backend(job.model),
                              sequence_parallel=p.sequence_parallel, rng_tracker=tracker,
                              memory=MemoryOptions.from_config(job.memory),
-                             expert_parallel_size=p.expert_model_parallel_size, **spec)
+                             expert_parallel_size=p.expert_model_parallel_size,
+                             expert_tensor_parallel_size=p.expert_tensor_parallel_size, **spec)
         init_parameters(model, seed=seed)
         chunks.append(model.to(device))
     from megatron_sp.compile import CompileLayoutError, compile_from_config

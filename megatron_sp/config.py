@@ -183,9 +183,10 @@ class ParallelConfig:
     by all-to-all (not with FSDP2, the distributed optimizer, capacity dropping or checkpoints
     yet)."""
     expert_tensor_parallel_size: int | None = None
-    """--expert-tensor-parallel-size: tensor-parallel degree of the experts; 1 (or unset, which
-    means 1 here, not tp as in Megatron-LM) only: the experts are whole on each rank and, under
-    tp > 1 with --sequence-parallel, take that tp rank's own tokens (parallel folding)."""
+    """--expert-tensor-parallel-size: tensor-parallel degree of the experts. 1 (or unset, which
+    means 1 here, not tp as in Megatron-LM): whole experts on each rank, each tp rank (tp > 1 needs
+    --sequence-parallel) routing its own tokens (parallel folding); tp (ep 1 only): the experts
+    split over tp like the dense SwiGLU MLP, the tokens all-gathered over tp around them."""
 
     def __post_init__(self):
         pp = self.pipeline_model_parallel_size
@@ -218,12 +219,15 @@ class ParallelConfig:
             raise ConfigError(f"--expert-model-parallel-size {ep} with {mode} is not implemented "
                               f"yet: drop {mode} (replicated state) or use "
                               f"--expert-model-parallel-size 1.")
-        size = self.expert_tensor_parallel_size
-        if size is not None and size != 1:
-            raise ConfigError(f"--expert-tensor-parallel-size {size}: splitting the experts "
-                              f"over tensor parallelism is not implemented yet (each rank holds "
-                              f"whole experts and routes its own tokens under tp > 1), so pass 1 "
-                              f"or leave the flag out (unset means 1 here).")
+        size, tp = self.expert_tensor_parallel_size, self.tensor_model_parallel_size
+        if size is not None and size not in (1, tp):
+            raise ConfigError(f"--expert-tensor-parallel-size {size} must be 1 (whole experts, "
+                              f"the default here) or --tensor-model-parallel-size {tp} (experts "
+                              f"split over tp): other sizes are not implemented yet.")
+        if size is not None and size > 1 and ep > 1:
+            raise ConfigError(f"--expert-tensor-parallel-size {size} with "
+                              f"--expert-model-parallel-size {ep} is not implemented yet: use "
+                              f"--expert-tensor-parallel-size 1 (the experts folded over tp).")
         self._resolve_context()
 
     def _resolve_context(self) -> None:

@@ -193,8 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="expert-parallel ranks: each MoE layer's experts split over ep "
                           "consecutive ranks of a stage (tp ranks first), tokens by all-to-all")
     par.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                     help="tensor-parallel ranks of the experts: 1 only (unset: 1); under tp > 1 "
-                          "(with --sequence-parallel) each tp rank routes its own tokens")
+                     help="tensor-parallel ranks of the experts: 1 (unset: 1; whole experts, "
+                          "each tp rank routes its own tokens) or tp (ep 1: experts split over "
+                          "tp); tp > 1 needs --sequence-parallel")
     par.add_argument("--moe-token-dispatcher-type", default=None,
                      help="alltoall or allgather: accepted, one rank holds every expert and "
                           "permutes its tokens locally")

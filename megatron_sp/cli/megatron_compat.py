@@ -127,8 +127,9 @@ HONOURED_NOTES = {
                                     "(tp ranks first), alltoall dispatch; not yet with FSDP2, "
                                     "the distributed optimizer, capacity dropping or checkpoints",
     "--expert-tensor-parallel-size": "1 (unset: 1, not tp): whole experts, each tp rank routes "
-                                     "its own tokens (tp > 1 needs --sequence-parallel); > 1 "
-                                     "refused: not implemented yet",
+                                     "its own tokens; or tp with ep 1: experts split over tp, "
+                                     "tokens all-gathered around them (tp > 1 needs "
+                                     "--sequence-parallel); other sizes refused",
 }
 
 # Mapped: flag -> (number of values, our equivalent in words). `apply` sets our arguments.

@@ -13,6 +13,12 @@ is not linear in the sequences, so the layouts with dp > 1 use seq_aux_loss (tes
 docstring). moe_aux_loss_coeff 1 and moe_z_loss_coeff 0.1 are large on purpose: summing the
 statistics over sp x cp only (without tp) moves the router gradients by ~1e-3, so that mistake
 fails here. The groups themselves are checked against the mesh's rank arithmetic on the way.
+
+Expert tensor parallelism etp = tp (ep 1, --expert-tensor-parallel-size tp): every expert split
+like the dense SwiGLU MLP (w1 [E, 2F/tp, H], gate and up rows each split; w2 [E, H, F/tp]), the
+tokens, routing weights and indices all-gathered over tp before permute, the partial outputs
+reduce-scattered after unpermute; cases tp 2 x sp 2 (a shared expert), tp 4 (every other layer)
+and tp 2 x dp 2 (seq_aux_loss), the local shapes checked.
 """
 import pytest
 import torch
@@ -48,6 +54,22 @@ def _group_ranks():
     return out
 
 
+def _expert_shapes():
+    """Local expert shapes at tp 2 x sp 2: whole experts (etp 1) and tp-split (etp 2: w1's gate
+    and up rows each halved, tp_chunks 2; w2's ffn columns halved)."""
+    from megatron_sp.mesh import ParallelMesh
+    from megatron_sp.models import GPTModel, preset
+    mesh = ParallelMesh.from_sizes(tp=2, sp=2)
+    out = []
+    for etp in (1, 2):
+        model = GPTModel(preset("llama-tiny", **MOE), mesh, sequence_parallel=True,
+                         expert_tensor_parallel_size=etp)
+        experts = model.moe_layers()[0].experts
+        out.append([(tuple(w.shape), getattr(w, "tp_partition_dim", None),
+                     getattr(w, "tp_chunks", 1)) for w in (experts.w1, experts.w2)])
+    return out
+
+
 def _checks(rank, world):
     torch.set_num_threads(1)
     cases = [
@@ -61,8 +83,16 @@ def _checks(rank, world):
               micro_batch=4, model_kwargs={"expert_parallel_size": 2}),
         _case("moe tp2 x pp2 ep2, 4 micro-batches, seq aux loss", SEQ_AUX, tp=2, pp=2,
               micro_batch=1, pipeline={}, model_kwargs={"expert_parallel_size": 2}),
+        _case("moe tp2 x sp2 etp2, shared expert, aux + z loss",
+              {"moe_shared_expert_intermediate_size": 48}, tp=2, sp=2, micro_batch=4,
+              model_kwargs={"expert_tensor_parallel_size": 2}),
+        _case("moe tp4 etp4, every other layer", {"moe_layer_freq": 2}, tp=4, micro_batch=4,
+              model_kwargs={"expert_tensor_parallel_size": 4}),
+        _case("moe tp2 x dp2 etp2, seq aux loss", SEQ_AUX, tp=2, micro_batch=1,
+              model_kwargs={"expert_tensor_parallel_size": 2}),
     ]
-    return {"groups": _group_ranks(), "model": check_layouts(rank, world, cases)}
+    return {"groups": _group_ranks(), "shapes": _expert_shapes(),
+            "model": check_layouts(rank, world, cases)}
 
 
 @pytest.mark.timeout(400)
@@ -71,5 +101,7 @@ def test_moe_tensor_parallel_layouts_match_one_rank():
     for r in results:
         for got, expected in r["groups"]:
             assert got == expected, (got, expected)
+        assert r["shapes"] == [[((4, 64, 64), None, 1), ((4, 64, 32), None, 1)],
+                               [((4, 32, 64), 1, 2), ((4, 64, 16), 2, 1)]], r["shapes"]
     for name, loss, grad in results[0]["model"]:
         print(f"{name}: loss rel {loss:.1e}, grad {grad:.1e}")
