@@ -57,7 +57,8 @@ def main(argv=None):
     with reraise_as(ConfigError, ValueError, prefix="the model flags (--model and the flags that "
                                                     "override it) do not fit: "):
         config = model_config(job, job.model.checkpoint_vocab_size or tokenizer.vocab_size)
-        config.check_parallel(mesh.tp_size, mesh.sp_size, mesh.pp_size)
+        config.check_parallel(mesh.tp_size, mesh.sp_size, mesh.pp_size,
+                              sequence_parallel=job.parallel.sequence_parallel)
     check_model_fits(job, config, tokenizer, mesh)
     with progress.phase(mesh, "model built"):
         chunks = build_model(config, mesh, job, device)
@@ -356,7 +357,8 @@ def build_model(config, mesh, job: JobConfig, device):
             model = GPTModel(config, mesh, attention_backend=fp8.attention_backend(job.model),
                              sequence_parallel=p.sequence_parallel, rng_tracker=tracker,
                              memory=MemoryOptions.from_config(job.memory),
-                             expert_parallel_size=p.expert_model_parallel_size, **spec)
+                             expert_parallel_size=p.expert_model_parallel_size,
+                             expert_tensor_parallel_size=p.expert_tensor_parallel_size, **spec)
         init_parameters(model, seed=seed)
         chunks.append(model.to(device))
     from megatron_sp.compile import CompileLayoutError, compile_from_config

@@ -179,10 +179,14 @@ class ParallelConfig:
     """--hierarchical-context-parallel-sizes: a2a+p2p's Ulysses and ring degrees (A R)."""
     expert_model_parallel_size: int = 1
     """--expert-model-parallel-size: Megatron-LM's expert-parallel degree (ep): each MoE layer's
-    experts split over ep consecutive dp x cp x sp ranks, tokens dispatched by all-to-all
-    (tp 1; not with FSDP2, the distributed optimizer, capacity dropping or checkpoints yet)."""
+    experts split over ep consecutive ranks of a stage's (dp, cp, sp, tp) order, tokens dispatched
+    by all-to-all (not with FSDP2, the distributed optimizer, capacity dropping or checkpoints
+    yet)."""
     expert_tensor_parallel_size: int | None = None
-    """--expert-tensor-parallel-size: tensor-parallel degree of the experts; 1 (or unset) only."""
+    """--expert-tensor-parallel-size: tensor-parallel degree of the experts. 1 (or unset, which
+    means 1 here, not tp as in Megatron-LM): whole experts on each rank, each tp rank (tp > 1 needs
+    --sequence-parallel) routing its own tokens (parallel folding); tp (ep 1 only): the experts
+    split over tp like the dense SwiGLU MLP, the tokens all-gathered over tp around them."""
 
     def __post_init__(self):
         pp = self.pipeline_model_parallel_size
@@ -215,11 +219,15 @@ class ParallelConfig:
             raise ConfigError(f"--expert-model-parallel-size {ep} with {mode} is not implemented "
                               f"yet: drop {mode} (replicated state) or use "
                               f"--expert-model-parallel-size 1.")
-        size = self.expert_tensor_parallel_size
-        if size is not None and size != 1:
-            raise ConfigError(f"--expert-tensor-parallel-size {size}: expert tensor parallelism "
-                              f"is not implemented yet; the experts are whole on each rank, so "
-                              f"pass 1 or leave the flag out.")
+        size, tp = self.expert_tensor_parallel_size, self.tensor_model_parallel_size
+        if size is not None and size not in (1, tp):
+            raise ConfigError(f"--expert-tensor-parallel-size {size} must be 1 (whole experts, "
+                              f"the default here) or --tensor-model-parallel-size {tp} (experts "
+                              f"split over tp): other sizes are not implemented yet.")
+        if size is not None and size > 1 and ep > 1:
+            raise ConfigError(f"--expert-tensor-parallel-size {size} with "
+                              f"--expert-model-parallel-size {ep} is not implemented yet: use "
+                              f"--expert-tensor-parallel-size 1 (the experts folded over tp).")
         self._resolve_context()
 
     def _resolve_context(self) -> None:

@@ -4,11 +4,13 @@
   group (the loss is already normalised by the global token count, so a sum is the global mean), in
   buckets that are launched asynchronously from gradient hooks during the last backward pass, so
   the all-reduce overlaps the rest of backward.
-- Under --sequence-parallel, tp-replicated parameters (norms, row-parallel biases) saw only their
-  tp rank's tokens: their gradients are summed over tp.
+- Under --sequence-parallel, tp-replicated parameters (norms, row-parallel biases; the MoE router,
+  shared expert and, without expert parallelism, the experts) saw only their tp rank's tokens:
+  their gradients are summed over tp.
 - Expert-parallel experts (--expert-model-parallel-size: each ep rank holds different experts) are
-  summed over their expert-data-parallel group instead, in buckets of their own; the gradient norm
-  sums their squares over the ep group.
+  summed over their expert-data-parallel group instead (which holds the tp ranks too: experts fold
+  over the whole stage), in buckets of their own; the gradient norm sums their squares over the ep
+  group.
 - Tied embeddings with pipelining: the first and last stage each hold the word embeddings; their
   gradients are summed over the embedding group so both copies stay identical.
 - The global gradient norm over every rank, and the scalar reductions of loss and token counts.
@@ -99,8 +101,8 @@ class GradientSync:
         self.buckets: list[_Bucket] = []
         self._armed = False
         self.reduce_dtype = None     # torch.bfloat16 with --grad-reduce-in-bf16 (Megatron's flag)
-        if self.group is None:
-            return
+        if self.group is None and not any(is_expert_parallel(p) for p in params):
+            return      # (experts fold over tp too: at dp x sp = 1 their edp group may not be)
         limit = bucket_mb * 2**20
         # Expert-parallel experts (different experts on each ep rank) are reduced over their
         # expert-data-parallel group instead, in buckets of their own (none when edp is one rank).
@@ -109,6 +111,7 @@ class GradientSync:
             if is_expert_parallel(p):
                 key = ("edp", p.ep_size)
                 group = mesh.expert_groups(p.ep_size).edp_group
+                group = group if _active(group) else None
             else:
                 key, group = ("dp_sp",), self.group
             if group is not None:
@@ -189,12 +192,13 @@ def global_grad_norm(params, mesh, grads=None, shard_group=None) -> float:
             sharded += sq
         else:
             replicated += sq
-    sharded = sharded + _sum_over_ep(experts, mesh)
     # Replicated parameters hold the same gradient on every tp rank: count them once.
     total = torch.stack([sharded, replicated / mesh.tp_size])
     all_reduce_sum(total, shard_group, "dp_sp/all_reduce")
     all_reduce_sum(total, mesh.tp_group, "tp/all_reduce")
-    total = total.sum()
+    # The ep group already spans the tp ranks (experts folded over the stage): after the ep sum
+    # every rank of the stage holds the experts' whole square, added once, after the tp sum.
+    total = total.sum() + _sum_over_ep(experts, mesh)
     all_reduce_sum(total, mesh.pp_group, "pp/all_reduce")
     return math.sqrt(total.item())
 
@@ -228,10 +232,9 @@ def model_parallel_sum(params, per_param, mesh) -> float:
             sharded += value
         else:
             replicated += value
-    sharded = sharded + _sum_over_ep(experts, mesh)
     total = torch.stack([sharded, replicated / mesh.tp_size])
     all_reduce_sum(total, mesh.tp_group, "tp/all_reduce")
-    total = total.sum()
+    total = total.sum() + _sum_over_ep(experts, mesh)     # the ep group spans tp (as above)
     all_reduce_sum(total, mesh.pp_group, "pp/all_reduce")
     return total.item()
 

@@ -247,11 +247,29 @@ class ParallelDims:
                 groups.append(list(ranks))
         return groups
 
+    @property
+    def stage_ranks(self) -> int:
+        """Ranks of one pipeline stage: dp*cp*sp*tp (rank = f + pp_rank*N, f the stage index,
+        in (dp, cp, sp, tp) order with tp fastest)."""
+        return self.dp * self.cp * self.sp * self.tp
+
+    def check_expert_parallel(self, ep: int) -> None:
+        """Refuse (LayoutError) an expert-parallel size that is not a divisor of the stage's
+        dp*cp*sp*tp ranks."""
+        n = self.stage_ranks
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise LayoutError(f"--expert-model-parallel-size must be a positive integer, got {ep!r}.")
+        if n % ep:
+            raise LayoutError(f"--expert-model-parallel-size {ep} does not divide the {n} ranks "
+                              f"of a pipeline stage (dp*cp*sp*tp = {self.dp}*{self.cp}*{self.sp}*"
+                              f"{self.tp}); choose a divisor of {n}.")
+
     def expert_ranks(self, ep: int, rank: int) -> tuple[list[int], list[int]]:
         """(ep group, edp group) global ranks of `rank` under --expert-model-parallel-size ep
-        (tp = 1): with N = dp*cp*sp ranks per stage and rank = f + pp_rank*N, the ep group is the
-        block of ep consecutive f holding f, the edp group the stage's ranks with the same f % ep."""
-        n = self.dp * self.cp * self.sp
+        (expert tensor parallelism 1, Megatron's parallel folding): with N = dp*cp*sp*tp ranks per
+        stage and rank = f + pp_rank*N, the ep group is the block of ep consecutive f holding f,
+        the edp group the stage's ranks with the same f % ep."""
+        n = self.stage_ranks
         stage, f = divmod(rank, n)
         base = stage * n + f // ep * ep
         return (list(range(base, base + ep)),
@@ -389,27 +407,34 @@ class ParallelMesh:
             self._context_group = self.device_mesh["cp", "sp"]._flatten("context").get_group()
         return self._context_group
 
+    def token_group(self):
+        """The cp x sp x tp ranks that hold parts of the same sequences under --sequence-parallel
+        (each tp rank its own s/(sp*tp) slice), as ONE group: the MoE router losses' statistics
+        are summed over it. context_group() when tp = 1, tp_group when sp = cp = 1; otherwise
+        flattened from the DeviceMesh on first use (collective: every rank asks at the same
+        point)."""
+        if self.dims.tp == 1:
+            return self.context_group()
+        if self.dims.sp * self.dims.cp == 1:
+            return self.tp_group
+        if getattr(self, "_token_group", None) is None:
+            self._token_group = self.device_mesh["cp", "sp", "tp"]._flatten("tokens").get_group()
+        return self._token_group
+
     def expert_groups(self, ep: int) -> "ExpertGroups":
-        """The expert-parallel groups of --expert-model-parallel-size `ep` (tp = 1): with N =
-        dp*cp*sp ranks per stage and f this rank's dp x cp x sp flat index (rank = f + pp_rank*N),
-        the ep group is the block of `ep` consecutive f holding this rank (so Ulysses and ring
-        ranks, which hold different tokens, hold different experts) and the expert-data-parallel
-        (edp) group the ranks of the stage with the same f % ep. Built once per ep from a
-        DeviceMesh over arange(world).view(pp, N // ep, ep) named ("pp", "edp", "ep"), then
-        cached: every rank must ask at the same point (collective)."""
+        """The expert-parallel groups of --expert-model-parallel-size `ep`, folded over the whole
+        stage (expert tensor parallelism 1, Megatron's parallel folding): with N = dp*cp*sp*tp
+        ranks per stage and f this rank's (dp, cp, sp, tp) flat index (rank = f + pp_rank*N), the
+        ep group is the block of `ep` consecutive f holding this rank (so tp, Ulysses and ring
+        ranks, which hold different tokens under --sequence-parallel, hold different experts; tp
+        ranks first) and the expert-data-parallel (edp) group the ranks of the stage with the same
+        f % ep. Built once per ep from a DeviceMesh over arange(world).view(pp, N // ep, ep) named
+        ("pp", "edp", "ep"), then cached: every rank must ask at the same point (collective)."""
         cache = self.__dict__.setdefault("_expert_groups", {})
         if ep in cache:
             return cache[ep]
-        n = self.dims.dp * self.dims.cp * self.dims.sp
-        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-            raise LayoutError(f"--expert-model-parallel-size must be a positive integer, got {ep!r}.")
-        if self.dims.tp != 1 and ep > 1:
-            raise LayoutError(f"--expert-model-parallel-size {ep} needs "
-                              f"--tensor-model-parallel-size 1 (got {self.dims.tp}).")
-        if n % ep:
-            raise LayoutError(f"--expert-model-parallel-size {ep} does not divide the {n} ranks "
-                              f"of a pipeline stage (dp*cp*sp = {self.dims.dp}*{self.dims.cp}*"
-                              f"{self.dims.sp}); choose a divisor of {n}.")
+        self.dims.check_expert_parallel(ep)
+        n = self.dims.stage_ranks
         f = self.rank % n if self.dims.world_size > 1 else 0
         groups = ExpertGroups(ep=ep, ep_rank=f % ep, edp=n // ep, edp_rank=f // ep)
         if ep > 1 or (self.dims.world_size > 1 and n // ep > 1):

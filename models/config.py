@@ -220,7 +220,8 @@ class GPTConfig:
             total += moe_layers * (experts - mlp)
         return total
 
-    def check_parallel(self, tp: int = 1, sp: int = 1, pp: int = 1) -> None:
+    def check_parallel(self, tp: int = 1, sp: int = 1, pp: int = 1,
+                       sequence_parallel: bool = False) -> None:
         """Refuse (ValueError) a layout this model cannot be split into, naming the numbers
         (docs/design.md §3, §4). The head rules are megatron_sp.mesh's, said in field names; a
         plain ValueError, so that the CLI prefixes it with the model flags."""
@@ -229,10 +230,11 @@ class GPTConfig:
                                       what="config")
         if problem:
             raise ValueError(problem)
-        if self.num_experts is not None and tp > 1:
-            raise ValueError(f"num_experts={self.num_experts} with tp={tp}: the experts are not "
-                             f"split over tensor parallelism yet; train MoE models with sp, cp, pp "
-                             f"and dp (tp 1).")
+        if self.num_experts is not None and tp > 1 and not sequence_parallel:
+            raise ValueError(f"num_experts={self.num_experts} with tp={tp} needs "
+                             f"--sequence-parallel: the MoE layers route each tp rank's own "
+                             f"slice of the tokens (as Megatron-LM requires), so add "
+                             f"--sequence-parallel or use tp 1.")
         F = self.ffn_hidden_size
         if F % tp:
             raise ValueError(f"ffn_hidden_size={F} is not divisible by tp={tp}.")

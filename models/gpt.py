@@ -49,6 +49,18 @@ def _mark_sequence_parallel(module: nn.Module) -> None:
         p.sequence_parallel = True
 
 
+def _mark_sequence_parallel_moe(mlp: nn.Module) -> None:
+    """A MoE MLP under --sequence-parallel: the router, the shared expert and whole experts that
+    are not expert-parallel are replicated over tp but see only this tp rank's tokens, so their
+    gradients are summed over tp like the norms'. Expert-parallel experts are summed over their
+    edp group instead, which already holds the tp ranks; tp-split experts (etp = tp) compute on
+    every tp rank's tokens, so theirs are whole."""
+    for name, p in mlp.named_parameters():
+        # Experts split over tp (etp = tp) see every tp rank's tokens: their gradients are whole.
+        if not getattr(p, "expert_parallel", False) and getattr(p, "tp_partition_dim", None) is None:
+            p.sequence_parallel = True
+
+
 class LayerNorm1P(nn.LayerNorm):
     """--apply-layernorm-1p (Megatron's zero-centred gamma): the weight w stores gamma - 1
     (initialised to 0, so weight decay pulls gamma towards 1) and the norm applies 1 + w."""
@@ -391,15 +403,19 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config, mesh, backend, sequence_parallel, rng_tracker=None, mlp_tiles=1,
-                 head_chunks=1, layer_number=0, expert_groups=None):
+                 head_chunks=1, layer_number=0, expert_groups=None, expert_tp_group=None):
         super().__init__()
         self.input_norm = make_norm(config)
         self.attention = SelfAttention(config, mesh, backend, sequence_parallel, rng_tracker,
                                        head_chunks=head_chunks)
         self.post_attention_norm = make_norm(config)
         if config.is_moe_layer(layer_number):   # experts (models/moe.py); --mlp-tiles: dense only
-            self.mlp = MoEMLP(config.moe_config(), config.hidden_size, expert_groups=expert_groups)
-            if mesh.sp_size * mesh.cp_size > 1:   # the router losses over whole sequences
+            self.mlp = MoEMLP(config.moe_config(), config.hidden_size, expert_groups=expert_groups,
+                              expert_tp_group=expert_tp_group)
+            if sequence_parallel:   # tp ranks hold different tokens: they count as context too
+                self.mlp.context_group = mesh.token_group()
+                _mark_sequence_parallel_moe(self.mlp)
+            elif mesh.sp_size * mesh.cp_size > 1:   # the router losses over whole sequences
                 self.mlp.context_group = mesh.context_group()
         else:
             self.mlp = MLP(config, mesh, sequence_parallel, tiles=mlp_tiles)
@@ -473,7 +489,11 @@ class GPTModel(nn.Module):
         rng_tracker: megatron_sp.tensor_parallel.RNGTracker for dropout inside tp regions.
         memory: megatron_sp.memory.MemoryOptions (recompute, tiled MLP, chunked loss, offload).
         expert_parallel_size: --expert-model-parallel-size: the MoE layers hold E/ep experts each,
-            their tokens dispatched by all-to-all over the ep group (mesh.expert_groups, tp = 1).
+            their tokens dispatched by all-to-all over the ep group (mesh.expert_groups: ep
+            consecutive ranks of the stage's (dp, cp, sp, tp) order; tp > 1 needs --sequence-parallel).
+        expert_tensor_parallel_size: --expert-tensor-parallel-size: None or 1, whole experts (each
+            tp rank routes its own tokens); tp (ep 1), the experts split over tp like the dense
+            SwiGLU MLP, the tokens all-gathered over tp around them.
 
     host_pool (attribute, default None): a megatron_sp.memory.host_pool.HostPool that holds the
     activations offloaded under memory.offload_activations (None: torch's pinned buffers).
@@ -482,10 +502,12 @@ class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig, mesh: ParallelMesh | None = None, *, layer_ids=None,
                  pre_process: bool | None = None, post_process: bool | None = None,
                  attention_backend="sdpa", sequence_parallel: bool = False, rng_tracker=None,
-                 memory: MemoryOptions | None = None, expert_parallel_size: int = 1):
+                 memory: MemoryOptions | None = None, expert_parallel_size: int = 1,
+                 expert_tensor_parallel_size: int | None = None):
         super().__init__()
         mesh = mesh or ParallelMesh.single()
-        config.check_parallel(mesh.tp_size, mesh.sp_size, mesh.pp_size)
+        config.check_parallel(mesh.tp_size, mesh.sp_size, mesh.pp_size,
+                              sequence_parallel=sequence_parallel)
         # Expert parallelism (--expert-model-parallel-size): the groups are built once on the
         # mesh (collective: every rank asks here, whatever layers its stage holds).
         expert_groups = None
@@ -498,6 +520,9 @@ class GPTModel(nn.Module):
                                   f"--expert-model-parallel-size {expert_parallel_size}: each "
                                   f"expert-parallel rank must hold the same number of whole experts.")
             expert_groups = mesh.expert_groups(expert_parallel_size)
+        etp = self._expert_tensor_parallel_size(config, mesh, expert_parallel_size,
+                                                expert_tensor_parallel_size)
+        expert_tp_group = mesh.tp_group if etp > 1 else None
         self.expert_parallel_size = expert_parallel_size
         self.config, self.mesh = config, mesh
         self.sequence_parallel = sequence_parallel and mesh.tp_size > 1
@@ -532,7 +557,8 @@ class GPTModel(nn.Module):
             str(i): TransformerLayer(config, mesh, backend, self.sequence_parallel, rng_tracker,
                                      mlp_tiles=self.memory.mlp_tiles,
                                      head_chunks=self.memory.ulysses_head_chunks, layer_number=i,
-                                     expert_groups=expert_groups)
+                                     expert_groups=expert_groups,
+                                     expert_tp_group=expert_tp_group)
             for i in self.layer_ids})
         self.final_norm = self.output_layer = None
         if self.post_process:
@@ -545,6 +571,25 @@ class GPTModel(nn.Module):
                     sequence_parallel=self.sequence_parallel)
                 self.output_layer.weight.real_rows = config.vocab_size
                 self.output_layer.weight.is_embedding_or_output_parameter = True
+
+    @staticmethod
+    def _expert_tensor_parallel_size(config, mesh, ep: int, etp: int | None) -> int:
+        """--expert-tensor-parallel-size resolved: None -> 1 (parallel folding, Megatron's
+        recommendation; Megatron's own default is tp); else 1 or tp, and tp only with ep 1."""
+        if etp is None or etp == 1:
+            return 1
+        if not getattr(config, "num_experts", None):
+            raise LayoutError(f"--expert-tensor-parallel-size {etp} needs a mixture-of-experts "
+                              f"model (--num-experts).")
+        if etp != mesh.tp_size:
+            raise LayoutError(f"--expert-tensor-parallel-size {etp} must be 1 or "
+                              f"--tensor-model-parallel-size {mesh.tp_size}: other expert "
+                              f"tensor-parallel sizes are not implemented yet.")
+        if ep > 1:
+            raise LayoutError(f"--expert-tensor-parallel-size {etp} with "
+                              f"--expert-model-parallel-size {ep} is not implemented yet: use "
+                              f"--expert-tensor-parallel-size 1 (the experts folded over tp).")
+        return etp
 
     # Sequence sharding over cp and sp ---------------------------------------------------------
     def shard_sequence(self, t: torch.Tensor | None) -> torch.Tensor | None:

@@ -18,14 +18,20 @@ between the experts and unpermute. The load-balancing statistics (token counts, 
 probabilities, token totals) are returned apart from the final combine, so a distributed version can
 all-reduce them over the sequence-parallel ranks first (Megatron's global-batch aux loss).
 
-Expert parallelism (tp = 1, alltoall dispatcher): megatron_sp/moe/dispatch.py.
+Expert parallelism (alltoall dispatcher): megatron_sp/moe/dispatch.py. Under tp > 1 (with
+--sequence-parallel) each tp rank routes its own tokens; the experts are whole on every rank
+(expert tensor parallelism 1, parallel folding) or, with etp = tp (ep 1), split like a dense
+SwiGLU MLP (w1 column-parallel: the gate and the up rows each split over tp; w2 row-parallel), the
+tokens all-gathered over tp before permute and the partial outputs reduce-scattered after
+unpermute (megatron_sp/moe/comm.py gather_tokens / reduce_scatter_tokens).
 
 Capacity (--moe-expert-capacity-factor) is that of this rank's tokens, as Megatron's: the dropping
 happens before any dispatch, so it is the same whatever --expert-model-parallel-size. With
 --moe-pad-expert-input-to-capacity every expert then gets exactly `capacity` rows (zero rows after
 its kept ones: static shapes for the experts and the dispatch); their outputs are discarded.
 
-Not done yet: group-limited routing, expert bias (aux-loss-free).
+Not done yet: expert tensor parallelism with ep > 1 or other than tp, capacity dropping under
+expert tensor parallelism, group-limited routing, expert bias (aux-loss-free).
 """
 from __future__ import annotations
 
@@ -36,8 +42,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megatron_sp.mesh import LayoutError
-from megatron_sp.moe import dispatch_experts_combine, reduce_statistics
+from megatron_sp.mesh import LayoutError, group_size
+from megatron_sp.moe import (dispatch_experts_combine, gather_tokens, reduce_scatter_tokens,
+                             reduce_statistics)
+from megatron_sp.tensor_parallel.layers import set_tp_attributes
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
@@ -471,10 +479,22 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, config: MoEConfig, hidden_size: int, use_grouped_mm: bool | None = None,
-                 expert_groups=None):
+                 expert_groups=None, expert_tp_group=None):
         super().__init__()
         self.config = config
         self.router = TopKRouter(config, hidden_size)
+        # Expert tensor parallelism (etp = tp, ep 1; None: whole experts): each rank holds F/etp
+        # of every expert's ffn width and computes it for the tokens of every rank of the group.
+        etp = group_size(expert_tp_group)
+        self.expert_tp_group = expert_tp_group if etp > 1 else None
+        if etp > 1 and config.moe_ffn_hidden_size % etp:
+            raise LayoutError(f"--moe-ffn-hidden-size {config.moe_ffn_hidden_size} is not "
+                              f"divisible by --expert-tensor-parallel-size {etp}: each rank holds "
+                              f"an equal slice of every expert's ffn width.")
+        if etp > 1 and config.moe_expert_capacity_factor is not None:
+            raise LayoutError(f"--moe-expert-capacity-factor with --expert-tensor-parallel-size "
+                              f"{etp} is not implemented yet: drop the capacity factor (no token "
+                              f"dropping) or use --expert-tensor-parallel-size 1.")
         # Expert parallelism (megatron_sp.mesh.ExpertGroups; None: every expert here): E/ep local
         # experts, the router still over all E; the rows travel by megatron_sp.moe.dispatch.
         ep = 1 if expert_groups is None else expert_groups.ep
@@ -483,7 +503,10 @@ class MoELayer(nn.Module):
                               f"--expert-model-parallel-size {ep}: each expert-parallel rank "
                               f"must hold the same number of whole experts.")
         self.experts = GroupedExperts(config.num_experts // ep, hidden_size,
-                                      config.moe_ffn_hidden_size, use_grouped_mm)
+                                      config.moe_ffn_hidden_size // etp, use_grouped_mm)
+        if etp > 1:   # w1 [E, 2F/etp, H]: gate and up rows each split (as the dense SwiGLU fc1)
+            set_tp_attributes(self.experts.w1, 1, chunks=2)
+            set_tp_attributes(self.experts.w2, 2)                 # w2 [E, H, F/etp]: row-parallel
         self.ep_group = None if expert_groups is None else expert_groups.ep_group
         if ep > 1:   # init_parameters draws the full [E, ...] tensor and keeps these rows
             for w in (self.experts.w1, self.experts.w2):
@@ -539,13 +562,33 @@ class MoELayer(nn.Module):
             capacity = expert_capacity(b * s, self.config.moe_router_topk, self.config.num_experts,
                                        self.config.moe_expert_capacity_factor)
             keep = capacity_keep_mask(probs, indices, self.config.num_experts, capacity)
-        permuted, tokens_per_expert, order = permute(tokens, indices, self.config.num_experts, keep)
-        expert_out = self.run_experts(permuted, tokens_per_expert, capacity)
-        y = unpermute(expert_out, probs, order, b * s)            # [T, H]
+        if self.expert_tp_group is not None:   # etp = tp (no capacity: refused above)
+            y, tokens_per_expert = self._tensor_parallel_experts(tokens, probs, indices)
+        else:
+            permuted, tokens_per_expert, order = permute(tokens, indices, self.config.num_experts,
+                                                         keep)
+            expert_out = self.run_experts(permuted, tokens_per_expert, capacity)
+            y = unpermute(expert_out, probs, order, b * s)        # [T, H]
         if self.shared_expert is not None:
             y = y + self.shared_expert(tokens)
         aux["tokens_per_expert"] = tokens_per_expert
         return y.view(b, s, h), aux                               # [T, H] -> [b, s, H]
+
+
+    def _tensor_parallel_experts(self, tokens, probs, indices):
+        """Expert tensor parallelism: tokens [T, H], probs / indices [T, k] of this rank ->
+        gathered over the group ([p*T, ...]), permuted, this rank's ffn shard of every expert,
+        unpermuted, the partial sums reduce-scattered back -> (y [T, H], tokens_per_expert [E] of
+        the gathered tokens)."""
+        group = self.expert_tp_group
+        all_tokens = gather_tokens(tokens, group)                 # [p*T, H]
+        all_probs = gather_tokens(probs, group)                   # [p*T, k]
+        all_indices = gather_tokens(indices, group)               # [p*T, k]
+        permuted, tokens_per_expert, order = permute(all_tokens, all_indices,
+                                                     self.config.num_experts)
+        partial = unpermute(self.experts(permuted, tokens_per_expert), all_probs, order,
+                            all_tokens.shape[0])                  # [p*T, H], this shard's part
+        return reduce_scatter_tokens(partial, group), tokens_per_expert   # [T, H]
 
 
 class _AuxLossScaler(torch.autograd.Function):

@@ -193,9 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
                      "degrees, A x R = --context-parallel-size")
     _bool_flag(par, "--sequence-parallel", "Megatron sequence sharding inside tensor parallelism")
     par.add_argument("--expert-model-parallel-size", type=int, default=1,
-                     help="expert-parallel ranks: 1 only (every rank holds all the experts)")
+                     help="expert-parallel ranks: each MoE layer's experts split over ep "
+                          "consecutive ranks of a stage (tp ranks first), tokens by all-to-all")
     par.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                     help="tensor-parallel ranks of the experts: 1 only")
+                     help="tensor-parallel ranks of the experts: 1 (unset: 1; whole experts, "
+                          "each tp rank routes its own tokens) or tp (ep 1: experts split over "
+                          "tp); tp > 1 needs --sequence-parallel")
     par.add_argument("--moe-token-dispatcher-type", default=None,
                      help="alltoall or allgather: accepted, one rank holds every expert and "
                           "permutes its tokens locally")

@@ -112,7 +112,7 @@ HONOURED_NOTES = {
                               "step (FSDP2 prefetches the next layer's)",
     "--use-torch-fsdp2": "parameters, gradients and optimizer state sharded over dp x sp by FSDP2",
     "--num-experts": "SwiGLU experts (models/moe.py); one rank holds all of them, or E/ep with "
-                     "--expert-model-parallel-size (tp 1)",
+                     "--expert-model-parallel-size; tp > 1 needs --sequence-parallel",
     "--moe-layer-freq": "an integer k, or Megatron's 0/1 list expression (read with ast, not "
                         "evaluated)",
     "--moe-aux-loss-coeff": "averaged over micro-batches and dp replicas as Megatron; the "
@@ -129,10 +129,13 @@ HONOURED_NOTES = {
     "--moe-token-dispatcher-type": "alltoall, allgather: tokens are permuted locally, then (with "
                                    "--expert-model-parallel-size > 1) all-to-all to their "
                                    "experts' ranks",
-    "--expert-model-parallel-size": "experts split over ep dp x cp x sp ranks, alltoall dispatch "
-                                    "(tp 1); not yet with FSDP2, the distributed optimizer, "
-                                    "capacity dropping or checkpoints",
-    "--expert-tensor-parallel-size": "1; > 1 refused: not implemented yet",
+    "--expert-model-parallel-size": "experts split over ep ranks of a stage's dp x cp x sp x tp "
+                                    "(tp ranks first), alltoall dispatch; not yet with FSDP2, "
+                                    "the distributed optimizer, capacity dropping or checkpoints",
+    "--expert-tensor-parallel-size": "1 (unset: 1, not tp): whole experts, each tp rank routes "
+                                     "its own tokens; or tp with ep 1: experts split over tp, "
+                                     "tokens all-gathered around them (tp > 1 needs "
+                                     "--sequence-parallel); other sizes refused",
 }
 
 # Mapped: flag -> (number of values, our equivalent in words). `apply` sets our arguments.

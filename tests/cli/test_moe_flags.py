@@ -92,7 +92,14 @@ def test_moe_layer_freq_refuses_anything_else(value, tmp_path, monkeypatch):
     (["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
      "--expert-model-parallel-size 2 with --use-distributed-optimizer is not implemented yet"),
     (["--expert-model-parallel-size", "0"], "--expert-model-parallel-size must be a positive"),
-    (["--expert-tensor-parallel-size", "2"], "expert tensor parallelism is not implemented yet"),
+    (["--expert-tensor-parallel-size", "2"],
+     "--expert-tensor-parallel-size 2 must be 1 (whole experts, the default here) or "
+     "--tensor-model-parallel-size 1"),
+    (["--tensor-model-parallel-size", "4", "--sequence-parallel", "--expert-tensor-parallel-size",
+      "2"], "other sizes are not implemented yet"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size",
+      "2", "--expert-model-parallel-size", "2"],
+     "--expert-tensor-parallel-size 2 with --expert-model-parallel-size 2 is not implemented"),
     (["--moe-router-dtype", "fp64"], "the router always runs in fp32"),
     (["--moe-pad-expert-input-to-capacity"], "--moe-pad-expert-input-to-capacity needs "
                                                "--moe-expert-capacity-factor"),

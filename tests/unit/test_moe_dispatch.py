@@ -107,3 +107,28 @@ def test_expert_ranks_arithmetic():
     for rank in range(16):      # every ep group is a block of f, every edp group a stride of ep
         ep_ranks, edp_ranks = dims.expert_ranks(2, rank)
         assert rank in ep_ranks and rank in edp_ranks and len(set(ep_ranks) & set(edp_ranks)) == 1
+
+
+def test_expert_ranks_fold_over_tensor_parallelism():
+    """Parallel folding (expert tensor parallelism 1): the ep group is ep consecutive ranks of the
+    stage's (dp, cp, sp, tp) order, tp ranks first; edp the rest of the stage, tp ranks included."""
+    from megatron_sp.mesh import ParallelDims
+    dims = ParallelDims(world_size=16, tp=2, sp=2, pp=2)       # dp 2: 8 ranks per stage
+    assert dims.stage_ranks == 8
+    assert dims.expert_ranks(2, 5) == ([4, 5], [1, 3, 5, 7])    # the tp pair of rank 5
+    assert dims.expert_ranks(4, 9) == ([8, 9, 10, 11], [9, 13])  # tp 2 x sp 2 of dp 0, stage 1
+    assert dims.expert_ranks(8, 3) == (list(range(8)), [3])
+    for rank in range(16):
+        ep_ranks, edp_ranks = dims.expert_ranks(4, rank)
+        stage = {r // 8 for r in ep_ranks + edp_ranks}
+        assert stage == {rank // 8} and set(ep_ranks) & set(edp_ranks) == {rank}
+        assert len(ep_ranks) * len(edp_ranks) == 8
+
+
+def test_mesh_refuses_ep_that_does_not_divide_the_stage():
+    from megatron_sp.mesh import ParallelDims
+    dims = ParallelDims(world_size=12, tp=2, sp=3, dp=2)
+    with pytest.raises(LayoutError, match=r"does not divide the 12 ranks of a pipeline stage "
+                                          r"\(dp\*cp\*sp\*tp = 2\*1\*3\*2\)"):
+        dims.check_expert_parallel(8)
+    dims.check_expert_parallel(4)     # tp 2 x dp 2 of the 12: fine

@@ -45,10 +45,16 @@ def test_bad_moe_fields_are_one_sentence(bad, message):
     assert "\n" not in str(err.value) and str(err.value).endswith(".")
 
 
-def test_moe_with_tensor_parallelism_is_refused():
+def test_moe_with_tensor_parallelism_needs_sequence_parallel():
     cfg = preset("llama-tiny", **MOE)
-    with pytest.raises(ValueError, match=r"num_experts=4 with tp=2: the experts are not split"):
-        cfg.check_parallel(tp=2)
+    for tp, sp in ((2, 1), (2, 2)):
+        with pytest.raises(ValueError, match=rf"num_experts=4 with tp={tp} needs "
+                                             r"--sequence-parallel") as err:
+            cfg.check_parallel(tp=tp, sp=sp)
+        message = str(err.value)
+        assert "\n" not in message and message.endswith(".") and ". " not in message, message
+    cfg.check_parallel(tp=2, sp=2, sequence_parallel=True)    # Megatron's layout: accepted
+    cfg.check_parallel(tp=1, sp=4)                              # no tp: nothing to shard
 
 
 def test_planner_refuses_moe():
@@ -124,3 +130,17 @@ def test_printed_flags_rebuild_the_moe_config(monkeypatch):
     rebuilt = pretrain_gpt.model_config(job, 256)
     moe_fields = [f for f in cfg.to_dict() if f.startswith("moe_") or f == "num_experts"]
     assert {f: getattr(rebuilt, f) for f in moe_fields} == {f: getattr(cfg, f) for f in moe_fields}
+
+
+@pytest.mark.parametrize("etp,words", [
+    (2, "--expert-tensor-parallel-size 2 must be 1 or --tensor-model-parallel-size 1"),
+])
+def test_expert_tensor_parallel_refusals_are_one_sentence(etp, words):
+    from megatron_sp.mesh import LayoutError, ParallelMesh
+    from megatron_sp.models import GPTModel
+    with pytest.raises(LayoutError) as err:
+        GPTModel(preset("llama-tiny", **MOE), ParallelMesh.single(), expert_tensor_parallel_size=etp)
+    message = str(err.value)
+    assert words in message and message.endswith(".") and ". " not in message, message
+    assert GPTModel(preset("llama-tiny", **MOE), ParallelMesh.single(),
+                    expert_tensor_parallel_size=1).moe_layers()[0].expert_tp_group is None
