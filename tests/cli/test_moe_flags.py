@@ -159,11 +159,16 @@ def test_moe_run_logs_the_load_balancing_loss(tmp_path):
     assert [r["load_balancing_loss"] for r in train] == pytest.approx(values, rel=1e-5)
 
 
-def test_expert_model_parallel_size_reaches_the_model(monkeypatch):
-    """--expert-model-parallel-size 2 parses and build_model hands it to GPTModel (recorded here
-    instead of building: one process has no ep group)."""
-    job = parse_job(BASE + ["--num-experts", "4", "--expert-model-parallel-size", "2"])
-    assert job.parallel.expert_model_parallel_size == 2
+@pytest.mark.parametrize("argv,key,value", [
+    (["--expert-model-parallel-size", "2"], "expert_parallel_size", 2),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel",
+      "--expert-tensor-parallel-size", "2"], "expert_tensor_parallel_size", 2),
+    ([], "expert_tensor_parallel_size", None),       # unset: GPTModel resolves it to 1
+])
+def test_expert_parallel_sizes_reach_the_model(monkeypatch, argv, key, value):
+    """--expert-model-parallel-size / --expert-tensor-parallel-size parse and build_model hands
+    them to GPTModel (recorded here instead of building: one process has no ep or tp group)."""
+    job = parse_job(BASE + ["--num-experts", "4"] + argv)
     seen = {}
 
     class Stop(Exception):
@@ -177,4 +182,4 @@ def test_expert_model_parallel_size_reaches_the_model(monkeypatch):
     from megatron_sp.mesh import ParallelMesh
     with pytest.raises(Stop):
         pretrain_gpt.build_model(config_of(["--num-experts", "4"]), ParallelMesh.single(), job, "cpu")
-    assert seen["expert_parallel_size"] == 2
+    assert seen[key] == value
