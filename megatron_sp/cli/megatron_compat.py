@@ -130,8 +130,9 @@ HONOURED_NOTES = {
                                    "--expert-model-parallel-size > 1) all-to-all to their "
                                    "experts' ranks",
     "--expert-model-parallel-size": "experts split over ep ranks of a stage's dp x cp x sp x tp "
-                                    "(tp ranks first), alltoall dispatch; not yet with FSDP2, "
-                                    "the distributed optimizer, capacity dropping or checkpoints",
+                                    "(tp ranks first), alltoall dispatch; checkpoints resume "
+                                    "across ep sizes; not yet with FSDP2 or the distributed "
+                                    "optimizer",
     "--expert-tensor-parallel-size": "1 (unset: 1, not tp): whole experts, each tp rank routes "
                                      "its own tokens; or tp with ep 1: experts split over tp, "
                                      "tokens all-gathered around them (tp > 1 needs "
