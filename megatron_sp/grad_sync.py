@@ -171,11 +171,14 @@ class GradientSync:
             offset += g.numel()
 
 
-def global_grad_norm(params, mesh, grads=None, shard_group=None) -> float:
+def global_grad_norm(params, mesh, grads=None, shard_group=None,
+                     experts_sharded: bool = False) -> float:
     """L2 norm of the full gradient over every rank: tp shards summed, stages summed, copies once.
 
     `grads`: the gradients to measure, one per parameter (default: each p.grad); `shard_group`: the
-    group over which they are sharded, summed over too (the distributed optimizer's dp x sp rows).
+    group over which they are sharded, summed over too (the distributed optimizer's dp x sp rows);
+    `experts_sharded`: expert-parallel gradients are rows sharded over their edp group (the
+    distributed optimizer), summed over it before the ep sum.
     """
     grads = [p.grad for p in params] if grads is None else grads
     device = next((g.device for g in grads if g is not None), _device(params))
@@ -198,19 +201,23 @@ def global_grad_norm(params, mesh, grads=None, shard_group=None) -> float:
     all_reduce_sum(total, mesh.tp_group, "tp/all_reduce")
     # The ep group already spans the tp ranks (experts folded over the stage): after the ep sum
     # every rank of the stage holds the experts' whole square, added once, after the tp sum.
-    total = total.sum() + _sum_over_ep(experts, mesh)
+    total = total.sum() + _sum_over_ep(experts, mesh, experts_sharded)
     all_reduce_sum(total, mesh.pp_group, "pp/all_reduce")
     return math.sqrt(total.item())
 
 
-def _sum_over_ep(experts: dict, mesh):
+def _sum_over_ep(experts: dict, mesh, sharded_over_edp: bool = False):
     """The per-ep-size sums of expert-parallel parameters (each ep rank holds different experts),
-    each summed over its ep group; 0 without any. Every rank of a stage holds the same layers, so
-    the ep groups agree on whether to reduce."""
+    each summed over its ep group (first over its edp group when each edp rank holds other rows:
+    `sharded_over_edp`); 0 without any. Every rank of a stage holds the same layers, so the ep
+    groups agree on whether to reduce."""
     total = 0.0
     for ep, value in sorted(experts.items()):
         value = torch.as_tensor(value, dtype=torch.float64).clone()
-        total = total + all_reduce_sum(value, mesh.expert_groups(ep).ep_group, "ep/all_reduce")
+        groups = mesh.expert_groups(ep)
+        if sharded_over_edp:
+            value = all_reduce_sum(value, groups.edp_group, "edp/all_reduce")
+        total = total + all_reduce_sum(value, groups.ep_group, "ep/all_reduce")
     return total
 
 
@@ -245,13 +252,15 @@ def _device(params):
     return torch.device("cpu")
 
 
-def clip_grad_norm(params, max_norm: float, mesh, grads=None, shard_group=None) -> float:
+def clip_grad_norm(params, max_norm: float, mesh, grads=None, shard_group=None,
+                   experts_sharded: bool = False) -> float:
     """Scale every gradient so the global norm is at most max_norm (max_norm <= 0: only measure).
 
-    `grads` / `shard_group` as in global_grad_norm (default: each p.grad, not sharded)."""
+    `grads` / `shard_group` / `experts_sharded` as in global_grad_norm (default: each p.grad, not
+    sharded)."""
     params = list(params)
     grads = [p.grad for p in params] if grads is None else list(grads)
-    norm = global_grad_norm(params, mesh, grads, shard_group)
+    norm = global_grad_norm(params, mesh, grads, shard_group, experts_sharded)
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         coef = max_norm / (norm + 1e-6)
         for grad in grads:

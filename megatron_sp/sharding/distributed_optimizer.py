@@ -19,6 +19,12 @@ pieces and one all-gather returns everybody's. A piece is a rectangle of the ful
 sharded Adam state is checkpointed under the unsharded optimizer's DCP keys and full shapes
 (`checkpoint_state`): checkpoints load across both modes and any layout.
 
+Expert parallelism (--expert-model-parallel-size ep): the experts of one ep rank are different
+from its dp x sp peers', so they are sharded over their expert-data-parallel (edp) group instead,
+n/ep ranks, in buckets of their own (a bucket has one group); their pieces are rectangles of the
+full [E, ...] stack under the same DCP keys, and the gradient norm sums their owned rows over edp,
+then over ep (grad_sync.global_grad_norm, experts_sharded).
+
 Without offload and with fp32 parameters (our default: bf16 runs use autocast), the master rows are
 views of the parameters themselves and the owned gradient rows views of p.grad: nothing is copied.
 --optimizer-cpu-offload: the owned master rows, their gradients and the Adam moments live in host
@@ -41,7 +47,7 @@ import math
 
 import torch
 
-from megatron_sp.grad_sync import clip_grad_norm, refuse_expert_parallel
+from megatron_sp.grad_sync import clip_grad_norm, is_expert_parallel
 from megatron_sp.training.optimizer import fused_adamw, param_groups
 from megatron_sp.sharding import comm
 from megatron_sp.sharding.state_bytes import model_state_bytes, optimizer_tensors
@@ -106,8 +112,8 @@ class _Piece:
 class _Bucket:
     """Parameters whose gradients are reduce-scattered (and rows all-gathered) together."""
 
-    def __init__(self, pieces: list[_Piece], n: int):
-        self.pieces, self.n = pieces, n
+    def __init__(self, pieces: list[_Piece], n: int, group=None, rank: int = 0):
+        self.pieces, self.n, self.group, self.rank = pieces, n, group, rank
         offset = 0
         for pc in pieces:
             pc.offset = offset
@@ -135,8 +141,9 @@ class _Bucket:
         self.handle = comm.reduce_scatter_sum(self.out, self.buffer, group)
         self.launched = True
 
-    def finish_reduce(self, rank: int):
+    def finish_reduce(self):
         """Wait, copy the reduced owned rows into p.grad and free the buffers (once per step)."""
+        rank = self.rank
         if self.out is None:
             return
         if self.handle is not None:
@@ -146,14 +153,16 @@ class _Bucket:
         self.handle = self.buffer = self.out = None
 
 
-    def launch_gather(self, group, rank: int):
+    def launch_gather(self):
+        rank = self.rank
         mine = self._empty()                                                # [segment]
         for pc in self.pieces:
             pc.slot(mine, rank).copy_(pc.piece(pc.param.detach(), rank))
         self.buffer = self._empty(self.n)                                   # [n, segment]
-        self.handle = comm.all_gather_segments(self.buffer, mine, group)
+        self.handle = comm.all_gather_segments(self.buffer, mine, self.group)
 
-    def finish_gather(self, rank: int):
+    def finish_gather(self):
+        rank = self.rank
         if self.handle is not None:
             self.handle.wait()
         with torch.no_grad():
@@ -183,8 +192,10 @@ class DistributedOptimizer:
         self.n, self.rank = group_size(self.group), group_rank(self.group)
         self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
         self.device = self.params[0].device
-        refuse_expert_parallel(self.params, "--use-distributed-optimizer")
-        self.pieces = {p: _Piece(p, self.n) for p in self.params}
+        # Expert-parallel experts (different on each ep rank) are sharded over their own
+        # expert-data-parallel group instead (Megatron's expert data parallelism).
+        self.shard_of = {p: self._shard_group(p) for p in self.params}   # (group, n, rank)
+        self.pieces = {p: _Piece(p, self.shard_of[p][1]) for p in self.params}
         self.sp_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         self.embedding_params = [p for p in self.params if getattr(p, "embedding_tied", False)]
         self.host_pool = self._host_pool()
@@ -214,9 +225,17 @@ class DistributedOptimizer:
 
     # Layout ---------------------------------------------------------------------------------------
 
+    def _shard_group(self, p) -> tuple:
+        """(group, size, this rank's index) p is sharded over: dp x sp, or for expert-parallel
+        experts their edp group (None where it has one rank)."""
+        if not is_expert_parallel(p):
+            return self.group, self.n, self.rank
+        edp = self.mesh.expert_groups(p.ep_size).edp_group
+        return edp, group_size(edp), group_rank(edp)
+
     def _owned(self, p: torch.Tensor) -> torch.Tensor:
         """This rank's rows of parameter p (a view of it)."""
-        return self.pieces[p].piece(p.detach(), self.rank)
+        return self.pieces[p].piece(p.detach(), self.shard_of[p][2])
 
     def _is_view(self, p) -> bool:
         return not self.cpu_offload and p.dtype == torch.float32
@@ -249,15 +268,17 @@ class DistributedOptimizer:
         return torch.empty(own.shape, dtype=torch.float32, device=device).copy_(own)
 
     def _make_buckets(self, bucket_mb: float) -> list[_Bucket]:
-        buckets, current, size = [], [], 0
+        """Buckets of parameters sharded over the same group (dp x sp, or one edp group)."""
+        buckets, current, size = [], {}, {}
         for p in reversed(self.params):              # backward visits layers roughly in reverse
-            current.append(self.pieces[p])
-            size += p.numel() * p.element_size()
-            if size >= bucket_mb * 2**20:
-                buckets.append(_Bucket(current, self.n))
-                current, size = [], 0
-        if current:
-            buckets.append(_Bucket(current, self.n))
+            key = self.shard_of[p]
+            current.setdefault(key, []).append(self.pieces[p])
+            size[key] = size.get(key, 0) + p.numel() * p.element_size()
+            if size[key] >= bucket_mb * 2**20:
+                buckets.append(_Bucket(current.pop(key), key[1], key[0], key[2]))
+                size[key] = 0
+        for key, pieces in current.items():
+            buckets.append(_Bucket(pieces, key[1], key[0], key[2]))
         return buckets
 
     # Gradient reduction (the GradientSync interface) ------------------------------------------------
@@ -268,12 +289,12 @@ class DistributedOptimizer:
                 return
             bucket.ready += 1
             if bucket.ready == len(bucket.pieces) and not bucket.launched:
-                bucket.launch_reduce(self.group, self.reduce_dtype)
+                bucket.launch_reduce(bucket.group, self.reduce_dtype)
                 self._in_flight.append(bucket)
                 # At most IN_FLIGHT buckets' [n, segment] copies alive: finish the oldest (by now
                 # usually complete), so the transient memory stays a few buckets, not 4 P_r.
                 while len(self._in_flight) > IN_FLIGHT:
-                    self._in_flight.pop(0).finish_reduce(self.rank)
+                    self._in_flight.pop(0).finish_reduce()
         return hook
 
     def begin_step(self, num_micro_batches: int):
@@ -291,9 +312,9 @@ class DistributedOptimizer:
                 p.grad = torch.zeros_like(p)
         for bucket in self.buckets:
             if not bucket.launched:
-                bucket.launch_reduce(self.group, self.reduce_dtype)
+                bucket.launch_reduce(bucket.group, self.reduce_dtype)
         for bucket in self.buckets:
-            bucket.finish_reduce(self.rank)
+            bucket.finish_reduce()
             bucket.ready, bucket.launched = 0, False
         # Owned rows are the same rows of the same shapes on every tp rank / embedding stage.
         comm.all_reduce_views([self.owned_grad(p) for p in self.sp_params], self.mesh.tp_group,
@@ -307,13 +328,13 @@ class DistributedOptimizer:
 
     def owned_grad(self, p) -> torch.Tensor:
         """The rows of p.grad this rank owns (reduced over dp x sp after finish()), a view."""
-        return self.pieces[p].piece(p.grad, self.rank)
+        return self.pieces[p].piece(p.grad, self.shard_of[p][2])
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global gradient norm over the owned rows of every rank; clips them to max_norm."""
         owned = list(self.master)
         return clip_grad_norm(owned, max_norm, self.mesh, grads=[self.master[p].grad for p in owned],
-                              shard_group=self.group)
+                              shard_group=self.group, experts_sharded=True)
 
     # Optimizer interface ------------------------------------------------------------------------------
 
@@ -348,13 +369,13 @@ class DistributedOptimizer:
                 self._owned(p).copy_(master)
         pending = []
         for bucket in self.buckets:
-            bucket.launch_gather(self.group, self.rank)
+            bucket.launch_gather()
             pending.append(bucket)
             if not self.overlap_param_gather:
-                bucket.finish_gather(self.rank)
+                bucket.finish_gather()
                 pending.clear()
         for bucket in pending:
-            bucket.finish_gather(self.rank)
+            bucket.finish_gather()
 
     @torch.no_grad()
     def sync_master_from_params(self):
@@ -382,7 +403,7 @@ class DistributedOptimizer:
             pc, master = self.pieces[p], self.master[p]
             st = (init_adam_state(self.optimizer, master) if create
                   else self.optimizer.state.get(master, {}))
-            lo, hi = pc.span(self.rank)
+            lo, hi = pc.span(self.shard_of[p][2])
             rows = min(hi, base.local.shape[pc.dim]) - lo     # vocabulary padding rows are not stored
             if rows <= 0 or "exp_avg" not in st:
                 continue

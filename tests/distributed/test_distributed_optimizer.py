@@ -5,7 +5,9 @@ distributed optimizer (Adam state sharded over dp x sp, gradients reduce-scatter
 all-gathered) on the same seeded batches, then compares after every one of 3 optimizer steps: loss
 1e-5 relative, the full gradient (the owned rows of every rank, summed over dp x sp) and the full
 updated parameters 1e-4 absolute, and the grad norm 1e-4 (layout_utils.compare). Also: a NaN on one
-rank skips the step on every rank; the per-rank model-state bytes equal docs/design.md §11 (2% per
+rank skips the step on every rank; with expert parallelism (a MoE model, ep 2 and ep 4 over dp 2 x
+sp 2) the experts' Adam state is sharded over their expert-data-parallel group, the rest over
+dp x sp, and the full expert tensors are gathered over ep to compare; the per-rank model-state bytes equal docs/design.md §11 (2% per
 rank for the ceil(rows / n) split, exact summed over ranks); bf16 parameters keep fp32 master rows.
 Checkpoints across every mode and exact resume: tests/distributed/test_fsdp.py (_check_checkpoints).
 """
@@ -19,6 +21,7 @@ from megatron_sp.mesh import ParallelMesh
 from megatron_sp.training.optimizer import LRScheduler, build_optimizer
 from megatron_sp.sharding.distributed_optimizer import DistributedOptimizer
 from megatron_sp.tensor_parallel import gather_full_like
+from megatron_sp.tensor_parallel.mappings import gather_along_dim
 from megatron_sp.testing import FaultInjection, run_distributed
 from megatron_sp.training import Trainer
 from megatron_sp.models import preset
@@ -33,12 +36,19 @@ LLAMA = dict(model="llama-tiny", overrides=dict(num_layers=2, hidden_size=64, nu
 LLAMA4 = dict(model="llama-tiny", overrides=dict(num_layers=4, hidden_size=64, num_attention_heads=4,
                                                  num_query_groups=2, ffn_hidden_size=96,
                                                  vocab_size=300))
+MOE = dict(model="llama-tiny", overrides=dict(
+    num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+    vocab_size=300, num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
+    moe_aux_loss_coeff=1.0, moe_z_loss_coeff=0.1, moe_router_load_balancing_type="seq_aux_loss",
+    moe_shared_expert_intermediate_size=48))
 BYTES_RTOL = 0.02      # per rank: rows split in ceil(rows / n) pieces, the last shorter (padding)
 
 
 def _trainer(mesh, cfg, case, *, distributed, global_batch, steps, micro_batch=None):
     chunks, schedule = build_chunks(mesh, cfg, sequence_parallel=case.get("sequence_parallel", False),
-                                    pipeline=case.get("pipeline") if mesh.pp_size > 1 else None)
+                                    pipeline=case.get("pipeline") if mesh.pp_size > 1 else None,
+                                    model_kwargs=case.get("model_kwargs")
+                                    if mesh.dims.world_size > 1 else None)   # one rank: all experts
     sharding = None
     if distributed is None:
         optimizer = build_optimizer(chunks, lr=1e-3, weight_decay=0.1)
@@ -56,13 +66,22 @@ def _trainer(mesh, cfg, case, *, distributed, global_batch, steps, micro_batch=N
 
 
 def _full_grad(optimizer, p):
-    """The reduced full gradient of p: every rank's owned rows (as clipped for the step), summed."""
+    """The reduced full gradient of p: every rank's owned rows (as clipped for the step), summed
+    over the group p is sharded over (dp x sp, or an expert's edp group)."""
     if not isinstance(optimizer, DistributedOptimizer):
         return p.grad
+    group, _, rank = optimizer.shard_of[p]
     full = torch.zeros_like(p.grad)
     if p in optimizer.master:
-        optimizer.pieces[p].piece(full, optimizer.rank).copy_(optimizer.master[p].grad)
-    return all_reduce_sum(full, optimizer.group)
+        optimizer.pieces[p].piece(full, rank).copy_(optimizer.master[p].grad)
+    return all_reduce_sum(full, group)
+
+
+def _over_ep(t, p, mesh):
+    """An expert-parallel tensor [E/ep, ...] gathered over its ep group to [E, ...]."""
+    if getattr(p, "expert_parallel", False) and getattr(p, "ep_size", 1) > 1:
+        return gather_along_dim(t.contiguous(), 0, mesh.expert_groups(p.ep_size).ep_group)
+    return t
 
 
 def _history(trainer, batches, mesh):
@@ -75,8 +94,10 @@ def _history(trainer, batches, mesh):
         for chunk in trainer.chunks:
             for name, p in chunk.named_parameters():
                 if not result.skipped:
-                    tensors[name] = gather_full_like(_full_grad(trainer.optimizer, p), p, mesh.tp_group)
-                tensors[name + "#updated"] = gather_full_like(p.detach(), p, mesh.tp_group)
+                    grad = gather_full_like(_full_grad(trainer.optimizer, p), p, mesh.tp_group)
+                    tensors[name] = _over_ep(grad, p, mesh)
+                tensors[name + "#updated"] = _over_ep(gather_full_like(p.detach(), p, mesh.tp_group),
+                                                      p, mesh)
         # A skipped (non-finite) step: compare the unchanged parameters only.
         history.append((0.0, 0.0, tensors) if result.skipped else (result.loss, result.grad_norm, tensors))
     return history
@@ -201,6 +222,10 @@ def test_four_rank_layouts():
              distributed=dict(cpu_offload=True), **common),
         dict(LLAMA, name="llama ring cp2 x dp2 (Adam state over dp x cp)", cp=2, micro_batch=1,
              bytes=True, **common),
+        dict(MOE, name="moe ep2 x sp2 (dp2): experts' Adam state over edp 2", sp=2, micro_batch=1,
+             model_kwargs={"expert_parallel_size": 2}, **common),
+        dict(MOE, name="moe ep4 over dp2 x sp2 (edp 1)", sp=2, micro_batch=2,
+             model_kwargs={"expert_parallel_size": 4}, **common),
     ]
     _run(4, cases)
 

@@ -84,7 +84,7 @@ def test_mapped_and_noop_flags_are_said_once():
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["--expert-model-parallel-size", "2", "--use-distributed-optimizer"], "is not implemented yet"),
+    (["--expert-model-parallel-size", "2", "--use-torch-fsdp2"], "is not implemented yet"),
     (["--moe-pad-expert-input-to-capacity"], "needs --moe-expert-capacity-factor"),
     (["--ckpt-format", "torch"], "torch_dist"),
     (["--lr-decay-samples", "100", "--train-iters", "10"], "--train-samples"),
