@@ -404,6 +404,9 @@ class GroupedExperts(nn.Module):
         self.use_grouped_mm = use_grouped_mm
         self.w1 = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+        # Checkpoints store the stacks at [E, ...] with w1 as [E, 2, F, H] (format.py).
+        self.w1.expert_stack = self.w2.expert_stack = True
+        self.w1.stored_parts = 2
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02, generator: torch.Generator | None = None):

@@ -15,9 +15,11 @@ Geometry of a parameter's full shape (from its `tp_partition_dim`, `tp_chunks`, 
   shard (one slice of every chunk) is one rectangle [c, n/(c*tp), ...];
 - vocabulary rows (`real_rows` = V): the unpadded [V, H] rows only (the padding to a multiple of
   128*tp depends on tp); padding rows stay zero on load;
-- expert-parallel experts (`expert_parallel`, `ep_rank`, `ep_size`: one ep rank's E/ep experts of
-  a [E, ...] stack): the full [E, ...] tensor, this rank's rows at offset ep_rank * E/ep on dim 0
-  (the edp replicas write the same rectangle once), so a checkpoint loads under any ep.
+- expert stacks (`expert_stack`; `expert_parallel`, `ep_rank`, `ep_size`: one ep rank's E/ep
+  experts): the full [E, ...] tensor, this rank's rows at offset ep_rank * E/ep on dim 0 (the edp
+  replicas write the same rectangle once); w1 (`stored_parts` = 2, gate and up rows) is stored as
+  [E, 2, F, H] at every expert tensor-parallel size, an etp rank's gate and up rows being one
+  rectangle [E/ep, 2, F/etp, H]; so a checkpoint loads under any ep and etp.
 """
 from __future__ import annotations
 
@@ -84,8 +86,8 @@ def param_shard(param: torch.Tensor, tensor: torch.Tensor, tp_rank: int, tp_size
     if tuple(tensor.shape) != tuple(param.shape):
         raise CheckpointError(f"state of shape {tuple(tensor.shape)} does not match its parameter "
                               f"{tuple(param.shape)}.")
-    if getattr(param, "expert_parallel", False) and getattr(param, "ep_size", 1) > 1:
-        return _expert_shard(param, tensor.detach())
+    if getattr(param, "expert_stack", False):
+        return _expert_shard(param, tensor.detach(), tp_rank, tp_size)
     dim = getattr(param, "tp_partition_dim", None)
     local = tensor.detach()
     shape = list(local.shape)
@@ -118,16 +120,32 @@ def param_shard(param: torch.Tensor, tensor: torch.Tensor, tp_rank: int, tp_size
     return Shard(local, torch.Size(gshape), torch.Size(offsets))
 
 
-def _expert_shard(param: torch.Tensor, local: torch.Tensor) -> Shard:
-    """One ep rank's experts [E/ep, ...] as rows ep_rank * E/ep.. of the full [E, ...] stack."""
-    if getattr(param, "tp_partition_dim", None) is not None:
-        raise CheckpointError("expert-parallel experts split over tp as well have no stored "
-                              "rectangle yet.")
-    rows = local.shape[0]
-    offsets = [0] * local.dim()
-    offsets[0] = param.ep_rank * rows
-    return Shard(local, torch.Size([rows * param.ep_size] + list(local.shape[1:])),
-                 torch.Size(offsets))
+def stored_parts(param: torch.Tensor) -> tuple[int | None, int]:
+    """(dim, c): the stored tensor cuts dim `dim` of the parameter into c parts ([.., c, n/c, ..]);
+    (None, 1) when stored in its own shape. Fused projections: their tp split; expert w1: dim 1."""
+    if getattr(param, "stored_parts", 1) > 1:
+        return 1, param.stored_parts
+    chunks = getattr(param, "tp_chunks", 1)
+    return (param.tp_partition_dim, chunks) if chunks > 1 else (None, 1)
+
+
+def _expert_shard(param: torch.Tensor, local: torch.Tensor, tp_rank: int, tp_size: int) -> Shard:
+    """One rank's expert stack [E/ep, ...] (split over etp = tp on `tp_partition_dim` or whole) as
+    its rectangle of the full [E, ...] stack: rows at ep_rank * E/ep; w1 as [E/ep, 2, F/etp, H]."""
+    view = local
+    parts = getattr(param, "stored_parts", 1)
+    if parts > 1:
+        view = local.unflatten(1, (parts, local.shape[1] // parts))   # [e, 2F', H] -> [e, 2, F', H]
+    gshape, offsets = list(view.shape), [0] * view.dim()
+    dim = getattr(param, "tp_partition_dim", None)
+    if dim is not None and tp_size > 1:            # etp = tp: the tp split (one part's rows of each)
+        dim += 1 if parts > 1 and dim >= 1 else 0
+        gshape[dim] *= tp_size
+        offsets[dim] = tp_rank * view.shape[dim]
+    ep = getattr(param, "ep_size", 1) if getattr(param, "expert_parallel", False) else 1
+    gshape[0] *= ep
+    offsets[0] = getattr(param, "ep_rank", 0) * view.shape[0] if ep > 1 else 0
+    return Shard(view, torch.Size(gshape), torch.Size(offsets))
 
 
 def named_parameters(chunks) -> list[tuple[str, torch.nn.Parameter]]:

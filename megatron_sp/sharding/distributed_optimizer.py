@@ -409,9 +409,10 @@ class DistributedOptimizer:
                 continue
             offsets = list(base.offsets)
             offsets[pc.dim] += lo
-            for key in ADAM_STATES:
-                state[f"optim/{name}/{key}"] = Shard(st[key].narrow(pc.dim, 0, rows), base.global_shape,
-                                                     torch.Size(offsets))
+            stored = [rows if d == pc.dim else n for d, n in enumerate(base.local.shape)]
+            for key in ADAM_STATES:   # the owned rows in the stored geometry (expert w1: [r, 2, F, H])
+                piece = st[key].narrow(pc.dim, 0, rows).view(stored)
+                state[f"optim/{name}/{key}"] = Shard(piece, base.global_shape, torch.Size(offsets))
             state[f"optim/{name}/step"] = st["step"]
         return state
 

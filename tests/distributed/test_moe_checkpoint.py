@@ -31,11 +31,13 @@ SAVE_AT, STEPS, GLOBAL_BATCH = 2, 4, 4
 
 def _full(t, p, mesh):
     """t (p itself or a state shaped like it) at the full shape: gathered over ep for experts."""
+    from megatron_sp.tensor_parallel import gather_full_like
     from megatron_sp.tensor_parallel.mappings import gather_along_dim
-    t = t.detach()
+    t = gather_full_like(t.detach(), p, mesh.tp_group)      # etp = tp: the tp split gathered
     if getattr(p, "expert_parallel", False) and getattr(p, "ep_size", 1) > 1:
         t = gather_along_dim(t.contiguous(), 0, mesh.expert_groups(p.ep_size).ep_group)
-    return t.clone()
+    rows = getattr(p, "real_rows", None)     # vocabulary padding differs between tp sizes
+    return (t[:rows] if rows else t).clone()
 
 
 def _snapshot(chunks, optimizer, mesh) -> dict:
@@ -54,7 +56,8 @@ def _snapshot(chunks, optimizer, mesh) -> dict:
     return out
 
 
-def _run(mesh, cfg, batches, micro, ep, *, seed, root, save=False, load=False, distributed=False):
+def _run(mesh, cfg, batches, micro, ep, *, seed, root, save=False, load=False, distributed=False,
+         etp=None):
     """Train batches[SAVE_AT:] after saving (save) or loading (load) at SAVE_AT; (history,
     snapshot at SAVE_AT)."""
     from megatron_sp import checkpointing as ck
@@ -62,8 +65,11 @@ def _run(mesh, cfg, batches, micro, ep, *, seed, root, save=False, load=False, d
     from megatron_sp.training import Trainer
     from megatron_sp.training.optimizer import LRScheduler, build_optimizer
     from layout_utils import build_chunks, full_gradient, micro_batches
-    chunks, schedule = build_chunks(mesh, cfg, model_kwargs={"expert_parallel_size": ep},
-                                    seed=seed)
+    kwargs = {"expert_parallel_size": ep}
+    if etp is not None:                      # tp > 1: MoE needs --sequence-parallel
+        kwargs["expert_tensor_parallel_size"] = etp
+    chunks, schedule = build_chunks(mesh, cfg, model_kwargs=kwargs, seed=seed,
+                                    sequence_parallel=mesh.tp_size > 1)
     sharding = None
     if distributed:
         from megatron_sp.sharding.distributed_optimizer import DistributedOptimizer
@@ -130,6 +136,23 @@ def _checks(rank, world, root):
         for name, values in at_save.items():
             assert torch.equal(values[0], loaded[name][0]), f"{what}: {name}"
         done.append((what,) + compare(saved, resumed, what))
+    # Expert tensor parallelism: saved with the experts split over tp (etp 2, w1's gate and up
+    # rows each halved), resumed with whole experts (etp 1, ep 2 folded over tp) and on one rank.
+    tmesh, troot = ParallelMesh.from_sizes(tp=2, sp=2), root + "-etp"
+    for distributed in (False, True):
+        saved, at_save = _run(tmesh, cfg, batches, 4, 1, seed=7, root=troot + str(distributed),
+                              save=True, distributed=distributed, etp=2)
+        kind = "distributed optimizer " if distributed else ""
+        for what, lmesh, micro, ep, etp in ((f"{kind}etp 2 -> etp 1 ep 2", tmesh, 4, 2, 1),
+                                            (f"{kind}etp 2 -> one rank", ParallelMesh.single(),
+                                             GLOBAL_BATCH, 1, None)):
+            resumed, loaded = _run(lmesh, cfg, batches, micro, ep, seed=99,
+                                   root=troot + str(distributed), load=True,
+                                   distributed=distributed, etp=etp)
+            for name, values in at_save.items():
+                for a, b in zip(values, loaded[name]):
+                    assert (torch.equal(a, b) if torch.is_tensor(a) else a == b), f"{what}: {name}"
+            done.append((what,) + compare(saved, resumed, what))
     return done
 
 
@@ -140,6 +163,9 @@ def test_moe_checkpoint_resumes_across_expert_parallel_sizes():
         results = run_distributed(_checks, 4, root)
     assert [r[0] for r in results[0]] == ["ep 2 -> ep 4", "ep 2 -> ep 1", "ep 2 -> one rank",
                                           "distributed optimizer ep 2 -> ep 4",
-                                          "distributed optimizer ep 2 -> one rank"]
+                                          "distributed optimizer ep 2 -> one rank",
+                                          "etp 2 -> etp 1 ep 2", "etp 2 -> one rank",
+                                          "distributed optimizer etp 2 -> etp 1 ep 2",
+                                          "distributed optimizer etp 2 -> one rank"]
     for what, loss, grad in results[0]:
         print(f"{what}: loss rel {loss:.1e}, grad {grad:.1e}")
