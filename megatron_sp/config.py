@@ -214,11 +214,6 @@ class ParallelConfig:
         ep = self.expert_model_parallel_size
         if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
             raise ConfigError(f"--expert-model-parallel-size must be a positive integer, got {ep!r}.")
-        if ep > 1 and self.use_torch_fsdp2:
-            raise ConfigError(f"--expert-model-parallel-size {ep} with --use-torch-fsdp2 is not "
-                              f"implemented yet: use --use-distributed-optimizer (the experts' "
-                              f"state sharded over their expert-data-parallel ranks) or "
-                              f"--expert-model-parallel-size 1.")
         size, tp = self.expert_tensor_parallel_size, self.tensor_model_parallel_size
         if size is not None and size not in (1, tp):
             raise ConfigError(f"--expert-tensor-parallel-size {size} must be 1 (whole experts, "

@@ -44,17 +44,6 @@ def is_expert_parallel(p) -> bool:
     return getattr(p, "expert_parallel", False) and getattr(p, "ep_size", 1) > 1
 
 
-def refuse_expert_parallel(params, mode: str) -> None:
-    """LayoutError when `params` hold expert-parallel experts: `mode` (FSDP2, the distributed
-    optimizer) shards over dp x sp, which does not know the experts differ per ep rank."""
-    for p in params:
-        if is_expert_parallel(p):
-            from megatron_sp.mesh import LayoutError
-            raise LayoutError(f"--expert-model-parallel-size {p.ep_size} with {mode} is not "
-                              f"implemented yet: drop {mode} (replicated state) or use "
-                              f"--expert-model-parallel-size 1.")
-
-
 class _Bucket:
     def __init__(self, params, group, kind="dp_sp/all_reduce"):
         self.params = params

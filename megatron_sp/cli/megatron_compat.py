@@ -131,8 +131,8 @@ HONOURED_NOTES = {
                                    "experts' ranks",
     "--expert-model-parallel-size": "experts split over ep ranks of a stage's dp x cp x sp x tp "
                                     "(tp ranks first), alltoall dispatch; checkpoints resume "
-                                    "across ep sizes; the distributed optimizer shards the "
-                                    "experts' state over edp; not yet with FSDP2",
+                                    "across ep sizes; the distributed optimizer and FSDP2 "
+                                    "shard the experts' state over edp",
     "--expert-tensor-parallel-size": "1 (unset: 1, not tp): whole experts, each tp rank routes "
                                      "its own tokens; or tp with ep 1: experts split over tp, "
                                      "tokens all-gathered around them (tp > 1 needs "

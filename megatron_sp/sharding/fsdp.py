@@ -9,7 +9,12 @@ rank's (tp, pp) slice along dim 0 over the n = dp*sp ranks of its dp x sp group 
 
 Units: one per transformer layer, the word/position embeddings when untied, and the root (the
 rest: final norm, output layer, tied embeddings, which the output reads directly). Each layer's
-forward prefetches the next layer's all-gather, each backward the previous one's.
+forward prefetches the next layer's all-gather, each backward the previous one's. Expert
+parallelism (ep > 1): a layer's E/ep experts differ per ep rank, so they are a unit of their own
+inside the layer, sharded over their expert-data-parallel (edp) group instead (the ranks holding
+the same experts, mesh.expert_groups):
+
+    ep rank's experts  [E/ep, ...]  ->  edp rank j holds rows [j*ceil(E/ep/m), ...), m = edp size
 
 Per step:
 - forward/backward all-gather a unit's parameters just before it runs and free them after;
@@ -34,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_sp.grad_sync import _active, all_reduce_sum, refuse_expert_parallel
+from megatron_sp.grad_sync import _active, _sum_over_ep, all_reduce_sum, is_expert_parallel
 
 from .state_bytes import local_tensor, model_state_bytes, optimizer_tensors
 
@@ -103,7 +108,6 @@ def apply_fsdp2(chunks, mesh, *, bf16: bool = False, cpu_offload: bool = False,
     """Shard every model chunk with fully_shard over dp x sp; returns the Trainer's sharding."""
     from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                                         fully_shard)
-    refuse_expert_parallel([p for c in chunks for p in c.parameters()], "--use-torch-fsdp2")
     device = device or next(chunks[0].parameters()).device
     ensure_process_group(device.type)
     dp_sp = dp_sp_device_mesh(mesh, device.type)
@@ -117,6 +121,7 @@ def apply_fsdp2(chunks, mesh, *, bf16: bool = False, cpu_offload: bool = False,
         saved = _param_attributes(chunk)
         layers = list(chunk.layers.values())
         for layer in layers:
+            _shard_experts(layer, mesh, kwargs)
             fully_shard(layer, **kwargs)
         if chunk.embedding is not None and not chunk.config.tie_embeddings:
             fully_shard(chunk.embedding, **kwargs)
@@ -130,6 +135,23 @@ def apply_fsdp2(chunks, mesh, *, bf16: bool = False, cpu_offload: bool = False,
                 module.set_gradient_divide_factor(1.0)     # sum: the loss is already normalised
                 module.set_force_sum_reduction_for_comms(True)   # plain SUM (gloo has no PREMUL_SUM)
     return FSDP2(chunks, mesh, device=device, offloaded=cpu_offload)
+
+
+def _shard_experts(layer, mesh, kwargs) -> None:
+    """Expert parallelism: a layer's E/ep experts differ per ep rank, so they are their own unit,
+    sharded over their expert-data-parallel (edp) group, the ranks holding the same experts
+    (torchtitan's dp_shard_mod_ep). Their gradients are reduce-scattered (summed) over edp."""
+    import warnings
+    from torch.distributed.fsdp import fully_shard
+    # GroupedExperts returns a view (models/moe.py _ContiguousGrad makes its gradient dense); no
+    # caller writes it in place, so FSDP2's warning about in-place ops on views does not apply.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGroupedExperts\) "
+                                              r"returned a view tensor")
+    for module in layer.modules():
+        ep = {p.ep_size for p in module.parameters(recurse=False) if is_expert_parallel(p)}
+        if ep:
+            edp = mesh.expert_groups(ep.pop()).device_mesh["edp"]    # 1-D: this rank's edp group
+            fully_shard(module, **dict(kwargs, mesh=edp))
 
 
 class FSDP2:
@@ -195,11 +217,14 @@ class FSDP2:
         """L2 norm of the full gradient: local shards summed over dp x sp, tp shards, stages."""
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros_like(sharded)
+        experts = {}   # ep size -> squared norm of this rank's edp shard of its ep rank's experts
         for p in self.params:
             if p.grad is None or getattr(p, "embedding_copy", False):
                 continue
             sq = local_tensor(p.grad.detach()).double().pow(2).sum().to(self.device)
-            if getattr(p, "tp_partition_dim", None) is not None:
+            if is_expert_parallel(p):
+                experts[p.ep_size] = experts.get(p.ep_size, 0.0) + sq
+            elif getattr(p, "tp_partition_dim", None) is not None:
                 sharded += sq
             else:
                 replicated += sq
@@ -208,7 +233,8 @@ class FSDP2:
         # Replicated parameters hold the same gradient on every tp rank: count them once.
         total = torch.stack([total[0], total[1] / self.mesh.tp_size])   # [2]
         all_reduce_sum(total, self.mesh.tp_group, "tp/all_reduce")
-        total = total.sum()
+        # Experts: shards summed over edp, then the ep ranks' experts (the ep group spans tp).
+        total = total.sum() + _sum_over_ep(experts, self.mesh, sharded_over_edp=True)
         all_reduce_sum(total, self.mesh.pp_group, "pp/all_reduce")
         return total.item() ** 0.5
 
@@ -244,6 +270,7 @@ def checkpoint_rectangle(param, tensor, slice_rectangle, shard_cls):
     geometry: tp offsets, fused parts [c, n/c, ...], unpadded vocabulary rows); FSDP2's dim-0 rows
     [row0, row0 + r) of the slice then narrow it.
     """
+    from megatron_sp.checkpointing.format import stored_parts
     with torch.no_grad():
         local = tensor.detach().to_local()
         mesh = tensor.device_mesh
@@ -256,14 +283,13 @@ def checkpoint_rectangle(param, tensor, slice_rectangle, shard_cls):
         if base is None or local.shape[0] == 0:
             return None
         offsets = list(base.offsets)
-        dim = getattr(param, "tp_partition_dim", None)
+        dim, parts = stored_parts(param)
         if base.local.dim() == local.dim():           # rows map to stored rows (+ tp offset)
             keep = min(local.shape[0], base.local.shape[0] - row0)   # unpadded vocabulary rows
             if keep <= 0:
                 return None
             offsets[0] += row0
             return shard_cls(local[:keep], base.global_shape, torch.Size(offsets))
-        parts = getattr(param, "tp_chunks", 1)
         part = tensor.shape[dim] // parts
         if dim != 0:                                  # [R, .., c, n/c, ..]: rows unaffected
             offsets[0] += row0

@@ -87,8 +87,6 @@ def test_moe_layer_freq_refuses_anything_else(value, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["--expert-model-parallel-size", "2", "--use-torch-fsdp2"],
-     "--expert-model-parallel-size 2 with --use-torch-fsdp2 is not implemented yet"),
     (["--expert-model-parallel-size", "0"], "--expert-model-parallel-size must be a positive"),
     (["--expert-tensor-parallel-size", "2"],
      "--expert-tensor-parallel-size 2 must be 1 (whole experts, the default here) or "

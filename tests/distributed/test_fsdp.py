@@ -26,7 +26,7 @@ import torch
 
 from megatron_sp.checkpointing import load_checkpoint, read_full_tensors, save_checkpoint
 from megatron_sp.config import JobConfig
-from megatron_sp.grad_sync import all_reduce_sum
+from megatron_sp.grad_sync import all_reduce_sum, is_expert_parallel
 from megatron_sp.memory import MemoryOptions
 from megatron_sp.mesh import ParallelMesh
 from megatron_sp.models import preset
@@ -34,6 +34,7 @@ from megatron_sp.training.optimizer import LRScheduler, build_optimizer
 from megatron_sp.sharding.distributed_optimizer import DistributedOptimizer
 from megatron_sp.sharding.fsdp import apply_fsdp2, full_tensor
 from megatron_sp.tensor_parallel import gather_full_like
+from megatron_sp.tensor_parallel.mappings import gather_along_dim
 from megatron_sp.testing import FaultInjection, assert_same_curve, free_port, run_distributed
 from megatron_sp.training import Trainer
 
@@ -43,15 +44,23 @@ LOSS_RTOL, ATOL = 1e-5, 1e-4
 BF16_LOSS_RTOL, BF16_ATOL = 2e-2, 1e-2
 SMALL_LLAMA = {"hidden_size": 128, "ffn_hidden_size": 352}   # llama-tiny, narrower: faster tests
 SEQ, GLOBAL_BATCH, STEPS = 32, 8, 3
+# Mixture of experts (--num-experts 4, top 2, a shared expert): seq_aux_loss, whose mean over
+# sequences is what data parallelism averages, so every layout equals one rank.
+MOE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+           ffn_hidden_size=96, vocab_size=300, num_experts=4, moe_ffn_hidden_size=32,
+           moe_router_topk=2, moe_aux_loss_coeff=1.0, moe_z_loss_coeff=0.1,
+           moe_router_load_balancing_type="seq_aux_loss", moe_shared_expert_intermediate_size=48)
 
 
 def _trainer(mesh, cfg, micro_batch, *, fsdp=None, distopt=None, sequence_parallel=False,
-             pipeline=None, memory=None, seed=7, flags=None, step_hooks=()):
+             pipeline=None, memory=None, seed=7, flags=None, step_hooks=(), model_kwargs=None):
     """fsdp / distopt: the keyword arguments of apply_fsdp2 / DistributedOptimizer (None: not);
-    flags: more JobConfig flags; step_hooks: the Trainer's."""
+    flags: more JobConfig flags; step_hooks: the Trainer's; model_kwargs: more GPTModel
+    arguments (expert_parallel_size)."""
     chunks, schedule = build_chunks(mesh, cfg, sequence_parallel=sequence_parallel,
                                     pipeline=pipeline, seed=seed,
-                                    model_kwargs={"memory": MemoryOptions(**(memory or {}))})
+                                    model_kwargs={"memory": MemoryOptions(**(memory or {})),
+                                                  **(model_kwargs or {})})
     sharding = apply_fsdp2(chunks, mesh, **fsdp) if fsdp is not None else None
     if distopt is not None:
         sharding = optimizer = DistributedOptimizer(chunks, mesh, lr=1e-3, weight_decay=0.1,
@@ -67,8 +76,12 @@ def _trainer(mesh, cfg, micro_batch, *, fsdp=None, distopt=None, sequence_parall
 
 
 def _full(tensor, param, mesh):
-    """The full tensor of a parameter-shaped tensor: over dp x sp (FSDP2), then over tp."""
-    return gather_full_like(full_tensor(tensor), param, mesh.tp_group)
+    """The full tensor of a parameter-shaped tensor: over dp x sp (FSDP2; an ep rank's experts
+    over their edp group), then over tp, then expert-parallel experts over ep (E/ep rows each)."""
+    full = gather_full_like(full_tensor(tensor), param, mesh.tp_group)
+    if is_expert_parallel(param):
+        full = gather_along_dim(full.contiguous(), 0, mesh.expert_groups(param.ep_size).ep_group)
+    return full
 
 
 def _train(trainer, batches, mesh):
@@ -103,10 +116,15 @@ def _compare(ref, cand, what, loss_rtol=LOSS_RTOL, atol=ATOL):
 
 
 def _state_bytes_formula(trainer, mesh, offloaded):
-    """docs/design.md §11: 16 P_r / n per rank (on the host with offload), P_r the (tp, pp) slice."""
-    p_r = sum(p.numel() for c in trainer.chunks for p in c.parameters())   # DTensor: slice shape
+    """docs/design.md §11: 16 P_r / n per rank (on the host with offload), P_r the (tp, pp) slice;
+    an ep rank's experts (P_e of its E/ep experts) over their edp group instead: 16 P_e / edp."""
+    params = [p for c in trainer.chunks for p in c.parameters()]   # DTensor numel: slice shape
+    p_r = sum(p.numel() for p in params if not is_expert_parallel(p))
     n = mesh.dp_size * mesh.sp_size * mesh.cp_size       # dp x (the whole context: sp x cp)
     sharded = 16 * p_r // n
+    for p in params:
+        if is_expert_parallel(p):
+            sharded += 16 * p.numel() // mesh.expert_groups(p.ep_size).edp
     return {"device_bytes": 0 if offloaded else sharded, "host_bytes": sharded if offloaded else 0}
 
 
@@ -127,7 +145,8 @@ def _check_cases(rank, world, cases):
         fsdp = case.get("fsdp", {})
         trainer = _trainer(mesh, cfg, case["micro_batch"], fsdp=fsdp,
                            sequence_parallel=case.get("sequence_parallel", False),
-                           pipeline=case.get("pipeline"), memory=case.get("memory"))
+                           pipeline=case.get("pipeline"), memory=case.get("memory"),
+                           model_kwargs=case.get("model_kwargs"))
         candidate = _train(trainer, batches, mesh)
         tol = (BF16_LOSS_RTOL, BF16_ATOL) if fsdp.get("bf16") else (LOSS_RTOL, ATOL)
         worst = _compare(references[key], candidate, case["name"], *tol)
@@ -294,6 +313,14 @@ def test_fsdp2_four_ranks_layouts_memory_bf16_checkpoints(tmp_path):
         _case("sp2 x dp2 gpt2 --bf16", "gpt2-tiny", 3, 2, sp=2, fsdp={"bf16": True}),
         _case("ring cp2 x dp2 llama (sharded over dp x cp)", "llama-tiny", 9, 2, cp=2,
               check_bytes=True, overrides=SMALL_LLAMA),
+        _case("moe ep2 x sp2 (dp2): each ep rank's experts over its edp 2", "llama-tiny", 10, 1,
+              sp=2, check_bytes=True, overrides=MOE, model_kwargs={"expert_parallel_size": 2}),
+        _case("moe ep4 over dp2 x sp2 (edp 1) + cpu offload", "llama-tiny", 11, 2, sp=2,
+              fsdp={"cpu_offload": True}, check_bytes=True, overrides=MOE,
+              model_kwargs={"expert_parallel_size": 4}),
+        _case("moe tp2 x sp2 --sequence-parallel, ep2 folded over tp", "llama-tiny", 12, 4, tp=2,
+              sp=2, sequence_parallel=True, check_bytes=True, overrides=MOE,
+              model_kwargs={"expert_parallel_size": 2}),
     ]
     outputs = run_distributed(_four_rank_checks, 4, cases, str(tmp_path))
     print("worst full gradient / parameter difference per case:", outputs[0][0])

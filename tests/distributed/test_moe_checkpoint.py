@@ -11,6 +11,9 @@ it loads under ep 1 and ep 4 on the same ranks, and on one rank:
 The same with the distributed optimizer (the experts' AdamW rows sharded over their edp group, the
 rest over dp x sp): saved at ep 2, resumed at ep 4 and on one rank; the parameters come back exact
 and the next 2 steps match in loss, grad norm and updated weights (1e-4; the moments must be back).
+The same with FSDP2 (each ep rank's experts sharded over its edp group): saved at ep 2, resumed
+under FSDP2 at ep 4 and unsharded on one rank, parameters and moments exact.
+Expert tensor parallelism (etp 2, tp2 x sp2): resumed at etp 1 ep 2 and on one rank, exact.
 """
 from __future__ import annotations
 
@@ -33,7 +36,9 @@ def _full(t, p, mesh):
     """t (p itself or a state shaped like it) at the full shape: gathered over ep for experts."""
     from megatron_sp.tensor_parallel import gather_full_like
     from megatron_sp.tensor_parallel.mappings import gather_along_dim
-    t = gather_full_like(t.detach(), p, mesh.tp_group)      # etp = tp: the tp split gathered
+    from megatron_sp.sharding.fsdp import full_tensor
+    t = full_tensor(t)                                      # FSDP2: gathered over dp x sp / edp
+    t = gather_full_like(t, p, mesh.tp_group)               # etp = tp: the tp split gathered
     if getattr(p, "expert_parallel", False) and getattr(p, "ep_size", 1) > 1:
         t = gather_along_dim(t.contiguous(), 0, mesh.expert_groups(p.ep_size).ep_group)
     rows = getattr(p, "real_rows", None)     # vocabulary padding differs between tp sizes
@@ -57,7 +62,7 @@ def _snapshot(chunks, optimizer, mesh) -> dict:
 
 
 def _run(mesh, cfg, batches, micro, ep, *, seed, root, save=False, load=False, distributed=False,
-         etp=None):
+         etp=None, fsdp=False):
     """Train batches[SAVE_AT:] after saving (save) or loading (load) at SAVE_AT; (history,
     snapshot at SAVE_AT)."""
     from megatron_sp import checkpointing as ck
@@ -71,6 +76,9 @@ def _run(mesh, cfg, batches, micro, ep, *, seed, root, save=False, load=False, d
     chunks, schedule = build_chunks(mesh, cfg, model_kwargs=kwargs, seed=seed,
                                     sequence_parallel=mesh.tp_size > 1)
     sharding = None
+    if fsdp:
+        from megatron_sp.sharding.fsdp import apply_fsdp2
+        sharding = apply_fsdp2(chunks, mesh)
     if distributed:
         from megatron_sp.sharding.distributed_optimizer import DistributedOptimizer
         optimizer = sharding = DistributedOptimizer(chunks, mesh, lr=1e-3, weight_decay=0.1,
@@ -88,6 +96,8 @@ def _run(mesh, cfg, batches, micro, ep, *, seed, root, save=False, load=False, d
         result = trainer.train_step(micro_batches(batch, micro, mesh.dp_rank, mesh.dp_size))
         if distributed:   # p.grad is reduced in the owned rows only: compare the updated weights
             grads = {n + "#updated": _full(p, p, mesh) for c in chunks for n, p in c.named_parameters()}
+        elif fsdp:
+            grads = {n: _full(p.grad, p, mesh) for c in chunks for n, p in c.named_parameters()}
         else:
             grads = {n: full_gradient(p, mesh) for c in chunks for n, p in c.named_parameters()}
         return result.loss, result.grad_norm, grads
@@ -136,6 +146,20 @@ def _checks(rank, world, root):
         for name, values in at_save.items():
             assert torch.equal(values[0], loaded[name][0]), f"{what}: {name}"
         done.append((what,) + compare(saved, resumed, what))
+    # FSDP2: each ep rank's experts sharded over its edp group (AdamW moments DTensors like the
+    # parameters); saved at ep 2, resumed under FSDP2 at ep 4 and unsharded on one rank.
+    froot = root + "-fsdp"
+    saved, at_save = _run(mesh, cfg, batches, 2, 2, seed=7, root=froot, save=True, fsdp=True)
+    for what, lmesh, micro, ep, fsdp in (("FSDP2 ep 2 -> FSDP2 ep 4", mesh, 2, 4, True),
+                                         ("FSDP2 ep 2 -> one rank", ParallelMesh.single(),
+                                          GLOBAL_BATCH, 1, False)):
+        resumed, loaded = _run(lmesh, cfg, batches, micro, ep, seed=99, root=froot, load=True,
+                               fsdp=fsdp)
+        assert loaded.keys() == at_save.keys()
+        for name, values in at_save.items():
+            for a, b in zip(values, loaded[name]):
+                assert (torch.equal(a, b) if torch.is_tensor(a) else a == b), f"{what}: {name}"
+        done.append((what,) + compare(saved, resumed, what))
     # Expert tensor parallelism: saved with the experts split over tp (etp 2, w1's gate and up
     # rows each halved), resumed with whole experts (etp 1, ep 2 folded over tp) and on one rank.
     tmesh, troot = ParallelMesh.from_sizes(tp=2, sp=2), root + "-etp"
@@ -164,6 +188,7 @@ def test_moe_checkpoint_resumes_across_expert_parallel_sizes():
     assert [r[0] for r in results[0]] == ["ep 2 -> ep 4", "ep 2 -> ep 1", "ep 2 -> one rank",
                                           "distributed optimizer ep 2 -> ep 4",
                                           "distributed optimizer ep 2 -> one rank",
+                                          "FSDP2 ep 2 -> FSDP2 ep 4", "FSDP2 ep 2 -> one rank",
                                           "etp 2 -> etp 1 ep 2", "etp 2 -> one rank",
                                           "distributed optimizer etp 2 -> etp 1 ep 2",
                                           "distributed optimizer etp 2 -> one rank"]

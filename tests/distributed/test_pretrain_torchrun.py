@@ -58,7 +58,8 @@ def test_moe_saved_at_ep2_resumes_at_ep4(tmp_path):
     """A mixture-of-experts run at dp 2 x sp 2 with --expert-model-parallel-size 2 saves at
     iteration 2; resumed from it with --expert-model-parallel-size 4 (other experts per rank, the
     same full expert stacks in the checkpoint), iterations 3-4 log the same lm loss, router loss
-    and grad norm as the uninterrupted run (1e-5 relative)."""
+    and grad norm as the uninterrupted run (1e-5 relative); so does the resume at ep 4 under
+    --use-torch-fsdp2 (each ep rank's experts sharded over its edp group)."""
     import json
     moe = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2",
            "--moe-aux-loss-coeff", "1e-2", "--moe-router-load-balancing-type", "seq_aux_loss",
@@ -66,7 +67,9 @@ def test_moe_saved_at_ep2_resumes_at_ep4(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     runs = (("ep2", moe + ["--expert-model-parallel-size", "2", "--save", ckpt,
                            "--save-interval", "2"]),
-            ("ep4", moe + ["--expert-model-parallel-size", "4", "--load", ckpt, "--ckpt-step", "2"]))
+            ("ep4", moe + ["--expert-model-parallel-size", "4", "--load", ckpt, "--ckpt-step", "2"]),
+            ("ep4-fsdp2", moe + ["--expert-model-parallel-size", "4", "--load", ckpt,
+                                 "--ckpt-step", "2", "--use-torch-fsdp2"]))
     for name, extra in runs:
         p = _launch(4, extra, tmp_path / f"{name}.jsonl")
         out, _ = p.communicate(timeout=300)
@@ -77,8 +80,11 @@ def test_moe_saved_at_ep2_resumes_at_ep4(tmp_path):
         records = map(json.loads, open(tmp_path / f"{name}.jsonl"))
         return {r["iteration"]: [r[k] for k in keys] for r in records if "lm_loss" in r}
 
-    straight, resumed = logged("ep2"), logged("ep4")
-    assert sorted(straight) == [1, 2, 3, 4] and sorted(resumed) == [3, 4], (straight, resumed)
-    for it in (3, 4):
-        for a, b in zip(straight[it], resumed[it]):
-            assert abs(a - b) <= 1e-5 * abs(a), (it, straight[it], resumed[it])
+    straight = logged("ep2")
+    assert sorted(straight) == [1, 2, 3, 4], straight
+    for name in ("ep4", "ep4-fsdp2"):
+        resumed = logged(name)
+        assert sorted(resumed) == [3, 4], (name, resumed)
+        for it in (3, 4):
+            for a, b in zip(straight[it], resumed[it]):
+                assert abs(a - b) <= 1e-5 * abs(a), (name, it, straight[it], resumed[it])

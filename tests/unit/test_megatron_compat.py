@@ -84,7 +84,8 @@ def test_mapped_and_noop_flags_are_said_once():
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["--expert-model-parallel-size", "2", "--use-torch-fsdp2"], "is not implemented yet"),
+    (["--tensor-model-parallel-size", "4", "--sequence-parallel", "--num-experts", "4",
+      "--expert-tensor-parallel-size", "2"], "other sizes are not implemented yet"),
     (["--moe-pad-expert-input-to-capacity"], "needs --moe-expert-capacity-factor"),
     (["--ckpt-format", "torch"], "torch_dist"),
     (["--lr-decay-samples", "100", "--train-iters", "10"], "--train-samples"),

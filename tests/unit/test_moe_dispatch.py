@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from megatron_sp.checkpointing.format import model_state
-from megatron_sp.grad_sync import refuse_expert_parallel as refuse_sharding
 from megatron_sp.mesh import LayoutError, ParallelMesh
 from megatron_sp.models import GPTModel, preset
 from megatron_sp.models.init import init_parameters
@@ -56,6 +55,7 @@ def test_expert_parallel_parameters_are_rows_of_the_full_tensor():
             experts = layer.mlp.experts
             for name in ("w1", "w2"):
                 w = torch.nn.Parameter(getattr(experts, name).data[: cfg.num_experts // ep].clone())
+                w.__dict__.update(vars(getattr(experts, name)))     # expert_stack, stored_parts
                 w.expert_parallel, w.ep_rank, w.ep_size = True, ep_rank, ep
                 setattr(experts, name, w)
         init_parameters(model, seed=3)
@@ -66,17 +66,20 @@ def test_expert_parallel_parameters_are_rows_of_the_full_tensor():
                 assert torch.equal(p, ref[name][rows]), name
             else:
                 assert torch.equal(p, ref[name]), name
-        # Checkpoint geometry: this rank's rows of the full [E, ...] stack, at ep_rank * E/ep.
-        stored = model_state([model], 0, 1)
+        # Checkpoint geometry: this rank's rows of the full [E, ...] stack, at ep_rank * E/ep;
+        # w1 as [E, 2, F, H] (gate, up), as the one-rank model stores it.
+        stored, ref_stored = model_state([model], 0, 1), model_state([full], 0, 1)
         for name, p in model.named_parameters():
             shard = stored[f"model/{name}"]
             if getattr(p, "expert_parallel", False):
-                assert tuple(shard.global_shape) == tuple(ref[name].shape), name
-                assert shard.offsets[0] == ep_rank * 2 and list(shard.offsets[1:]) == [0, 0]
+                want = ref_stored[f"model/{name}"]
+                assert tuple(shard.global_shape) == tuple(want.global_shape), name
+                assert tuple(want.global_shape) == ((4, 2, 32, 64) if name.endswith("w1")
+                                                    else (4, 64, 32)), name
+                assert shard.offsets[0] == ep_rank * 2 and set(shard.offsets[1:]) == {0}
+                assert torch.equal(shard.local, want.local[ep_rank * 2:ep_rank * 2 + 2]), name
             else:
                 assert tuple(shard.global_shape) == tuple(p.shape)
-        with pytest.raises(LayoutError, match="with --use-torch-fsdp2 is not implemented yet"):
-            refuse_sharding(list(model.parameters()), "--use-torch-fsdp2")
 
 
 @pytest.mark.parametrize("overrides,ep,words", [
