@@ -587,9 +587,11 @@ def say_startup(job: JobConfig, mesh, config, chunks) -> None:
         lines.append(f"> attention: {described}")
     ep = job.parallel.expert_model_parallel_size
     if ep > 1:
-        groups = mesh.expert_groups(ep)   # cached at model construction: no collective here
+        etp = chunks[0].expert_tensor_parallel_size
+        groups = mesh.expert_groups(ep, etp)   # cached at model construction: no collective here
+        split = f", each split over etp={etp}" if etp > 1 else ""
         lines.append(f"> expert parallelism: ep={ep} (each rank holds {config.num_experts // ep} "
-                     f"of {config.num_experts} experts per MoE layer, tokens dispatched by "
+                     f"of {config.num_experts} experts per MoE layer{split}, tokens dispatched by "
                      f"all-to-all), expert gradients reduced over edp={groups.edp}")
     n = job.memory.ulysses_head_chunks
     if n > 1:

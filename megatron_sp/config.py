@@ -180,13 +180,13 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     """--expert-model-parallel-size: Megatron-LM's expert-parallel degree (ep): each MoE layer's
     experts split over ep consecutive ranks of a stage's (dp, cp, sp, tp) order, tokens dispatched
-    by all-to-all (not with FSDP2, the distributed optimizer, capacity dropping or checkpoints
-    yet)."""
+    by all-to-all; with --expert-tensor-parallel-size tp (the default) over dp x cp x sp only."""
     expert_tensor_parallel_size: int | None = None
-    """--expert-tensor-parallel-size: tensor-parallel degree of the experts. 1 (or unset, which
-    means 1 here, not tp as in Megatron-LM): whole experts on each rank, each tp rank (tp > 1 needs
-    --sequence-parallel) routing its own tokens (parallel folding); tp (ep 1 only): the experts
-    split over tp like the dense SwiGLU MLP, the tokens all-gathered over tp around them."""
+    """--expert-tensor-parallel-size: tensor-parallel degree of the experts. tp (or unset, as in
+    Megatron-LM; MoE under tp > 1 needs --sequence-parallel): the experts split over tp like the
+    dense SwiGLU MLP, the tokens all-gathered over tp around them, ep over dp x cp x sp; 1: whole
+    experts on each rank, each tp rank routing its own tokens, ep folded over tp too (Megatron's
+    parallel folding). GPTModel resolves None."""
 
     def __post_init__(self):
         pp = self.pipeline_model_parallel_size
@@ -216,13 +216,9 @@ class ParallelConfig:
             raise ConfigError(f"--expert-model-parallel-size must be a positive integer, got {ep!r}.")
         size, tp = self.expert_tensor_parallel_size, self.tensor_model_parallel_size
         if size is not None and size not in (1, tp):
-            raise ConfigError(f"--expert-tensor-parallel-size {size} must be 1 (whole experts, "
-                              f"the default here) or --tensor-model-parallel-size {tp} (experts "
-                              f"split over tp): other sizes are not implemented yet.")
-        if size is not None and size > 1 and ep > 1:
-            raise ConfigError(f"--expert-tensor-parallel-size {size} with "
-                              f"--expert-model-parallel-size {ep} is not implemented yet: use "
-                              f"--expert-tensor-parallel-size 1 (the experts folded over tp).")
+            raise ConfigError(f"--expert-tensor-parallel-size {size} must be 1 (whole experts) "
+                              f"or --tensor-model-parallel-size {tp} (experts split over tp, the "
+                              f"default): other sizes are not implemented yet.")
         self._resolve_context()
 
     def _resolve_context(self) -> None:

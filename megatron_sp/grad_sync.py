@@ -44,6 +44,17 @@ def is_expert_parallel(p) -> bool:
     return getattr(p, "expert_parallel", False) and getattr(p, "ep_size", 1) > 1
 
 
+def expert_key(p) -> tuple[int, int]:
+    """(ep, etp) of an expert-parallel parameter: the mesh.expert_groups its experts live on
+    (etp > 1: each tp rank holds its ffn slice of them)."""
+    return p.ep_size, getattr(p, "etp_size", 1)
+
+
+def expert_groups_of(mesh, p):
+    """mesh.expert_groups of expert-parallel parameter p (its ep and edp groups)."""
+    return mesh.expert_groups(*expert_key(p))
+
+
 class _Bucket:
     def __init__(self, params, group, kind="dp_sp/all_reduce"):
         self.params = params
@@ -98,8 +109,8 @@ class GradientSync:
         by_group = {}
         for p in reversed(params):               # backward visits layers roughly in reverse
             if is_expert_parallel(p):
-                key = ("edp", p.ep_size)
-                group = mesh.expert_groups(p.ep_size).edp_group
+                key = ("edp",) + expert_key(p)
+                group = expert_groups_of(mesh, p).edp_group
                 group = group if _active(group) else None
             else:
                 key, group = ("dp_sp",), self.group
@@ -173,13 +184,13 @@ def global_grad_norm(params, mesh, grads=None, shard_group=None,
     device = next((g.device for g in grads if g is not None), _device(params))
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
-    experts = {}   # ep size -> squared norm of this ep rank's experts
+    experts = {}   # (ep, etp) -> squared norm of this ep rank's experts
     for p, grad in zip(params, grads):   # summed on the device: no host sync per parameter
         if grad is None or getattr(p, "embedding_copy", False):
             continue
         sq = grad.detach().double().pow(2).sum()
         if is_expert_parallel(p):
-            experts[p.ep_size] = experts.get(p.ep_size, 0.0) + sq
+            experts[expert_key(p)] = experts.get(expert_key(p), 0.0) + sq
         elif getattr(p, "tp_partition_dim", None) is not None:
             sharded += sq
         else:
@@ -188,25 +199,30 @@ def global_grad_norm(params, mesh, grads=None, shard_group=None,
     total = torch.stack([sharded, replicated / mesh.tp_size])
     all_reduce_sum(total, shard_group, "dp_sp/all_reduce")
     all_reduce_sum(total, mesh.tp_group, "tp/all_reduce")
-    # The ep group already spans the tp ranks (experts folded over the stage): after the ep sum
-    # every rank of the stage holds the experts' whole square, added once, after the tp sum.
+    # etp 1: the ep group already spans the tp ranks (experts folded over the stage); etp = tp:
+    # the ep sum is followed by one over tp. Either way every rank of the stage then holds the
+    # experts' whole square, added once, after the tp sum.
     total = total.sum() + _sum_over_ep(experts, mesh, experts_sharded)
     all_reduce_sum(total, mesh.pp_group, "pp/all_reduce")
     return math.sqrt(total.item())
 
 
 def _sum_over_ep(experts: dict, mesh, sharded_over_edp: bool = False):
-    """The per-ep-size sums of expert-parallel parameters (each ep rank holds different experts),
+    """The per-(ep, etp) sums of expert-parallel parameters (each ep rank holds different experts),
     each summed over its ep group (first over its edp group when each edp rank holds other rows:
-    `sharded_over_edp`); 0 without any. Every rank of a stage holds the same layers, so the ep
-    groups agree on whether to reduce."""
+    `sharded_over_edp`; then over tp when etp = tp, each tp rank holding other ffn slices); 0
+    without any. Every rank of a stage holds the same layers, so the groups agree on whether to
+    reduce."""
     total = 0.0
-    for ep, value in sorted(experts.items()):
+    for (ep, etp), value in sorted(experts.items()):
         value = torch.as_tensor(value, dtype=torch.float64).clone()
-        groups = mesh.expert_groups(ep)
+        groups = mesh.expert_groups(ep, etp)
         if sharded_over_edp:
             value = all_reduce_sum(value, groups.edp_group, "edp/all_reduce")
-        total = total + all_reduce_sum(value, groups.ep_group, "ep/all_reduce")
+        value = all_reduce_sum(value, groups.ep_group, "ep/all_reduce")
+        if etp > 1:
+            value = all_reduce_sum(value, mesh.tp_group, "tp/all_reduce")
+        total = total + value
     return total
 
 
@@ -223,7 +239,7 @@ def model_parallel_sum(params, per_param, mesh) -> float:
             continue
         value = per_param(p).to(device)
         if is_expert_parallel(p):
-            experts[p.ep_size] = experts.get(p.ep_size, 0.0) + value
+            experts[expert_key(p)] = experts.get(expert_key(p), 0.0) + value
         elif getattr(p, "tp_partition_dim", None) is not None:
             sharded += value
         else:

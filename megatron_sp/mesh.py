@@ -253,27 +253,41 @@ class ParallelDims:
         in (dp, cp, sp, tp) order with tp fastest)."""
         return self.dp * self.cp * self.sp * self.tp
 
-    def check_expert_parallel(self, ep: int) -> None:
+    def check_expert_parallel(self, ep: int, etp: int = 1) -> None:
         """Refuse (LayoutError) an expert-parallel size that is not a divisor of the stage's
-        dp*cp*sp*tp ranks."""
+        dp*cp*sp*tp ranks (with expert tensor parallelism etp = tp: of its dp*cp*sp ranks)."""
         n = self.stage_ranks
         if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
             raise LayoutError(f"--expert-model-parallel-size must be a positive integer, got {ep!r}.")
+        if etp not in (1, self.tp):
+            raise LayoutError(f"--expert-tensor-parallel-size {etp} must be 1 or "
+                              f"--tensor-model-parallel-size {self.tp}: other expert "
+                              f"tensor-parallel sizes are not implemented yet.")
+        if etp > 1 and (n // etp) % ep:
+            raise LayoutError(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size "
+                              f"{etp} does not divide the {n} ranks of a pipeline stage "
+                              f"(dp*cp*sp*tp = {self.dp}*{self.cp}*{self.sp}*{self.tp}); choose an "
+                              f"ep that divides dp*cp*sp = {n // etp}, or "
+                              f"--expert-tensor-parallel-size 1 (whole experts, ep folded over "
+                              f"tp too; tp is the default, as in Megatron-LM).")
         if n % ep:
             raise LayoutError(f"--expert-model-parallel-size {ep} does not divide the {n} ranks "
                               f"of a pipeline stage (dp*cp*sp*tp = {self.dp}*{self.cp}*{self.sp}*"
                               f"{self.tp}); choose a divisor of {n}.")
 
-    def expert_ranks(self, ep: int, rank: int) -> tuple[list[int], list[int]]:
-        """(ep group, edp group) global ranks of `rank` under --expert-model-parallel-size ep
-        (expert tensor parallelism 1, Megatron's parallel folding): with N = dp*cp*sp*tp ranks per
-        stage and rank = f + pp_rank*N, the ep group is the block of ep consecutive f holding f,
-        the edp group the stage's ranks with the same f % ep."""
+    def expert_ranks(self, ep: int, rank: int, etp: int = 1) -> tuple[list[int], list[int]]:
+        """(ep group, edp group) global ranks of `rank` under --expert-model-parallel-size ep.
+        With N = dp*cp*sp*tp ranks per stage, rank = f + pp_rank*N and f = t + etp*g (t the rank's
+        index in its expert tensor-parallel group, the tp group when etp = tp; g its index among
+        the N/etp groups): the ep group is the block of ep consecutive g with the same t, the edp
+        group the stage's ranks with the same t and g % ep. etp 1 (Megatron's parallel folding):
+        the block of ep consecutive f, and the ranks with the same f % ep."""
         n = self.stage_ranks
         stage, f = divmod(rank, n)
-        base = stage * n + f // ep * ep
-        return (list(range(base, base + ep)),
-                [stage * n + j * ep + f % ep for j in range(n // ep)])
+        t, g = f % etp, f // etp
+        base = g // ep * ep
+        return ([stage * n + etp * j + t for j in range(base, base + ep)],
+                [stage * n + etp * (j * ep + g % ep) + t for j in range(n // (ep * etp))])
 
     def embedding_ranks(self, rank: int) -> list[int]:
         """First and last pipeline stage holding `rank`'s (tp, sp, cp, dp) coordinates."""
@@ -293,6 +307,7 @@ class ExpertGroups:
     ep_rank: int
     edp: int
     edp_rank: int
+    etp: int = 1                 # expert tensor parallelism: 1 or tp (the experts' ffn split)
     ep_group: object = None
     edp_group: object = None
     device_mesh: object = None
@@ -421,32 +436,40 @@ class ParallelMesh:
             self._token_group = self.device_mesh["cp", "sp", "tp"]._flatten("tokens").get_group()
         return self._token_group
 
-    def expert_groups(self, ep: int) -> "ExpertGroups":
-        """The expert-parallel groups of --expert-model-parallel-size `ep`, folded over the whole
-        stage (expert tensor parallelism 1, Megatron's parallel folding): with N = dp*cp*sp*tp
-        ranks per stage and f this rank's (dp, cp, sp, tp) flat index (rank = f + pp_rank*N), the
-        ep group is the block of `ep` consecutive f holding this rank (so tp, Ulysses and ring
-        ranks, which hold different tokens under --sequence-parallel, hold different experts; tp
-        ranks first) and the expert-data-parallel (edp) group the ranks of the stage with the same
-        f % ep. Built once per ep from a DeviceMesh over arange(world).view(pp, N // ep, ep) named
-        ("pp", "edp", "ep"), then cached: every rank must ask at the same point (collective)."""
+    def expert_groups(self, ep: int, etp: int = 1) -> "ExpertGroups":
+        """The expert-parallel groups of --expert-model-parallel-size `ep` with expert tensor
+        parallelism `etp` (1 or tp). With N = dp*cp*sp*tp ranks per stage and f this rank's
+        (dp, cp, sp, tp) flat index (rank = f + pp_rank*N, f = t + etp*g):
+        - etp 1 (Megatron's parallel folding): the ep group is the block of `ep` consecutive f
+          holding this rank (so tp, Ulysses and ring ranks, which hold different tokens under
+          --sequence-parallel, hold different experts; tp ranks first) and the
+          expert-data-parallel (edp) group the ranks of the stage with the same f % ep;
+        - etp = tp: every tp rank holds its ffn slice of the same experts, so the ep group is the
+          block of `ep` consecutive g with the same tp rank t, the edp group the ranks with the
+          same t and g % ep (Megatron's default layout; tokens are all-gathered over tp first).
+        Built once per (ep, etp) from a DeviceMesh over arange(world).view(pp, N/(ep*etp), ep,
+        etp) named ("pp", "edp", "ep", "etp"), then cached: every rank must ask at the same point
+        (collective)."""
         cache = self.__dict__.setdefault("_expert_groups", {})
-        if ep in cache:
-            return cache[ep]
-        self.dims.check_expert_parallel(ep)
+        if (ep, etp) in cache:
+            return cache[(ep, etp)]
+        self.dims.check_expert_parallel(ep, etp)
         n = self.dims.stage_ranks
         f = self.rank % n if self.dims.world_size > 1 else 0
-        groups = ExpertGroups(ep=ep, ep_rank=f % ep, edp=n // ep, edp_rank=f // ep)
-        if ep > 1 or (self.dims.world_size > 1 and n // ep > 1):
+        g = f // etp
+        edp = n // (ep * etp)
+        groups = ExpertGroups(ep=ep, ep_rank=g % ep, edp=edp, edp_rank=g // ep, etp=etp)
+        if ep > 1 or (self.dims.world_size > 1 and edp > 1):
             from torch.distributed.device_mesh import DeviceMesh
             mesh = DeviceMesh(self.device_type,
-                              # [world] -> [pp, N/ep, ep]: rank = f + pp_rank*N, f = edp*ep + ep_rank
-                              torch.arange(self.dims.world_size).view(self.dims.pp, n // ep, ep),
-                              mesh_dim_names=("pp", "edp", "ep"))
+                              # [world] -> [pp, N/(ep*etp), ep, etp]: rank = f + pp_rank*N,
+                              # f = (edp_rank*ep + ep_rank)*etp + t
+                              torch.arange(self.dims.world_size).view(self.dims.pp, edp, ep, etp),
+                              mesh_dim_names=("pp", "edp", "ep", "etp"))
             groups.device_mesh = mesh
             groups.ep_group = mesh.get_group("ep") if ep > 1 else None
-            groups.edp_group = mesh.get_group("edp") if n // ep > 1 else None
-        cache[ep] = groups
+            groups.edp_group = mesh.get_group("edp") if edp > 1 else None
+        cache[(ep, etp)] = groups
         return groups
 
     def check_sequence(self, seq_length: int, sequence_parallel: bool = False,

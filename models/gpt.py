@@ -491,9 +491,10 @@ class GPTModel(nn.Module):
         expert_parallel_size: --expert-model-parallel-size: the MoE layers hold E/ep experts each,
             their tokens dispatched by all-to-all over the ep group (mesh.expert_groups: ep
             consecutive ranks of the stage's (dp, cp, sp, tp) order; tp > 1 needs --sequence-parallel).
-        expert_tensor_parallel_size: --expert-tensor-parallel-size: None or 1, whole experts (each
-            tp rank routes its own tokens); tp (ep 1), the experts split over tp like the dense
-            SwiGLU MLP, the tokens all-gathered over tp around them.
+        expert_tensor_parallel_size: --expert-tensor-parallel-size: 1, whole experts (each tp
+            rank routes its own tokens, ep folded over tp too); tp (None: the default, as in
+            Megatron-LM), the experts split over tp like the dense SwiGLU MLP, the tokens
+            all-gathered over tp around them, ep over dp x cp x sp.
 
     host_pool (attribute, default None): a megatron_sp.memory.host_pool.HostPool that holds the
     activations offloaded under memory.offload_activations (None: torch's pinned buffers).
@@ -519,11 +520,12 @@ class GPTModel(nn.Module):
                 raise LayoutError(f"--num-experts {config.num_experts} is not divisible by "
                                   f"--expert-model-parallel-size {expert_parallel_size}: each "
                                   f"expert-parallel rank must hold the same number of whole experts.")
-            expert_groups = mesh.expert_groups(expert_parallel_size)
         etp = self._expert_tensor_parallel_size(config, mesh, expert_parallel_size,
                                                 expert_tensor_parallel_size)
+        if expert_parallel_size != 1:
+            expert_groups = mesh.expert_groups(expert_parallel_size, etp)
         expert_tp_group = mesh.tp_group if etp > 1 else None
-        self.expert_parallel_size = expert_parallel_size
+        self.expert_parallel_size, self.expert_tensor_parallel_size = expert_parallel_size, etp
         self.config, self.mesh = config, mesh
         self.sequence_parallel = sequence_parallel and mesh.tp_size > 1
         self.rng_tracker = rng_tracker
@@ -574,9 +576,12 @@ class GPTModel(nn.Module):
 
     @staticmethod
     def _expert_tensor_parallel_size(config, mesh, ep: int, etp: int | None) -> int:
-        """--expert-tensor-parallel-size resolved: None -> 1 (parallel folding, Megatron's
-        recommendation; Megatron's own default is tp); else 1 or tp, and tp only with ep 1."""
-        if etp is None or etp == 1:
+        """--expert-tensor-parallel-size resolved: None -> tp for a mixture-of-experts model
+        (Megatron-LM's default: the experts split over tp, ep over dp x cp x sp), 1 for a dense
+        one; else 1 (whole experts, ep folded over tp too: Megatron's "parallel folding") or tp."""
+        if etp is None:
+            etp = mesh.tp_size if getattr(config, "num_experts", None) else 1
+        if etp == 1:
             return 1
         if not getattr(config, "num_experts", None):
             raise LayoutError(f"--expert-tensor-parallel-size {etp} needs a mixture-of-experts "
@@ -585,10 +590,7 @@ class GPTModel(nn.Module):
             raise LayoutError(f"--expert-tensor-parallel-size {etp} must be 1 or "
                               f"--tensor-model-parallel-size {mesh.tp_size}: other expert "
                               f"tensor-parallel sizes are not implemented yet.")
-        if ep > 1:
-            raise LayoutError(f"--expert-tensor-parallel-size {etp} with "
-                              f"--expert-model-parallel-size {ep} is not implemented yet: use "
-                              f"--expert-tensor-parallel-size 1 (the experts folded over tp).")
+        mesh.dims.check_expert_parallel(ep, etp)       # ep x etp must divide the stage's ranks
         return etp
 
     # Sequence sharding over cp and sp ---------------------------------------------------------

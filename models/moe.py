@@ -20,10 +20,11 @@ all-reduce them over the sequence-parallel ranks first (Megatron's global-batch 
 
 Expert parallelism (alltoall dispatcher): megatron_sp/moe/dispatch.py. Under tp > 1 (with
 --sequence-parallel) each tp rank routes its own tokens; the experts are whole on every rank
-(expert tensor parallelism 1, parallel folding) or, with etp = tp (ep 1), split like a dense
-SwiGLU MLP (w1 column-parallel: the gate and the up rows each split over tp; w2 row-parallel), the
-tokens all-gathered over tp before permute and the partial outputs reduce-scattered after
-unpermute (megatron_sp/moe/comm.py gather_tokens / reduce_scatter_tokens).
+(expert tensor parallelism 1, parallel folding) or, with etp = tp, split like a dense SwiGLU MLP
+(w1 column-parallel: the gate and the up rows each split over tp; w2 row-parallel), the tokens
+all-gathered over tp before permute and the partial outputs reduce-scattered after unpermute
+(megatron_sp/moe/comm.py gather_tokens / reduce_scatter_tokens); with ep > 1 too, the gathered
+rows then go by all-to-all to the ep ranks with the same tp rank (mesh.expert_groups(ep, tp)).
 
 Capacity (--moe-expert-capacity-factor) is that of this rank's tokens, as Megatron's: the dropping
 happens before any dispatch, so it is the same whatever --expert-model-parallel-size. With
@@ -486,18 +487,14 @@ class MoELayer(nn.Module):
         super().__init__()
         self.config = config
         self.router = TopKRouter(config, hidden_size)
-        # Expert tensor parallelism (etp = tp, ep 1; None: whole experts): each rank holds F/etp
-        # of every expert's ffn width and computes it for the tokens of every rank of the group.
+        # Expert tensor parallelism (etp = tp; None: whole experts): each rank holds F/etp of its
+        # experts' ffn width and computes it for the tokens of every rank of the group.
         etp = group_size(expert_tp_group)
         self.expert_tp_group = expert_tp_group if etp > 1 else None
         if etp > 1 and config.moe_ffn_hidden_size % etp:
             raise LayoutError(f"--moe-ffn-hidden-size {config.moe_ffn_hidden_size} is not "
                               f"divisible by --expert-tensor-parallel-size {etp}: each rank holds "
                               f"an equal slice of every expert's ffn width.")
-        if etp > 1 and config.moe_expert_capacity_factor is not None:
-            raise LayoutError(f"--moe-expert-capacity-factor with --expert-tensor-parallel-size "
-                              f"{etp} is not implemented yet: drop the capacity factor (no token "
-                              f"dropping) or use --expert-tensor-parallel-size 1.")
         # Expert parallelism (megatron_sp.mesh.ExpertGroups; None: every expert here): E/ep local
         # experts, the router still over all E; the rows travel by megatron_sp.moe.dispatch.
         ep = 1 if expert_groups is None else expert_groups.ep
@@ -514,6 +511,7 @@ class MoELayer(nn.Module):
         if ep > 1:   # init_parameters draws the full [E, ...] tensor and keeps these rows
             for w in (self.experts.w1, self.experts.w2):
                 w.expert_parallel, w.ep_rank, w.ep_size = True, expert_groups.ep_rank, ep
+                w.etp_size = etp                  # which mesh.expert_groups(ep, etp) they use
         shared = config.moe_shared_expert_intermediate_size
         self.shared_expert = (SharedExpertMLP(hidden_size, shared, config.moe_shared_expert_gate)
                               if shared else None)
@@ -565,8 +563,9 @@ class MoELayer(nn.Module):
             capacity = expert_capacity(b * s, self.config.moe_router_topk, self.config.num_experts,
                                        self.config.moe_expert_capacity_factor)
             keep = capacity_keep_mask(probs, indices, self.config.num_experts, capacity)
-        if self.expert_tp_group is not None:   # etp = tp (no capacity: refused above)
-            y, tokens_per_expert = self._tensor_parallel_experts(tokens, probs, indices)
+        if self.expert_tp_group is not None:   # etp = tp
+            y, tokens_per_expert = self._tensor_parallel_experts(tokens, probs, indices, keep,
+                                                                 capacity)
         else:
             permuted, tokens_per_expert, order = permute(tokens, indices, self.config.num_experts,
                                                          keep)
@@ -578,19 +577,25 @@ class MoELayer(nn.Module):
         return y.view(b, s, h), aux                               # [T, H] -> [b, s, H]
 
 
-    def _tensor_parallel_experts(self, tokens, probs, indices):
+    def _tensor_parallel_experts(self, tokens, probs, indices, keep=None, capacity=None):
         """Expert tensor parallelism: tokens [T, H], probs / indices [T, k] of this rank ->
-        gathered over the group ([p*T, ...]), permuted, this rank's ffn shard of every expert,
+        gathered over the group ([p*T, ...]), permuted, this rank's ffn shard of every expert
+        (ep > 1: of the ep group's ranks with the same tp rank, all-to-all there and back),
         unpermuted, the partial sums reduce-scattered back -> (y [T, H], tokens_per_expert [E] of
-        the gathered tokens)."""
+        the gathered tokens). Capacity: each rank's keep mask [T, k] (of its own tokens, as with
+        etp 1) is gathered too; padded to capacity, an expert gets p*capacity rows (p ranks'
+        capacity each)."""
         group = self.expert_tp_group
+        p = group_size(group)
         all_tokens = gather_tokens(tokens, group)                 # [p*T, H]
         all_probs = gather_tokens(probs, group)                   # [p*T, k]
         all_indices = gather_tokens(indices, group)               # [p*T, k]
+        all_keep = None if keep is None else gather_tokens(keep.long(), group).bool()  # [p*T, k]
         permuted, tokens_per_expert, order = permute(all_tokens, all_indices,
-                                                     self.config.num_experts)
-        partial = unpermute(self.experts(permuted, tokens_per_expert), all_probs, order,
-                            all_tokens.shape[0])                  # [p*T, H], this shard's part
+                                                     self.config.num_experts, all_keep)
+        padded = None if capacity is None else p * capacity
+        partial = unpermute(self.run_experts(permuted, tokens_per_expert, padded), all_probs,
+                            order, all_tokens.shape[0])           # [p*T, H], this shard's part
         return reduce_scatter_tokens(partial, group), tokens_per_expert   # [T, H]
 
 

@@ -133,10 +133,11 @@ HONOURED_NOTES = {
                                     "(tp ranks first), alltoall dispatch; checkpoints resume "
                                     "across ep sizes; the distributed optimizer and FSDP2 "
                                     "shard the experts' state over edp",
-    "--expert-tensor-parallel-size": "1 (unset: 1, not tp): whole experts, each tp rank routes "
-                                     "its own tokens; or tp with ep 1: experts split over tp, "
-                                     "tokens all-gathered around them (tp > 1 needs "
-                                     "--sequence-parallel); other sizes refused",
+    "--expert-tensor-parallel-size": "tp (unset: tp, as Megatron): experts split over tp, "
+                                     "tokens all-gathered around them, ep over dp x cp x sp; or "
+                                     "1: whole experts, each tp rank routes its own tokens, ep "
+                                     "folded over tp (tp > 1 needs --sequence-parallel); other "
+                                     "sizes refused",
 }
 
 # Mapped: flag -> (number of values, our equivalent in words). `apply` sets our arguments.

@@ -47,7 +47,7 @@ import math
 
 import torch
 
-from megatron_sp.grad_sync import clip_grad_norm, is_expert_parallel
+from megatron_sp.grad_sync import clip_grad_norm, expert_groups_of, is_expert_parallel
 from megatron_sp.training.optimizer import fused_adamw, param_groups
 from megatron_sp.sharding import comm
 from megatron_sp.sharding.state_bytes import model_state_bytes, optimizer_tensors
@@ -230,7 +230,7 @@ class DistributedOptimizer:
         experts their edp group (None where it has one rank)."""
         if not is_expert_parallel(p):
             return self.group, self.n, self.rank
-        edp = self.mesh.expert_groups(p.ep_size).edp_group
+        edp = expert_groups_of(self.mesh, p).edp_group
         return edp, group_size(edp), group_rank(edp)
 
     def _owned(self, p: torch.Tensor) -> torch.Tensor:

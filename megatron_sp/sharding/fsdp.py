@@ -39,7 +39,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_sp.grad_sync import _active, _sum_over_ep, all_reduce_sum, is_expert_parallel
+from megatron_sp.grad_sync import (_active, _sum_over_ep, all_reduce_sum, expert_groups_of,
+                                   expert_key, is_expert_parallel)
 
 from .state_bytes import local_tensor, model_state_bytes, optimizer_tensors
 
@@ -148,9 +149,9 @@ def _shard_experts(layer, mesh, kwargs) -> None:
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGroupedExperts\) "
                                               r"returned a view tensor")
     for module in layer.modules():
-        ep = {p.ep_size for p in module.parameters(recurse=False) if is_expert_parallel(p)}
-        if ep:
-            edp = mesh.expert_groups(ep.pop()).device_mesh["edp"]    # 1-D: this rank's edp group
+        experts = [p for p in module.parameters(recurse=False) if is_expert_parallel(p)]
+        if experts:
+            edp = expert_groups_of(mesh, experts[0]).device_mesh["edp"]   # 1-D: this rank's edp
             fully_shard(module, **dict(kwargs, mesh=edp))
 
 
@@ -217,13 +218,13 @@ class FSDP2:
         """L2 norm of the full gradient: local shards summed over dp x sp, tp shards, stages."""
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros_like(sharded)
-        experts = {}   # ep size -> squared norm of this rank's edp shard of its ep rank's experts
+        experts = {}   # (ep, etp) -> squared norm of this rank's edp shard of its ep rank's experts
         for p in self.params:
             if p.grad is None or getattr(p, "embedding_copy", False):
                 continue
             sq = local_tensor(p.grad.detach()).double().pow(2).sum().to(self.device)
             if is_expert_parallel(p):
-                experts[p.ep_size] = experts.get(p.ep_size, 0.0) + sq
+                experts[expert_key(p)] = experts.get(expert_key(p), 0.0) + sq
             elif getattr(p, "tp_partition_dim", None) is not None:
                 sharded += sq
             else:

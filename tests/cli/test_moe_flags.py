@@ -89,13 +89,10 @@ def test_moe_layer_freq_refuses_anything_else(value, tmp_path, monkeypatch):
 @pytest.mark.parametrize("argv,words", [
     (["--expert-model-parallel-size", "0"], "--expert-model-parallel-size must be a positive"),
     (["--expert-tensor-parallel-size", "2"],
-     "--expert-tensor-parallel-size 2 must be 1 (whole experts, the default here) or "
+     "--expert-tensor-parallel-size 2 must be 1 (whole experts) or "
      "--tensor-model-parallel-size 1"),
     (["--tensor-model-parallel-size", "4", "--sequence-parallel", "--expert-tensor-parallel-size",
       "2"], "other sizes are not implemented yet"),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size",
-      "2", "--expert-model-parallel-size", "2"],
-     "--expert-tensor-parallel-size 2 with --expert-model-parallel-size 2 is not implemented"),
     (["--moe-router-dtype", "fp64"], "the router always runs in fp32"),
     (["--moe-pad-expert-input-to-capacity"], "--moe-pad-expert-input-to-capacity needs "
                                                "--moe-expert-capacity-factor"),
@@ -159,7 +156,7 @@ def test_moe_run_logs_the_load_balancing_loss(tmp_path):
     (["--expert-model-parallel-size", "2"], "expert_parallel_size", 2),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel",
       "--expert-tensor-parallel-size", "2"], "expert_tensor_parallel_size", 2),
-    ([], "expert_tensor_parallel_size", None),       # unset: GPTModel resolves it to 1
+    ([], "expert_tensor_parallel_size", None),       # unset: GPTModel resolves it to tp
 ])
 def test_expert_parallel_sizes_reach_the_model(monkeypatch, argv, key, value):
     """--expert-model-parallel-size / --expert-tensor-parallel-size parse and build_model hands

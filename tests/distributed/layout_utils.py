@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from megatron_sp.config import JobConfig
+from megatron_sp.grad_sync import expert_groups_of
 from megatron_sp.mesh import ParallelMesh
 from megatron_sp.training.optimizer import LRScheduler, build_optimizer
 from megatron_sp.pipeline import chunk_specs, get_forward_backward_func
@@ -78,7 +79,7 @@ def full_gradient(p, mesh):
     experts (E/ep rows per ep rank) gathered over the ep group along dim 0."""
     grad = gather_full_like(p.grad, p, mesh.tp_group)
     if getattr(p, "expert_parallel", False) and getattr(p, "ep_size", 1) > 1:
-        grad = gather_along_dim(grad, 0, mesh.expert_groups(p.ep_size).ep_group)
+        grad = gather_along_dim(grad, 0, expert_groups_of(mesh, p).ep_group)
     return grad
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from megatron_sp.config import JobConfig
-from megatron_sp.grad_sync import all_reduce_sum
+from megatron_sp.grad_sync import all_reduce_sum, expert_groups_of
 from megatron_sp.mesh import ParallelMesh
 from megatron_sp.training.optimizer import LRScheduler, build_optimizer
 from megatron_sp.sharding.distributed_optimizer import DistributedOptimizer
@@ -80,7 +80,7 @@ def _full_grad(optimizer, p):
 def _over_ep(t, p, mesh):
     """An expert-parallel tensor [E/ep, ...] gathered over its ep group to [E, ...]."""
     if getattr(p, "expert_parallel", False) and getattr(p, "ep_size", 1) > 1:
-        return gather_along_dim(t.contiguous(), 0, mesh.expert_groups(p.ep_size).ep_group)
+        return gather_along_dim(t.contiguous(), 0, expert_groups_of(mesh, p).ep_group)
     return t
 
 
@@ -226,6 +226,9 @@ def test_four_rank_layouts():
              model_kwargs={"expert_parallel_size": 2}, **common),
         dict(MOE, name="moe ep4 over dp2 x sp2 (edp 1)", sp=2, micro_batch=2,
              model_kwargs={"expert_parallel_size": 4}, **common),
+        dict(MOE, name="moe tp2 x dp2 --sequence-parallel, etp2 ep2 (experts split over tp)",
+             tp=2, micro_batch=1, sequence_parallel=True,
+             model_kwargs={"expert_parallel_size": 2, "expert_tensor_parallel_size": 2}, **common),
     ]
     _run(4, cases)
 

@@ -26,7 +26,7 @@ import torch
 
 from megatron_sp.checkpointing import load_checkpoint, read_full_tensors, save_checkpoint
 from megatron_sp.config import JobConfig
-from megatron_sp.grad_sync import all_reduce_sum, is_expert_parallel
+from megatron_sp.grad_sync import all_reduce_sum, expert_groups_of, is_expert_parallel
 from megatron_sp.memory import MemoryOptions
 from megatron_sp.mesh import ParallelMesh
 from megatron_sp.models import preset
@@ -80,7 +80,7 @@ def _full(tensor, param, mesh):
     over their edp group), then over tp, then expert-parallel experts over ep (E/ep rows each)."""
     full = gather_full_like(full_tensor(tensor), param, mesh.tp_group)
     if is_expert_parallel(param):
-        full = gather_along_dim(full.contiguous(), 0, mesh.expert_groups(param.ep_size).ep_group)
+        full = gather_along_dim(full.contiguous(), 0, expert_groups_of(mesh, param).ep_group)
     return full
 
 
@@ -124,7 +124,7 @@ def _state_bytes_formula(trainer, mesh, offloaded):
     sharded = 16 * p_r // n
     for p in params:
         if is_expert_parallel(p):
-            sharded += 16 * p.numel() // mesh.expert_groups(p.ep_size).edp
+            sharded += 16 * p.numel() // expert_groups_of(mesh, p).edp
     return {"device_bytes": 0 if offloaded else sharded, "host_bytes": sharded if offloaded else 0}
 
 
@@ -320,7 +320,10 @@ def test_fsdp2_four_ranks_layouts_memory_bf16_checkpoints(tmp_path):
               model_kwargs={"expert_parallel_size": 4}),
         _case("moe tp2 x sp2 --sequence-parallel, ep2 folded over tp", "llama-tiny", 12, 4, tp=2,
               sp=2, sequence_parallel=True, check_bytes=True, overrides=MOE,
-              model_kwargs={"expert_parallel_size": 2}),
+              model_kwargs={"expert_parallel_size": 2, "expert_tensor_parallel_size": 1}),
+        _case("moe tp2 x dp2 --sequence-parallel, etp2 ep2 (experts split over tp)", "llama-tiny",
+              13, 2, tp=2, sequence_parallel=True, check_bytes=True, overrides=MOE,
+              model_kwargs={"expert_parallel_size": 2, "expert_tensor_parallel_size": 2}),
     ]
     outputs = run_distributed(_four_rank_checks, 4, cases, str(tmp_path))
     print("worst full gradient / parameter difference per case:", outputs[0][0])

@@ -13,7 +13,8 @@ rest over dp x sp): saved at ep 2, resumed at ep 4 and on one rank; the paramete
 and the next 2 steps match in loss, grad norm and updated weights (1e-4; the moments must be back).
 The same with FSDP2 (each ep rank's experts sharded over its edp group): saved at ep 2, resumed
 under FSDP2 at ep 4 and unsharded on one rank, parameters and moments exact.
-Expert tensor parallelism (etp 2, tp2 x sp2): resumed at etp 1 ep 2 and on one rank, exact.
+Expert tensor parallelism (etp 2, tp2 x sp2): resumed at etp 1 ep 2, at etp 2 ep 2 (experts split
+over tp and ep) and on one rank, exact.
 """
 from __future__ import annotations
 
@@ -37,10 +38,11 @@ def _full(t, p, mesh):
     from megatron_sp.tensor_parallel import gather_full_like
     from megatron_sp.tensor_parallel.mappings import gather_along_dim
     from megatron_sp.sharding.fsdp import full_tensor
+    from megatron_sp.grad_sync import expert_groups_of
     t = full_tensor(t)                                      # FSDP2: gathered over dp x sp / edp
     t = gather_full_like(t, p, mesh.tp_group)               # etp = tp: the tp split gathered
     if getattr(p, "expert_parallel", False) and getattr(p, "ep_size", 1) > 1:
-        t = gather_along_dim(t.contiguous(), 0, mesh.expert_groups(p.ep_size).ep_group)
+        t = gather_along_dim(t.contiguous(), 0, expert_groups_of(mesh, p).ep_group)
     rows = getattr(p, "real_rows", None)     # vocabulary padding differs between tp sizes
     return (t[:rows] if rows else t).clone()
 
@@ -168,6 +170,7 @@ def _checks(rank, world, root):
                               save=True, distributed=distributed, etp=2)
         kind = "distributed optimizer " if distributed else ""
         for what, lmesh, micro, ep, etp in ((f"{kind}etp 2 -> etp 1 ep 2", tmesh, 4, 2, 1),
+                                            (f"{kind}etp 2 -> etp 2 ep 2", tmesh, 4, 2, 2),
                                             (f"{kind}etp 2 -> one rank", ParallelMesh.single(),
                                              GLOBAL_BATCH, 1, None)):
             resumed, loaded = _run(lmesh, cfg, batches, micro, ep, seed=99,
@@ -189,8 +192,10 @@ def test_moe_checkpoint_resumes_across_expert_parallel_sizes():
                                           "distributed optimizer ep 2 -> ep 4",
                                           "distributed optimizer ep 2 -> one rank",
                                           "FSDP2 ep 2 -> FSDP2 ep 4", "FSDP2 ep 2 -> one rank",
-                                          "etp 2 -> etp 1 ep 2", "etp 2 -> one rank",
+                                          "etp 2 -> etp 1 ep 2", "etp 2 -> etp 2 ep 2",
+                                          "etp 2 -> one rank",
                                           "distributed optimizer etp 2 -> etp 1 ep 2",
+                                          "distributed optimizer etp 2 -> etp 2 ep 2",
                                           "distributed optimizer etp 2 -> one rank"]
     for what, loss, grad in results[0]:
         print(f"{what}: loss rel {loss:.1e}, grad {grad:.1e}")

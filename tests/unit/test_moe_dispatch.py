@@ -96,6 +96,37 @@ def test_refusals_are_one_sentence(overrides, ep, words):
     assert words in message and message.endswith(".") and ". " not in message, message
 
 
+@pytest.mark.parametrize("dims,fits,ep,etp,words", [
+    (dict(world_size=8, tp=2, sp=2), (4, 2), 8, 2, "--expert-model-parallel-size 8 x "
+                                                   "--expert-tensor-parallel-size 2 does not "
+                                                   "divide the 8 ranks of a pipeline stage"),
+    (dict(world_size=8, tp=4), (2, 4), 2, 2, "--expert-tensor-parallel-size 2 must be 1 or "
+                                             "--tensor-model-parallel-size 4"),
+    (dict(world_size=6, tp=1), (3, 1), 4, 1, "--expert-model-parallel-size 4 does not divide the "
+                                             "6 ranks"),
+])
+def test_expert_layout_refusals_are_one_sentence(dims, fits, ep, etp, words):
+    """ep x etp must divide the stage's ranks as folded (etp = tp: ep divides dp*cp*sp); `fits`
+    (ep, etp) is a neighbouring layout that does."""
+    from megatron_sp.mesh import ParallelDims
+    ParallelDims(**dims).check_expert_parallel(*fits)
+    with pytest.raises(LayoutError) as err:
+        ParallelDims(**dims).check_expert_parallel(ep, etp)
+    message = str(err.value)
+    assert words in message and message.endswith(".") and ". " not in message, message
+
+
+def test_expert_ranks_with_expert_tensor_parallelism():
+    """etp = tp at tp 2 x sp 2 x dp 2 (8 ranks, f = tp + 2 sp + 4 dp): ep 2 over sp holds the
+    ranks with the same tp rank; edp the same tp and ep rank."""
+    from megatron_sp.mesh import ParallelDims
+    dims = ParallelDims(world_size=8, tp=2, sp=2)
+    assert dims.expert_ranks(2, 5, etp=2) == ([5, 7], [1, 5])
+    assert dims.expert_ranks(4, 2, etp=2) == ([0, 2, 4, 6], [2])
+    assert dims.expert_ranks(2, 5) == ([4, 5], [1, 3, 5, 7])        # etp 1: folded over tp
+
+
+
 def test_mesh_expert_groups_on_one_rank():
     groups = ParallelMesh.single().expert_groups(1)
     assert (groups.ep, groups.ep_rank, groups.edp, groups.ep_group, groups.edp_group) == (1, 0, 1, None, None)
