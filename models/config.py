@@ -220,6 +220,23 @@ class GPTConfig:
             total += moe_layers * (experts - mlp)
         return total
 
+    def num_routed_expert_parameters(self) -> int:
+        """Parameters of the routed experts, every MoE layer's E x SwiGLU (3 H Fm each; 0 for a
+        dense model): the part of num_parameters() expert parallelism splits over ep."""
+        if self.num_experts is None:
+            return 0
+        moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        return moe_layers * self.num_experts * 3 * self.hidden_size * self.moe_ffn_hidden_size
+
+    def num_active_parameters(self) -> int:
+        """Parameters one token passes through: num_parameters() with only moe_router_topk of the
+        E routed experts of each MoE layer (the router and the shared expert count whole); equal
+        to num_parameters() for a dense model."""
+        if self.num_experts is None:
+            return self.num_parameters()
+        per_expert = self.num_routed_expert_parameters() // self.num_experts   # layers x 3 H Fm
+        return self.num_parameters() - (self.num_experts - self.moe_router_topk) * per_expert
+
     def check_parallel(self, tp: int = 1, sp: int = 1, pp: int = 1,
                        sequence_parallel: bool = False) -> None:
         """Refuse (ValueError) a layout this model cannot be split into, naming the numbers

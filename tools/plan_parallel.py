@@ -6,6 +6,8 @@ fit, best first, each with the pretrain_gpt.py flags that run it.
     python3 tools/plan_parallel.py --model llama-8b --num-gpus 8 --max-seq      # longest sequence
     python3 tools/plan_parallel.py --model llama-8b --seq-length 524288 --num-gpus 1 --json
     python3 tools/plan_parallel.py --model llama3-70b --num-gpus 256 --max-seq --no-ring
+    python3 tools/plan_parallel.py --model qwen3-30b-a3b --seq-length 32768 --num-gpus 64 \
+        --global-batch-size 64                        # mixture of experts: ep chosen per layout
 
 Layouts include a ring of context parallelism (cp > 1, docs/design.md §14): the ring alone
 (--context-parallel-size N --cp-comm-type p2p) or around Ulysses (--cp-comm-type a2a+p2p
@@ -13,15 +15,28 @@ Layouts include a ring of context parallelism (cp > 1, docs/design.md §14): the
 head rules allow Ulysses sp; --no-ring plans with tp, Ulysses sp, pp and dp only. The table has a
 cp column when a listed plan has a ring.
 
+Mixture-of-experts models (a --model preset with experts: qwen3-30b-a3b, qwen1.5-moe-a2.7b,
+mixtral-8x7b): the header gives the total and the active parameters (k of the E experts per
+token); each layout also tries every expert-parallel size ep (a divisor of the experts that
+divides the stage's dp x cp x sp x tp ranks; --expert-model-parallel-size N fixes it), keeping
+its fastest, and the table has an ep column when a listed plan has ep > 1. tp > 1 comes with
+--sequence-parallel (each tp rank routes its own tokens) and --expert-tensor-parallel-size 1
+(whole experts on each tp rank, ep folded over tp too: the layout the planner models; the
+experts split over tp are not planned yet). Per rank E/ep whole experts, their
+state sharded over the edp group (dp x cp x sp x tp / ep ranks), the rest over dp x sp x cp;
+comm adds the dispatcher's all-to-alls (uniform routing) and the experts' gradients over edp.
+
 Per-rank device memory = model state on device + activations + reserve:
   model state   docs/design.md §11, per --sharding mode: none 16 bytes/param (fp32 weights, grads, Adam m, v);
                 distributed-optimizer 8 + 8/n; fsdp 16/n + the FSDP2 units in flight (bf16 params and
                 grads); --optimizer-cpu-offload moves the sharded optimizer state to host (n = dp x sp,
-                x cp with a ring).
+                x cp with a ring; a MoE model's experts over their edp group instead).
   activations   the peak of one step from our implementation's per-op model (megatron_sp.memory.
                 planner, equal to the measured saved bytes on CPU in fp32 and under bf16 autocast):
                 what the forward keeps + the larger of the output layer's and one layer's backward.
                 bf16 matmul inputs; residual stream and norms fp32 under autocast, bf16 under FSDP2.
+                MoE layers: the router, the routed rows and the experts' SwiGLU (in the tokens'
+                dtype: fp32 under autocast), the combine and the shared expert, per our MoE layer.
                 With a ring: b*s/(sp*cp) tokens per rank, + the ring's kv blocks and fp32 dk, dv in
                 flight in one layer's backward (planner.ring_buffer_bytes). The attention kernel
                 assumed is printed under the table (planner.attention_kernel): SDPA without a
@@ -38,8 +53,9 @@ bandwidths, not overlapped (a pessimistic ranking figure, not a prediction); the
 bytes at NVLink speed inside a node, the network's once the ring leaves it. --json splits it into
 compute_s and comm_s. tok/s: global batch x seq / s/step, the whole job's. MFU: the step's model
 FLOPs by Megatron-LM's num_floating_point_operations (docs/design.md §9, forward and backward,
-recompute not counted) / (s/step x GPUs x --peak-tflops): the assumed --mfu less what recompute,
-the pipeline bubble and communication cost. --max-seq --max-step-seconds S: the longest sequence
+recompute not counted; a MoE model's on its active parameters, Megatron-LM's MoE formula) /
+(s/step x GPUs x --peak-tflops): the assumed --mfu less what recompute, the pipeline bubble and
+communication cost. --max-seq --max-step-seconds S: the longest sequence
 whose fastest plan's s/step is at most S; the output says what binds it (device memory, host
 memory or the step time).
 
@@ -70,9 +86,10 @@ from megatron_sp.models import GPTConfig, preset  # noqa: E402
 WIDTH = 120
 
 
-def _header(cp_column: bool) -> tuple[str, str]:
+def _header(cp_column: bool, ep_column: bool = False) -> tuple[str, str]:
     """The table's two header lines, aligned with format_row's columns."""
-    dims = ("tp", "sp", "cp", "pp", "dp") if cp_column else ("tp", "sp", "pp", "dp")
+    dims = ("tp", "sp") + (("cp",) if cp_column else ()) + ("pp", "dp") + \
+        (("ep",) if ep_column else ())
     lead = f"{'#':>3}" + "".join(f"{d:>4}" for d in dims) + f"  {'sharding':<15}"
     return (lead + f"{'state GB':^13}{'activ. GB':^13}{'reserve':>7}{'total':>7}{'host/node':>11}"
                    f"{'s/step':>8}{'comm GB':>9}{'tok/s':>6}{'MFU':>6}",
@@ -141,6 +158,9 @@ def parse_args(argv=None):
                    help="Ulysses head chunks the plans may use (pretrain_gpt.py's flag): auto "
                         "(default) the smallest count that fits when nothing cheaper does; N "
                         "only that count; 1 never")
+    p.add_argument("--expert-model-parallel-size", type=int, default=None, metavar="N",
+                   help="a mixture-of-experts model's expert-parallel size (pretrain_gpt.py's "
+                        "flag): fix it to N, a divisor of the experts (default: each layout's fastest)")
     p.add_argument("--num-gpus", type=int, required=True)
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="per GPU (default 80)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="(default 8)")
@@ -178,6 +198,9 @@ def parse_args(argv=None):
                 f"{args.max_step_seconds:g}")
     if args.max_step_seconds is not None and not args.max_seq:
         p.error("--max-step-seconds bounds --max-seq's search: give --max-seq")
+    if args.expert_model_parallel_size is not None and args.expert_model_parallel_size < 1:
+        p.error(f"--expert-model-parallel-size must be a positive integer, got "
+                f"{args.expert_model_parallel_size}")
     if args.sharding == "none" and args.optimizer_cpu_offload:
         p.error("--optimizer-cpu-offload needs a sharded mode: use --sharding "
                 "distributed-optimizer, fsdp or auto")
@@ -198,7 +221,7 @@ def workload(args, seq: int) -> Workload:
     chunks = args.ulysses_head_chunks
     return Workload(seq=seq, global_batch=args.global_batch_size, micro_batch=args.micro_batch_size,
                     documents=args.reset_attention_mask,
-                    head_chunks=chunks)
+                    head_chunks=chunks, expert_parallel_size=args.expert_model_parallel_size)
 
 
 def search(args) -> dict:
@@ -223,10 +246,11 @@ def short(x: float) -> str:
     return f"{x:.1f}" if x < 1e4 else f"{x:.0f}"
 
 
-def format_row(i: int, pl, cp_column: bool = False) -> str:
+def format_row(i: int, pl, cp_column: bool = False, ep_column: bool = False) -> str:
     comm = pl.comm_total_gb
     cp = f" {pl.cp:>3}" if cp_column else ""
-    return (f"{i:>3} {pl.tp:>3} {pl.sp:>3}{cp} {pl.pp:>3} {pl.dp:>3}  {pl.sharding_label:<15}"
+    ep = f" {pl.ep:>3}" if ep_column else ""
+    return (f"{i:>3} {pl.tp:>3} {pl.sp:>3}{cp} {pl.pp:>3} {pl.dp:>3}{ep}  {pl.sharding_label:<15}"
             f"{pl.state_device_gb:>7.1f}{pl.state_host_gb:>6.1f}{pl.activations_gb:>7.1f}"
             f"{pl.activations_host_gb:>6.1f}{pl.reserve_gb:>7.1f}{pl.total_gb:>7.1f}"
             f"{pl.host_node_gb:>11.0f}{short(pl.step_s):>8}{short(comm):>9}"
@@ -264,10 +288,23 @@ def format_flags(pl, model=()) -> str:
     return "\n".join(lines + [line])
 
 
+def model_line(cfg) -> str:
+    """The model in one line: its parameters (a MoE model's total and active: k of its E experts of
+    moe_ffn_hidden_size per token, + the shared expert's) and shape."""
+    if cfg.num_experts is None:
+        return (f"model: {cfg.num_parameters() / 1e9:.2f}B parameters, L={cfg.num_layers} "
+                f"H={cfg.hidden_size} heads={cfg.num_attention_heads}/{cfg.num_query_groups} "
+                f"F={cfg.ffn_hidden_size} V={cfg.vocab_size}")
+    shared = cfg.moe_shared_expert_intermediate_size
+    return (f"model: {cfg.num_parameters() / 1e9:.2f}B parameters, "
+            f"{cfg.num_active_parameters() / 1e9:.2f}B active (top-{cfg.moe_router_topk} of {cfg.num_experts} experts of "
+            f"F={cfg.moe_ffn_hidden_size}{f' + shared {shared}' if shared else ''}), "
+            f"L={cfg.num_layers} H={cfg.hidden_size} heads={cfg.num_attention_heads}/"
+            f"{cfg.num_query_groups} V={cfg.vocab_size}")
+
+
 def describe(cfg, args, seq) -> list[str]:
-    return [f"model: {cfg.num_parameters() / 1e9:.2f}B parameters, L={cfg.num_layers} H={cfg.hidden_size} "
-            f"heads={cfg.num_attention_heads}/{cfg.num_query_groups} F={cfg.ffn_hidden_size} "
-            f"V={cfg.vocab_size}",
+    return [model_line(cfg),
             f"run: seq {seq}, global batch {args.global_batch_size}, {args.num_gpus} GPUs x "
             f"{args.gpu_memory_gb:g} GB ({args.gpus_per_node} per node, host {args.host_memory_gb:g} GB "
             f"per node), sharding {args.sharding}"
@@ -301,10 +338,13 @@ def cost_lines(args) -> list[str]:
 
 
 def print_table(plans, top: int, model=()) -> None:
+    """The first `top` plans, each row followed by its flags: a cp column when one of them has a
+    ring, an ep column when one has expert parallelism."""
     cp_column = any(pl.cp > 1 for pl in plans[:top])
-    print(*(HEADER_CP if cp_column else HEADER), sep="\n")
+    ep_column = any(pl.ep > 1 for pl in plans[:top])
+    print(*_header(cp_column, ep_column), sep="\n")
     for i, pl in enumerate(plans[:top]):
-        print(format_row(i + 1, pl, cp_column))
+        print(format_row(i + 1, pl, cp_column, ep_column))
         print(format_flags(pl, model))
     print(*kernel_lines(plans[:top]), sep="\n")
 
@@ -375,7 +415,10 @@ def main(argv=None):
     except ValueError as err:
         raise SystemExit(f"error: {err}")
     if args.json:
-        print(json.dumps({"model": args.model, "parameters": cfg.num_parameters(), "seq_length": seq,
+        print(json.dumps({"model": args.model, "parameters": cfg.num_parameters(),
+                          "active_parameters": (cfg.num_parameters() if cfg.num_experts is None
+                                                else cfg.num_active_parameters()),
+                          "seq_length": seq,
                           "num_gpus": args.num_gpus,
                           "plans": [plan_dict(p, model) for p in plans[:args.top]]}, indent=1))
         return 0 if plans else 1
@@ -385,16 +428,25 @@ def main(argv=None):
         return 1
     print_table(plans, args.top, model)
     print(*cost_lines(args), sep="\n")
-    best = plans[0]
+    print(reference_line(cfg, args, seq, plans[0]))
+    return 0
+
+
+def reference_line(cfg, args, seq: int, best) -> str:
+    """One layer of the best layout without recompute, all bf16: ours against Korthikanti et al.'s
+    (a dense layer's formula: for a MoE model ours alone, its largest layer)."""
     ours = activation_bytes(cfg, seq, args.micro_batch_size, tp=best.tp, sp=best.sp,
-                            sequence_parallel=best.sequence_parallel, dtype_bytes=2, cp=best.cp)
+                            sequence_parallel=best.sequence_parallel, dtype_bytes=2, cp=best.cp,
+                            ep=best.ep)
+    head = (f"reference, best layout, one layer without recompute (all bf16): ours "
+            f"{ours['layer'] / 2**30:.2f} GB")
+    if cfg.num_experts is not None:
+        return textwrap.fill(head + " (a MoE layer; Korthikanti et al.'s formula is for dense "
+                                    "layers).", WIDTH)
     ref = korthikanti_layer_bytes(cfg, seq, args.micro_batch_size, tp=best.tp,
                                   sp=best.sp * best.cp, sequence_parallel=best.sequence_parallel)
-    print(textwrap.fill(
-        f"reference, best layout, one layer without recompute (all bf16): ours "
-        f"{ours['layer'] / 2**30:.2f} GB, Korthikanti et al. {ref / 2**30:.2f} GB (stores the "
-        f"attention matrix, which fused attention drops).", WIDTH))
-    return 0
+    return textwrap.fill(head + f", Korthikanti et al. {ref / 2**30:.2f} GB (stores the attention "
+                                f"matrix, which fused attention drops).", WIDTH)
 
 
 HOST_LIMIT = "host memory (the offloaded state and activations of a node's ranks)"

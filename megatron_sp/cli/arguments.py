@@ -196,9 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="expert-parallel ranks: each MoE layer's experts split over ep "
                           "consecutive ranks of a stage (tp ranks first), tokens by all-to-all")
     par.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                     help="tensor-parallel ranks of the experts: 1 (unset: 1; whole experts, "
-                          "each tp rank routes its own tokens) or tp (ep 1: experts split over "
-                          "tp); tp > 1 needs --sequence-parallel")
+                     help="tensor-parallel ranks of the experts: tp (unset: tp, as Megatron-LM; "
+                          "experts split over tp, tokens all-gathered around them) or 1 (whole "
+                          "experts, each tp rank routes its own tokens); tp > 1 needs "
+                          "--sequence-parallel")
     par.add_argument("--moe-token-dispatcher-type", default=None,
                      help="alltoall or allgather: accepted, one rank holds every expert and "
                           "permutes its tokens locally")

@@ -18,8 +18,41 @@ vocabulary, e the activation element size (4 fp32, 2 bf16), and "/t*" meaning "d
                     output T*(hl+2gl)*d (qk-norm and RoPE are recomputed from it in backward)
   MLP block         norm as above, fc1 input T*H/t*, SwiGLU: fc1 output 2T*F/t + silu(gate) T*F/t +
                     fc2 input T*F/t (GeLU: 2T*F/t)
+  MoE block         (a MoE layer's MLP instead, models/moe.py; cfg.is_moe_layer) each tp rank routes
+                    its own Tm = T/t* tokens: N = Tm*k routed rows, E experts of Fm (E/ep on a
+                    rank), p the router scores' element size (router_prob_bytes: 4 without
+                    autocast, else e, or 4 for CUDA autocast's fp32 softmax). The experts and
+                    the rows they see are in the tokens' dtype r: autocast has no rule for the
+                    grouped GEMM, so under bf16 autocast over fp32 weights they run in fp32.
+                    norm as above;
+                    router_input  Tm*H*e under autocast (its linear's bf16 copy), else Tm*H*4
+                                  (tokens.float(): the tokens themselves when r = 4)
+                    router_probs  top-k indices Tm*k*8 + the softmax over the k Tm*k*p
+                                  (--moe-router-pre-softmax: the softmax over all E, Tm*E*p,
+                                  instead, + Tm*k*p + Tm*p renormalised; sigmoid: Tm*E*p +
+                                  Tm*k*p + Tm*p); + Tm*E*p with the load-balancing loss, + Tm*E*4 +
+                                  Tm*4 with the z-loss (fp32 logits, logsumexp)
+                    expert_input  N*H*r: the first grouped GEMM's input (the permuted rows)
+                    expert_act    N*4*Fm*r (its output [N, 2Fm], silu(gate), the second GEMM's
+                                  input) + the int32 offsets E/ep*4
+                    combine       N*H*(4 + r) + N*p: unpermute keeps the experts' output in fp32,
+                                  the weighted rows (index_add) and the weights
+                    token_indices 3*N*8 int64: the permutation and the row -> token index twice
+                    shared_expert (Fs: a dense SwiGLU over the Tm tokens) Tm*4*Fs*e + its input
+                                  Tm*H*e under autocast (else the tokens themselves: 0 when r = 4,
+                                  shared with router_input); its gate + the input's copy Tm*H*e
+                                  (autocast) + sigmoid Tm*e + the shared output Tm*H*e
+                    ep > 1 (moe/dispatch.py): the experts compute the R rows received instead of
+                    the N permuted, R = N under uniform routing (the expectation the model
+                    takes; a skewed routing puts more on some ranks), and the regroup keeps 2*R*8
+                    more int64 indices (token_indices). Capacity (--moe-expert-capacity-factor)
+                    drops nothing under uniform routing (cf >= 1); --moe-pad-expert-input-to-
+                    capacity runs the experts over E*C rows (C = ceil(cf*Tm*k/E)) + N*8 slot
+                    indices. Never tiled (--mlp-tiles tiles dense MLPs only). A stage's layers:
+                    stage_layers, the pipeline stage with the most MoE layers.
   weight copies     aten::linear keeps w^T (CPU) or the autocast bf16 copy (GPU) of each weight: qkv,
-                    proj, fc1, fc2 (and the output layer), /t
+                    proj, fc1, fc2 (and the output layer), /t; a MoE layer's router and shared
+                    expert (the experts' grouped GEMMs keep the fp32 weights themselves)
   output            final norm + output-layer input T*H/t* (T*H with chunked loss) + fp32 softmax T*V/t (4 bytes) + labels
   RoPE cos, sin     2*T*d, shared by all layers (counted once)
 
@@ -110,16 +143,32 @@ Model state per rank (`model_state_bytes`, docs/design.md §11): fp32 weights (4
 (x cp with a ring: the mesh's dp_sp group is dp x cp x sp);
 --use-torch-fsdp2 shards all of it and holds the units in flight unsharded; --optimizer-cpu-offload
 moves the sharded optimizer state to host. Under bf16 autocast (not FSDP2) the cast cache and
-aten::linear keep a bf16 copy of every weight: + 2 bytes/param (docs/design.md §9's 18).
+aten::linear keep a bf16 copy of every weight: + 2 bytes/param (docs/design.md §9's 18), but the
+routed experts' (their grouped GEMMs run in fp32 on the weights themselves).
+Mixture of experts (params_split_per_rank, expert_shard_ranks): a rank holds E/ep whole experts
+of each MoE layer (--expert-model-parallel-size ep, folded over the stage's dp x cp x sp x tp
+ranks, tp first; expert tensor parallelism 1: never split over tp), the router and the shared
+expert whole on every tp rank; the experts' state is sharded over their expert-data-parallel
+group, m = dp*cp*sp*tp/ep ranks (with ep 1 they are ordinary parameters, over n), the rest over n:
+16 P_e/m with FSDP2, Adam 8 P_e/m with the distributed optimizer. FSDP2: with ep > 1 each MoE
+layer's experts are their own unit inside the layer's (fsdp_expert_units), gathered while they run.
 
 Peak of one step (`step_peak_bytes`): what the forward keeps for backward + the larger of the output
 layer's peak (its logits in flight, forward or backward) and one layer's backward (recomputed under
 full recompute), each with its working buffers (gradients, the attention kernel's dq accumulator,
-one MLP tile, one loss chunk's logits), + the attention plans' index tensors (plan_index_bytes).
+one MLP tile, one loss chunk's logits; a MoE layer's largest backward phase, _moe_backward_bytes:
+unpermute's fp32 products N*H*8, the shared expert's fc1 gradient, or the experts' weight
+gradients, w1's and w2's held together), + the attention plans' index tensors (plan_index_bytes).
+Communication (`comm_bytes_per_step`) adds for MoE "ep", the dispatcher's all-to-alls (forward
+dispatch + combine, both again in backward and under full recompute: 4 Nx (ep-1)/ep H r per MoE
+layer and micro-batch, uniform routing) and "edp", the experts' gradient traffic over their group.
 The planner (`plan(cfg, Workload, Hardware)`: the job, the machine; each layout a ParallelDims) adds
 a reserve (fixed + a fragmentation fraction) and checks host memory per node (offloaded state and
 activations: exact host pools where we allocate, pinned buffers rounded up to powers of two where
-torch does). With ring=True it also tries layouts with
+torch does). A MoE model's layouts also try each ep (expert_parallel_choices: the divisors of the
+experts that divide the stage's ranks, or Workload.expert_parallel_size), tp > 1 with
+--sequence-parallel; its model FLOPs, hence MFU, count the active parameters. With ring=True it
+also tries layouts with
 a ring (cp > 1, stride tp*sp in the rank order): Ulysses sp stays bounded by the head rules, the ring
 by nothing but the sequence, which must divide into 2*cp*sp (*tp with --sequence-parallel) shards.
 """
@@ -150,7 +199,9 @@ class Workload:
     sequence_parallel, Megatron's tp sequence sharding (--sequence-parallel); documents, packed
     documents (--reset-attention-mask: segments, whose one memory term is plan_index_bytes);
     head_chunks, the Ulysses head chunks the planner may add to memory (--ulysses-head-chunks):
-    "auto" the smallest that fits when nothing cheaper does, an integer just that one (1: none)."""
+    "auto" the smallest that fits when nothing cheaper does, an integer just that one (1: none);
+    expert_parallel_size, a mixture-of-experts model's --expert-model-parallel-size: None lets
+    the planner choose (expert_parallel_choices), an integer fixes it."""
     seq: int
     global_batch: int = 1
     micro_batch: int = 1
@@ -159,6 +210,7 @@ class Workload:
     sequence_parallel: bool = False
     documents: bool = False
     head_chunks: int | str = "auto"
+    expert_parallel_size: int | None = None
 
     def tokens_per_rank(self, sp: int) -> float:
         """T = b*s/sp: the tokens of one micro-batch each rank holds outside attention, sp the
@@ -238,12 +290,13 @@ def _norm_bytes(cfg, Ts, r, device) -> float:
 
 
 def _layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies=True, r=None,
-                 device="cuda"):
+                 device="cuda", moe=False, ep=1):
     """Saved bytes of one transformer layer, split into named terms (device, not offloaded).
 
     e: bytes of what the matmuls keep (their autocast copies); r: bytes of the residual stream and
     the norms' input (4 under bf16 autocast over fp32 weights, 2 when the weights themselves are
-    bf16); device: whose RMSNorm kernel (_norm_bytes)."""
+    bf16); device: whose RMSNorm kernel (_norm_bytes); moe: a MoE layer (cfg.is_moe_layer), whose
+    MLP terms are _moe_terms' (ep: --expert-model-parallel-size)."""
     r = e if r is None else r
     H, d, F = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
     hl, gl = cfg.num_attention_heads // tp, cfg.num_query_groups // tp
@@ -284,7 +337,11 @@ def _layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies
         for name in ("sdpa_qkv", "sdpa_lse", "sdpa_out", "proj_input", "qk_norm_input", "w_attn"):
             if name in terms:
                 terms[name] = 0
-    if memory.mlp_tiles != 1:
+    if moe:                                   # experts instead of the dense MLP (never tiled)
+        for name in ("fc1_input", "mlp_act", "w_mlp"):
+            terms.pop(name, None)
+        terms.update(_moe_terms(cfg, Ts, e, r, device, ep, weight_copies))
+    elif memory.mlp_tiles != 1:
         n = resolve_count(memory.mlp_tiles, int(Ts), F * (2 if swiglu else 1) // tp, H)
         if n > 1:
             terms["mlp_act"] = 0
@@ -293,12 +350,151 @@ def _layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies
     return terms
 
 
+# Mixture of experts (models/moe.py) --------------------------------------------------------------
+
+# The MLP block's saved terms, dense or MoE (what the attention phase of one layer's backward no
+# longer holds: _layer_backward_peak).
+MLP_TERMS = ("mlp_norm", "fc1_input", "mlp_act", "router_input", "router_probs", "expert_input",
+             "expert_act", "combine", "token_indices", "shared_expert")
+
+
+def is_moe(cfg) -> bool:
+    """Whether cfg has mixture-of-experts layers (GPTConfig.num_experts)."""
+    return getattr(cfg, "num_experts", None) is not None
+
+
+_MOE_FLAGS: dict = {}      # (layers, experts, moe_layer_freq) -> moe_layer_flags
+
+
+def moe_layer_flags(cfg) -> tuple[bool, ...]:
+    """cfg.is_moe_layer of every layer (all False for a dense model), asked once per pattern (the
+    planner asks for them in every candidate it sizes)."""
+    freq = getattr(cfg, "moe_layer_freq", None)
+    key = (cfg.num_layers, getattr(cfg, "num_experts", None),
+           tuple(freq) if isinstance(freq, list) else freq)
+    if key not in _MOE_FLAGS:
+        _MOE_FLAGS[key] = tuple(is_moe(cfg) and bool(cfg.is_moe_layer(i))
+                                for i in range(cfg.num_layers))
+    return _MOE_FLAGS[key]
+
+
+def stage_layers(cfg, pp: int = 1) -> list[int]:
+    """Global indices of the layers of the heaviest pipeline stage: of the pp contiguous stages of
+    L/pp layers, the one with the most MoE layers (the first on a tie: the first stage for a
+    dense model)."""
+    return list(_heaviest_stage(moe_layer_flags(cfg), pp))
+
+
+@functools.lru_cache(maxsize=None)
+def _heaviest_stage(flags: tuple[bool, ...], pp: int) -> range:
+    per = len(flags) // pp
+    stages = [range(i * per, (i + 1) * per) for i in range(pp)]
+    return max(stages, key=lambda layers: sum(flags[i] for i in layers))
+
+
+def _stage_kinds(cfg, num_layers: int) -> list[bool]:
+    """Whether each of a stage's num_layers layers is a MoE layer: the heaviest stage when
+    num_layers divides the model's layers (stage_layers), else its first num_layers."""
+    flags = moe_layer_flags(cfg)
+    if cfg.num_layers % num_layers == 0:
+        return [flags[i] for i in stage_layers(cfg, cfg.num_layers // num_layers)]
+    return list(flags[:num_layers])
+
+
+def _stage_moe_layers(cfg, pp: int) -> int:
+    """MoE layers of the heaviest pipeline stage (stage_layers)."""
+    flags = moe_layer_flags(cfg)
+    return sum(flags[i] for i in stage_layers(cfg, pp))
+
+
+def router_prob_bytes(cfg, e: int, r: int, device: str = "cuda") -> int:
+    """Element size of the router's saved scores (models/moe.py TopKRouter: tokens.float() @
+    weight.float()): fp32 without autocast (e == r); under autocast (e != r) its linear runs in
+    bf16, and so do its scores on CPU, while CUDA's autocast runs softmax in fp32 (its fp32 op
+    list; a sigmoid stays in bf16)."""
+    if e == r:
+        return 4
+    return 4 if device == "cuda" and cfg.moe_router_score_function == "softmax" else e
+
+
+def _router_terms(cfg, Tm, e, r, device) -> dict:
+    """router_input and router_probs of one MoE layer over Tm tokens (module docstring)."""
+    H, E, k = cfg.hidden_size, cfg.num_experts, cfg.moe_router_topk
+    p = router_prob_bytes(cfg, e, r, device)
+    probs = Tm * k * 8                                 # top-k indices [Tm, k] int64
+    if cfg.moe_router_score_function == "sigmoid":      # sigmoid [Tm, E], normalised over the k
+        probs += Tm * E * p + (Tm * k * p + Tm * p if k > 1 else 0)
+    elif cfg.moe_router_pre_softmax:                    # softmax [Tm, E], top-k of it
+        probs += Tm * E * p + (Tm * k * p + Tm * p if cfg.moe_norm_topk_prob else 0)
+    else:                                               # softmax over the top-k logits [Tm, k]
+        probs += Tm * k * p
+    if cfg.moe_aux_loss_coeff > 0 and cfg.moe_router_load_balancing_type != "none":
+        sigmoid = cfg.moe_router_score_function == "sigmoid"
+        probs += Tm * E * p + (Tm * p if sigmoid and k > 1 else 0)   # the full scores [Tm, E]
+    if cfg.moe_z_loss_coeff:
+        probs += Tm * E * 4 + Tm * 4                    # fp32 logits, logsumexp [Tm]
+    autocast = e != r
+    return {"router_input": Tm * H * (e if autocast else 4), "router_probs": probs}
+
+
+def _expert_rows(cfg, Tm) -> tuple[float, float]:
+    """(N, Nx): the routed rows of Tm tokens, N = Tm*k (uniform routing: capacity drops none), and
+    the rows the experts compute, Nx = E*C with --moe-pad-expert-input-to-capacity (C =
+    ceil(cf*Tm*k/E)), else N; with ep > 1 the rows received, whose uniform expectation is Nx."""
+    N = Tm * cfg.moe_router_topk
+    if cfg.moe_pad_expert_input_to_capacity:
+        return N, cfg.num_experts * math.ceil(cfg.moe_expert_capacity_factor * N / cfg.num_experts)
+    return N, N
+
+
+def _moe_terms(cfg, Tm, e, r, device="cuda", ep=1, weight_copies=False) -> dict:
+    """Saved bytes of one MoE layer's MLP block beyond its norm, over the Tm tokens this rank routes
+    (T/t* : each tp rank routes its own under --sequence-parallel), by named term (module
+    docstring). The experts run in the tokens' dtype r (autocast has no rule for the grouped
+    GEMM)."""
+    H, E, Fm = cfg.hidden_size, cfg.num_experts, cfg.moe_ffn_hidden_size
+    p = router_prob_bytes(cfg, e, r, device)
+    N, Nx = _expert_rows(cfg, Tm)
+    autocast = e != r
+    terms = _router_terms(cfg, Tm, e, r, device)
+    indices = 3 * N * 8                       # permutation [N] + row -> token [N] twice, int64
+    if cfg.moe_pad_expert_input_to_capacity:
+        indices += N * 8                      # each row's slot in the padded [E*C, H] buffer
+    if ep > 1:
+        indices += 2 * Nx * 8                 # the received rows' regroup order and its inverse
+    terms.update({
+        "expert_input": Nx * H * r,                      # the first grouped GEMM's input [Nx, H]
+        "expert_act": Nx * 4 * Fm * r + E // ep * 4,     # [Nx, 2Fm], silu, fc2 input; offsets
+        "combine": N * H * (4 + r) + N * p,              # fp32 output, weighted rows, weights
+        "token_indices": indices,
+        "shared_expert": _shared_expert_bytes(cfg, Tm, e, r, autocast),
+    })
+    if weight_copies:       # the router's and shared expert's linears (the experts keep no copy)
+        Fs = cfg.moe_shared_expert_intermediate_size or 0
+        terms["w_moe"] = (E * H + 3 * H * Fs + (H if cfg.moe_shared_expert_gate else 0)) * e
+    return terms
+
+
+def _shared_expert_bytes(cfg, Tm, e, r, autocast) -> float:
+    """The shared expert (a dense SwiGLU of Fs over the Tm tokens; models/moe.py SharedExpertMLP):
+    fc1 output [Tm, 2Fs] + silu + fc2 input = Tm*4*Fs*e, + its input (autocast's bf16 copy Tm*H*e;
+    without autocast the tokens themselves, shared with router_input when r = 4); the gate
+    (--moe-shared-expert-gate) + its input's copy (autocast) + sigmoid Tm*e + the output Tm*H*e."""
+    Fs, H = cfg.moe_shared_expert_intermediate_size, cfg.hidden_size
+    if not Fs:
+        return 0.0
+    shared = Tm * 4 * Fs * e + (Tm * H * e if autocast else 0 if r == 4 else Tm * H * r)
+    if cfg.moe_shared_expert_gate:
+        shared += (Tm * H * e if autocast else 0) + Tm * e + Tm * H * e
+    return shared
+
+
 def activation_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int = 1,
                      sequence_parallel: bool = False, num_layers: int | None = None,
                      memory: MemoryOptions | None = None, dtype_bytes: int = 4,
                      residual_bytes: int | None = None, weight_copies: bool = False,
                      post_process: bool = True, pre_process: bool = True,
-                     device: str = "cuda", cp: int = 1) -> dict:
+                     device: str = "cuda", cp: int = 1, ep: int = 1) -> dict:
     """Predicted bytes saved for backward per rank for one micro-batch (see the module docstring).
 
     residual_bytes: element size of the residual stream and the norms' saved tensors (default
@@ -306,20 +502,30 @@ def activation_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: in
     weight_copies: also count the weight copies aten::linear keeps (the accountant reports them
     apart, as weight_copy_bytes). device: "cuda" or "cpu", whose RMSNorm kernel (module
     docstring). cp: the ring's degree (context parallelism; T = b*s/(sp*cp), the ring's saved out
-    and lse are the sdpa_out and sdpa_lse terms). Returns {"layer": bytes of one layer (not
-    recomputed), "layers": all this stage's layers, "output", "embedding", "shared" (RoPE), "host"
-    (offloaded), "total" (device), "terms": {...}}.
+    and lse are the sdpa_out and sdpa_lse terms). ep: --expert-model-parallel-size (MoE layers'
+    dispatch; the stage's layers are stage_layers': the one with the most MoE layers). Returns
+    {"layer": bytes of the largest layer (not recomputed), "layers": all this stage's layers,
+    "output", "embedding", "shared" (RoPE), "host" (offloaded), "total" (device), "terms": {...}
+    (of a MoE layer when the stage has one), "by_kind": {"dense" / "moe": (bytes, terms) of each
+    kind of layer the stage has}}.
     """
     memory = memory or MemoryOptions()
     e = dtype_bytes
     r = e if residual_bytes is None else residual_bytes
     L = cfg.num_layers if num_layers is None else num_layers
     seqpar = sequence_parallel and tp > 1
+    _check_moe_layout(cfg, tp, seqpar, ep)
     T = micro_batch * seq / (sp * cp)
     Ts = T / tp if seqpar else T
     H, d = cfg.hidden_size, cfg.kv_channels
-    terms = _layer_terms(cfg, T, tp, sp, seqpar, e, memory, weight_copies, r, device)
-    layer = sum(terms.values())
+    kinds = _stage_kinds(cfg, L)
+    by_kind = {}
+    for moe in sorted(set(kinds)):
+        terms = _layer_terms(cfg, T, tp, sp, seqpar, e, memory, weight_copies, r, device, moe, ep)
+        by_kind["moe" if moe else "dense"] = (sum(terms.values()), terms)
+    per_layer = [by_kind["moe" if moe else "dense"][0] for moe in kinds]
+    layer = max(kind[0] for kind in by_kind.values())
+    terms = by_kind["moe" if "moe" in by_kind else "dense"][1]
     ckpt_input = Ts * H * r
     if memory.full_recompute:
         n = memory.recompute_num_layers
@@ -327,9 +533,9 @@ def activation_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: in
             layers = math.ceil(L / n) * ckpt_input
         else:
             k = min(n, L)
-            layers = k * ckpt_input + (L - k) * layer
+            layers = k * ckpt_input + sum(per_layer[k:])
     else:
-        layers = L * layer
+        layers = sum(per_layer)
     shared = 2 * T * d * 4 if cfg.position_embedding_type in ("rope", "yarn") else 0
     host = 0
     if memory.offload_activations:
@@ -356,7 +562,23 @@ def activation_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: in
             embedding += seq * 8
     total = layers + output + embedding + shared
     return {"layer": layer, "layers": layers, "output": output, "embedding": embedding,
-            "shared": shared, "host": host, "total": total, "terms": terms}
+            "shared": shared, "host": host, "total": total, "terms": terms, "by_kind": by_kind}
+
+
+def _check_moe_layout(cfg, tp: int, seqpar: bool, ep: int) -> None:
+    """Refuse (ValueError) what our MoE layers cannot run: tp > 1 without --sequence-parallel,
+    an ep that does not divide the experts, ep > 1 on a dense model."""
+    if not is_moe(cfg):
+        if ep != 1:
+            raise ValueError(f"--expert-model-parallel-size {ep} needs a mixture-of-experts model "
+                             f"(num_experts): use 1 for this dense model.")
+        return
+    if tp > 1 and not seqpar:
+        raise ValueError(f"num_experts={cfg.num_experts} with tp={tp} needs --sequence-parallel "
+                         f"(sequence_parallel=True): each tp rank routes its own tokens.")
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or cfg.num_experts % ep:
+        raise ValueError(f"--expert-model-parallel-size {ep} does not divide num_experts="
+                         f"{cfg.num_experts}: choose one of {_divisors(cfg.num_experts)}.")
 
 
 def korthikanti_layer_bytes(cfg, seq: int, micro_batch: int = 1, tp: int = 1, sp: int = 1,
@@ -402,56 +624,141 @@ def ring_buffer_bytes(cfg, T: float, tp: int = 1, sp: int = 1, cp: int = 1,
 SHARDING_MODES = ("none", "distributed-optimizer", "fsdp")
 
 
-def params_per_rank(cfg, tp: int, pp: int) -> float:
-    """Parameters held by one rank: layers split over tp and pp; embeddings over tp (first and last
-    stage hold them; counted on the heavier stage)."""
-    total = cfg.num_parameters()
+def moe_layer_parameters(cfg) -> dict:
+    """One MoE layer's MLP parameters by how they are laid out (models/moe.py): "experts", the E
+    routed SwiGLU experts, 3*H*Fm each (whole experts, E/ep per rank: split over ep, never over
+    tp); "replicated", the router [E, H], the shared expert 3*H*Fs and its gate [1, H] (whole on
+    every tp rank); "dense_mlp", the 3*H*F SwiGLU MLP a dense layer has instead. All 0 for a
+    dense model."""
+    if not is_moe(cfg):
+        return {"experts": 0, "replicated": 0, "dense_mlp": 0}
+    H, E = cfg.hidden_size, cfg.num_experts
+    Fs = cfg.moe_shared_expert_intermediate_size or 0
+    return {"experts": E * 3 * H * cfg.moe_ffn_hidden_size,
+            "replicated": E * H + 3 * H * Fs + (H if cfg.moe_shared_expert_gate else 0),
+            "dense_mlp": 3 * H * cfg.ffn_hidden_size}
+
+
+def _dense_equivalent_parameters(cfg) -> float:
+    """num_parameters() with every MoE layer's MLP counted as the dense MLP it replaces."""
+    moe = moe_layer_parameters(cfg)
+    moe_layers = sum(moe_layer_flags(cfg))
+    per_layer = moe["experts"] + moe["replicated"] - moe["dense_mlp"]   # MoE MLP - dense MLP
+    return cfg.num_parameters() - moe_layers * per_layer
+
+
+def expert_shard_ranks(n: int, tp: int = 1, ep: int = 1) -> int:
+    """The ranks the experts' state is sharded (and their gradients reduced) over: with ep > 1
+    their expert-data-parallel group, the stage's n*tp ranks / ep (ep folds over dp x cp x sp x
+    tp, tp first: mesh.expert_groups); with ep 1 they are ordinary parameters, over the n = dp x
+    sp (x cp) ranks like the rest (whole on every tp rank)."""
+    if ep == 1:
+        return n
+    if (n * tp) % ep:
+        raise ValueError(f"--expert-model-parallel-size {ep} does not divide the {n * tp} ranks of "
+                         f"a pipeline stage (dp*cp*sp*tp): choose a divisor of {n * tp}.")
+    return n * tp // ep
+
+
+def params_split_per_rank(cfg, tp: int, pp: int, ep: int = 1) -> tuple[float, float]:
+    """(non-expert, expert) parameters held by one rank (params_per_rank's two parts): the routed
+    experts of the heaviest stage's MoE layers (stage_layers), E/ep whole experts each; the rest
+    as a dense model's (layers over tp and pp, embeddings over tp) with each MoE layer's dense MLP
+    replaced by its router and shared expert, replicated over tp."""
+    moe = moe_layer_parameters(cfg)
+    moe_layers = _stage_moe_layers(cfg, pp)
+    dense = _dense_params_per_rank(cfg, _dense_equivalent_parameters(cfg), tp, pp)
+    rest = dense + moe_layers * (moe["replicated"] - moe["dense_mlp"] / tp)
+    return rest, moe_layers * moe["experts"] / ep
+
+
+def _dense_params_per_rank(cfg, total: float, tp: int, pp: int) -> float:
+    """A dense model of `total` parameters on one rank: layers split over tp and pp; embeddings
+    over tp (first and last stage hold them; counted on the heavier stage)."""
     V, H = cfg.padded_vocab_size(tp), cfg.hidden_size
     emb = V * H * (1 if cfg.tie_embeddings else 2)
     layers = total - cfg.vocab_size * H * (1 if cfg.tie_embeddings else 2)
     return layers / (tp * pp) + (emb / tp if pp == 1 else max(emb / tp / 2 * (2 if cfg.tie_embeddings else 1), 0) + 0)
 
 
-def fsdp_units(cfg, tp: int, pp: int) -> list[float]:
+def params_per_rank(cfg, tp: int, pp: int, ep: int = 1) -> float:
+    """Parameters held by one rank: layers split over tp and pp; embeddings over tp (first and last
+    stage hold them; counted on the heavier stage); a MoE layer's routed experts E/ep whole experts
+    per rank, its router and shared expert whole on every tp rank (params_split_per_rank)."""
+    return sum(params_split_per_rank(cfg, tp, pp, ep))
+
+
+def _layer_unit_params(cfg, tp: int, ep: int) -> tuple[float, float]:
+    """(dense layer, MoE layer) parameters of one layer's FSDP unit on one tp rank (the final norm
+    spread over the layers); a MoE layer's unit holds its experts only with ep 1 (with ep > 1 they
+    are their own unit, fsdp_expert_units)."""
+    H = cfg.hidden_size
+    tables = cfg.vocab_size * H * (1 if cfg.tie_embeddings else 2)
+    positions = cfg.max_position_embeddings * H \
+        if cfg.position_embedding_type == "learned_absolute" else 0
+    dense = (_dense_equivalent_parameters(cfg) - tables - positions) / cfg.num_layers / tp
+    moe = moe_layer_parameters(cfg)
+    experts = moe["experts"] if ep == 1 else 0
+    return dense, dense - moe["dense_mlp"] / tp + moe["replicated"] + experts
+
+
+def fsdp_units(cfg, tp: int, pp: int, ep: int = 1) -> list[float]:
     """Parameters of each FSDP unit of one (tp, pp) slice, in forward order: the embedding, one unit
     per transformer layer, the output layer (the heavier pipeline stage: the first with pp > 1 when
-    embeddings are tied, else the last; the final norm is counted with the output)."""
-    H = cfg.hidden_size
-    vocab = cfg.padded_vocab_size(tp) * H / tp
-    layer = (cfg.num_parameters() - cfg.vocab_size * H * (1 if cfg.tie_embeddings else 2)
-             - (cfg.max_position_embeddings * H if cfg.position_embedding_type == "learned_absolute"
-                else 0)) / cfg.num_layers / tp
-    layers = [layer] * (cfg.num_layers // pp)
+    embeddings are tied, else the last; the final norm is counted with the output; with MoE layers
+    the stage with the most, stage_layers). With ep > 1 a MoE layer's experts are a unit of their
+    own inside the layer's (fsdp_expert_units), not counted here."""
+    vocab = cfg.padded_vocab_size(tp) * cfg.hidden_size / tp
+    dense, moe = _layer_unit_params(cfg, tp, ep)
+    flags = moe_layer_flags(cfg)
+    layers = [moe if flags[i] else dense for i in stage_layers(cfg, pp)]
     if pp == 1:
         return [vocab] + layers + ([] if cfg.tie_embeddings else [vocab])
     return [vocab] + layers            # first or last stage: one vocabulary-sized unit and its layers
 
 
-def fsdp_in_flight_params(cfg, tp: int, pp: int) -> float:
+def fsdp_expert_units(cfg, tp: int, pp: int, ep: int = 1) -> list[float]:
+    """Parameters of the experts' own FSDP unit inside each unit of fsdp_units (sharding/fsdp.py
+    _shard_experts: a MoE layer's E/ep experts with ep > 1, sharded over their edp group), aligned
+    with fsdp_units; 0 elsewhere (dense layers, embeddings, ep 1)."""
+    experts = moe_layer_parameters(cfg)["experts"] / ep if ep > 1 else 0
+    flags = moe_layer_flags(cfg)
+    layers = [experts if flags[i] else 0 for i in stage_layers(cfg, pp)]
+    return [0] + layers + ([0] if pp == 1 and not cfg.tie_embeddings else [])
+
+
+def fsdp_in_flight_params(cfg, tp: int, pp: int, ep: int = 1) -> float:
     """Parameters FSDP2 holds unsharded at once: the unit computing and the next one prefetched
-    (the largest adjacent pair); with tied embeddings the shared table stays gathered from the
+    (the largest adjacent pair), + the computing layer's experts unit (ep > 1: gathered when its
+    experts run, inside the layer's); with tied embeddings the shared table stays gathered from the
     embedding to the output layer, so it adds to every pair."""
-    units = fsdp_units(cfg, tp, pp)
+    units, experts = fsdp_units(cfg, tp, pp, ep), fsdp_expert_units(cfg, tp, pp, ep)
+
+    def pairs(u, x):
+        return [a + b + max(xa, xb) for a, b, xa, xb in zip(u, u[1:], x, x[1:])] or \
+            [a + xa for a, xa in zip(u, x)]
     if cfg.tie_embeddings and pp == 1:
-        rest = units[1:]
-        pairs = [a + b for a, b in zip(rest, rest[1:])] or rest
-        return units[0] + max(pairs)
-    return max(a + b for a, b in zip(units, units[1:])) if len(units) > 1 else units[0]
+        return units[0] + max(pairs(units[1:], experts[1:]))
+    return max(pairs(units, experts))
 
 
 def model_state_bytes(cfg, tp: int = 1, pp: int = 1, n: int = 1, sharding: str = "none",
-                      cpu_offload: bool = False, bf16: bool = True) -> dict:
-    """Model-state bytes per rank (docs/design.md §11), with P_r = params_per_rank(cfg, tp, pp) and n = dp*sp:
+                      cpu_offload: bool = False, bf16: bool = True, ep: int = 1) -> dict:
+    """Model-state bytes per rank (docs/design.md §11), with P_r = params_per_rank(cfg, tp, pp, ep)
+    and n = dp*sp (x cp); with experts P_r = P_n + P_e (params_split_per_rank), the experts'
+    state sharded over m = expert_shard_ranks(n, tp, ep) (their edp group, n*tp/ep, when ep > 1)
+    and the rest over n, so that below "P_r / n" reads P_n / n + P_e / m:
 
       none                   device 16 P_r (fp32 weights 4, fp32 grads 4, Adam m, v 8)
       distributed-optimizer  device 4 P_r weights + 4 P_r grads + 8 P_r / n Adam (our weights are
                              fp32: no separate master copy)
       fsdp                   device 16 P_r / n + the units in flight: the two largest adjacent
-                             units unsharded (bf16 params and bf16 grads, 2 + 2 bytes/param under
-                             --bf16; 4 + 4 in fp32) + the largest unit's reduce-scatter output
-                             (2 / n; 4 / n in fp32) and, with offload, its fp32 shard copied to
-                             the device for the all-gather and its fp32 grad shard before the copy
-                             to host (4 / n + 4 / n)
+                             units unsharded (+ the computing layer's experts unit with ep > 1;
+                             bf16 params and bf16 grads, 2 + 2 bytes/param under --bf16; 4 + 4 in
+                             fp32) + the largest unit's reduce-scatter output (2 / n; 4 / n in
+                             fp32; an experts unit's / m) and, with offload, its fp32 shard copied
+                             to the device for the all-gather and its fp32 grad shard before the
+                             copy to host (4 / n + 4 / n)
       + cpu_offload          the optimizer state and step move to host: 16 P_r / n on host (fp32
                              master shard 4, its grads 4, Adam 8); device keeps 8 P_r (distributed
                              optimizer: weights + grads) or the units in flight only (fsdp)
@@ -463,18 +770,22 @@ def model_state_bytes(cfg, tp: int = 1, pp: int = 1, n: int = 1, sharding: str =
     if cpu_offload and sharding == "none":
         raise ValueError("--optimizer-cpu-offload needs --use-distributed-optimizer or "
                          "--use-torch-fsdp2 (the offloaded optimizer state is the sharded one).")
-    P = params_per_rank(cfg, tp, pp)
+    _check_moe_layout(cfg, 1, True, ep)
+    Pn, Pe = params_split_per_rank(cfg, tp, pp, ep)
+    m = expert_shard_ranks(n, tp, ep)
+    P, shard = Pn + Pe, Pn / n + Pe / m           # this rank's parameters, and its shard of them
     in_flight = 0.0
     if sharding == "none":
         device, host = 16 * P, 0.0
     elif sharding == "distributed-optimizer":
-        device, host = (8 * P, 16 * P / n) if cpu_offload else (8 * P + 8 * P / n, 0.0)
+        device, host = (8 * P, 16 * shard) if cpu_offload else (8 * P + 8 * shard, 0.0)
     else:
         e = 2 if bf16 else 4
-        largest = max(fsdp_units(cfg, tp, pp))
-        in_flight = fsdp_in_flight_params(cfg, tp, pp) * 2 * e + largest * (e + (8 if cpu_offload
-                                                                                  else 0)) / n
-        device, host = (in_flight, 16 * P / n) if cpu_offload else (16 * P / n + in_flight, 0.0)
+        largest = max(max(fsdp_units(cfg, tp, pp, ep)) / n,          # a shard of the largest unit
+                      max(fsdp_expert_units(cfg, tp, pp, ep)) / m)
+        in_flight = fsdp_in_flight_params(cfg, tp, pp, ep) * 2 * e \
+            + largest * (e + (8 if cpu_offload else 0))
+        device, host = (in_flight, 16 * shard) if cpu_offload else (16 * shard + in_flight, 0.0)
     return {"device": device, "host": host, "in_flight": in_flight}
 
 
@@ -491,26 +802,46 @@ def _layer_tensor_numels(cfg, tp: int) -> list[float]:
     return [H * (h + 2 * g) * d / tp, h * d * H / tp, fc1 / tp, F * H / tp]
 
 
-def host_state_pinned_bytes(cfg, tp: int, pp: int, n: int, pool: bool = False) -> float:
+def _moe_layer_shards(cfg, tp: int, ep: int, n: int, m: int) -> list[float]:
+    """This rank's shard of each weight of one MoE layer (norms, the shared expert's gate left
+    out): qkv and out-proj (over tp, then n), the router [E, H] and shared expert fc1 [2Fs, H],
+    fc2 [H, Fs] (whole over tp, then n), the experts' w1 [E/ep, 2Fm, H] and w2 [E/ep, H, Fm]
+    (over m = expert_shard_ranks)."""
+    H, E, Fm = cfg.hidden_size, cfg.num_experts, cfg.moe_ffn_hidden_size
+    Fs = cfg.moe_shared_expert_intermediate_size or 0
+    attention = _layer_tensor_numels(cfg, tp)[:2]
+    rest = [E * H] + ([2 * Fs * H, Fs * H] if Fs else [])
+    return [x / n for x in attention + rest] + [E // ep * 2 * Fm * H / m, E // ep * H * Fm / m]
+
+
+def host_state_pinned_bytes(cfg, tp: int, pp: int, n: int, pool: bool = False,
+                            ep: int = 1) -> float:
     """Host bytes of the offloaded model state with the pinned rounding: the fp32 weight and
     gradient shards are pinned (FSDP2's CPUOffloadPolicy(pin_memory=True)), each rounded up to a
     power of two; Adam's m and v are plain host tensors (8 bytes/param, exact). pool: the shards
     are blocks of an exact host pool instead (the distributed optimizer's, host_pool.py): each
-    aligned to host_pool.ALIGNMENT, no rounding to powers of two."""
-    P = params_per_rank(cfg, tp, pp)
+    aligned to host_pool.ALIGNMENT, no rounding to powers of two. Experts: their shards over m =
+    expert_shard_ranks(n, tp, ep) (_moe_layer_shards)."""
+    Pn, Pe = params_split_per_rank(cfg, tp, pp, ep)
+    m = expert_shard_ranks(n, tp, ep)
     vocab = cfg.padded_vocab_size(tp) * cfg.hidden_size / tp
     tables = 2 if (pp == 1 and not cfg.tie_embeddings) else 1     # embedding (+ output layer)
-    shards = [x / n for x in _layer_tensor_numels(cfg, tp)] * (cfg.num_layers // pp) + [vocab / n] * tables
+    dense = [x / n for x in _layer_tensor_numels(cfg, tp)]
+    shards = [vocab / n] * tables
+    flags = moe_layer_flags(cfg)
+    for i in stage_layers(cfg, pp):
+        shards += _moe_layer_shards(cfg, tp, ep, n, m) if flags[i] else dense
     one = align_up if pool else pinned_bytes
     pinned = 2 * sum(one(4 * x) for x in shards)                  # weights and grads
-    rest = max(P / n - sum(shards), 0)                             # norms, biases: rounding ignored
-    return pinned + 2 * 4 * rest + 8 * P / n
+    shard = Pn / n + Pe / m
+    rest = max(shard - sum(shards), 0)                             # norms, biases: rounding ignored
+    return pinned + 2 * 4 * rest + 8 * shard
 
 
 # Communication ----------------------------------------------------------------------------------
 
 def comm_bytes_per_step(cfg, work: Workload, dims: ParallelDims, sharding: str = "none",
-                        cpu_offload: bool = False) -> dict:
+                        cpu_offload: bool = False, ep: int = 1) -> dict:
     """Bytes one rank sends per optimizer step (forward + backward, recompute included), by kind,
     for `work` (its memory techniques, its --sequence-parallel, e = its dtype_bytes) on `dims`.
 
@@ -524,6 +855,19 @@ def comm_bytes_per_step(cfg, work: Workload, dims: ParallelDims, sharding: str =
     (and once more under full recompute) and bf16 gradients reduce-scattered, (n-1)/n each;
     host: with --optimizer-cpu-offload, the gradient shard down and the fp32 weight shard back up
     (4 + 4 bytes/param over PCIe, not a network link).
+
+    Mixture of experts (ep = --expert-model-parallel-size): a MoE layer's MLP has no tp
+    collective (each tp rank routes its own tokens under --sequence-parallel: 5 of the layer's 10
+    units); edp: the experts' share of the dp term (their gradients and FSDP2 gathers over
+    expert_shard_ranks: the edp group n*tp/ep with ep > 1, the n ranks with ep 1; dp keeps the
+    rest over n); ep: the alltoall dispatcher (moe/dispatch.py dispatch_bytes), per MoE layer and
+    micro-batch, under uniform routing, with Tm = T/t* tokens this rank routes and Nx the rows
+    its experts compute (Tm*k; E*C padded to capacity), elements in the tokens' dtype r (fp32
+    under bf16 autocast: the rows are the residual stream's):
+      forward    the dispatch sends the Nx (ep-1)/ep rows bound for other ranks' experts, the
+                 combine returns the as many received:       2 Nx (ep-1)/ep H r
+      backward   the same two exchanges reversed:           2 Nx (ep-1)/ep H r
+    and the forward's again under full recompute (the counts' int64 exchange is not counted).
 
     With a ring (dims.cp > 1; tokens per rank T = b*s/(sp*cp), so tp, sp and pp above carry the
     rank's T tokens: the hybrid's all-to-alls move the ring rank's tokens over its sp ranks) and
@@ -544,15 +888,18 @@ def comm_bytes_per_step(cfg, work: Workload, dims: ParallelDims, sharding: str =
     T = work.tokens_per_rank(dims.context)                        # b*s/(sp*cp)
     H, d = cfg.hidden_size, cfg.kv_channels
     recompute_factor = 1.5 if memory.full_recompute else 1.0    # forward run twice of fwd+bwd pairs
+    moe_layers = _stage_moe_layers(cfg, pp)                      # this stage's (heaviest)
     out = {}
     if tp > 1:
         msg = T * H * e
         # Per layer and micro-batch, in units of (t-1)/t * msg: without --sequence-parallel four
         # all-reduces (2 forward, 2 backward) of 2 units each; with it 2 all-gathers + 2
         # reduce-scatters forward, and backward 2 re-gathers + 2 reduce-scatters (column-parallel
-        # inputs kept sharded) + 2 all-gathers (row-parallel outputs).
+        # inputs kept sharded) + 2 all-gathers (row-parallel outputs). A MoE layer: attention's
+        # half.
         units = 10 if sequence_parallel else 8
-        out["tp"] = micro * L * units * (tp - 1) / tp * msg * recompute_factor / pp
+        layer_units = L * units - moe_layers * pp * units / 2        # per stage: / pp
+        out["tp"] = micro * layer_units * (tp - 1) / tp * msg * recompute_factor / pp
     if sp > 1:
         hl, gl = cfg.num_attention_heads // tp, cfg.num_query_groups // tp
         # head chunks (N > 1): a key/value head shared by chunks is sent with each of them
@@ -564,17 +911,37 @@ def comm_bytes_per_step(cfg, work: Workload, dims: ParallelDims, sharding: str =
         out["cp"] = micro * L * ring_layer_bytes(cfg, T, tp, sp, cp, e, memory) / pp
     if pp > 1:
         out["pp"] = micro * 2 * T * H * e / (tp if sequence_parallel else 1)
+    if ep > 1 and moe_layers:
+        r = _residual_bytes(sharding, e)
+        Nx = _expert_rows(cfg, T / tp if sequence_parallel else T)[1]
+        out["ep"] = micro * moe_layers * 4 * Nx * (ep - 1) / ep * H * r * recompute_factor
     n = dp * sp * cp
-    P = params_per_rank(cfg, tp, pp)
-    if n > 1:
-        if sharding == "fsdp":
-            gathers = (3 if memory.full_recompute else 2) * micro
-            out["dp"] = (gathers + 1) * (n - 1) / n * P * e
-        else:
-            out["dp"] = 2 * (n - 1) / n * P * 4
+    m = expert_shard_ranks(n, tp, ep)
+    Pn, Pe = params_split_per_rank(cfg, tp, pp, ep)
+    for kind, params, ranks in (("dp", Pn, n), ("edp", Pe, m)):
+        if ranks > 1 and params:
+            out[kind] = _gradient_sync_bytes(params, ranks, sharding, e, memory, micro)
     if cpu_offload:
-        out["host"] = 8 * P / n
+        out["host"] = 8 * (Pn / n + Pe / m)
     return out
+
+
+def _gradient_sync_bytes(params: float, n: int, sharding: str, e: int, memory: MemoryOptions,
+                         micro: int) -> float:
+    """Bytes one rank sends per step to keep `params` in sync over n ranks: fp32 gradients
+    all-reduced 2(n-1)/n (the distributed optimizer's reduce-scatter + all-gather moves as many);
+    FSDP2 e-byte parameters gathered in each forward, backward (and recompute) and gradients
+    reduce-scattered once, (n-1)/n each."""
+    if sharding == "fsdp":
+        gathers = (3 if memory.full_recompute else 2) * micro
+        return (gathers + 1) * (n - 1) / n * params * e
+    return 2 * (n - 1) / n * params * 4
+
+
+def _residual_bytes(sharding: str, e: int) -> int:
+    """Element size of the residual stream (and of the tokens a MoE layer dispatches): 2 under
+    FSDP2 with bf16 parameters (MixedPrecisionPolicy), else 4 (fp32 weights, bf16 autocast)."""
+    return 2 if (sharding == "fsdp" and e == 2) else 4
 
 
 def ring_layer_bytes(cfg, T: float, tp: int, sp: int, cp: int, e: int,
@@ -683,10 +1050,11 @@ def plan_index_bytes(seq: int, micro_batch: int = 1, *, cp: int = 1, kernel: str
 # Peak device memory of one step -----------------------------------------------------------------
 
 def _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory: MemoryOptions,
-                         device="cuda", cp=1, documents=False) -> float:
+                         device="cuda", cp=1, documents=False, moe=False, ep=1) -> float:
     """Bytes alive during one layer's backward, its own saved tensors included: the larger of
     - the MLP phase: every saved tensor + the residual-stream gradient (Ts*H*r) + the MLP's
       recomputed activations and their gradients (one tile's when tiled) + the tile input's gradient;
+      a MoE layer's (moe) + its backward's transients instead (_moe_backward_bytes);
     - the attention kernel's backward: the MLP block's tensors and the out-projection input freed
       (sp > 1; with sp = 1 it is the kernel's saved output), attention's regenerated (selective), +
       the residual gradient + the kernel's buffers: grad of its output, dq and its fp32 accumulator,
@@ -704,14 +1072,18 @@ def _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory: MemoryOptions,
     chunks = getattr(memory, "ulysses_head_chunks", 1)
     plain = MemoryOptions(mlp_tiles=memory.mlp_tiles,          # attention regenerated if selective
                           ulysses_head_chunks=chunks)
-    terms = _layer_terms(cfg, T, tp, sp, seqpar, e, plain, weight_copies=False, r=r, device=device)
+    terms = _layer_terms(cfg, T, tp, sp, seqpar, e, plain, weight_copies=False, r=r, device=device,
+                         moe=moe, ep=ep)
     saved = sum(terms.values())
     grads = Ts * H * r
-    width = F * (2 if swiglu else 1) // tp
-    tiles = resolve_count(memory.mlp_tiles, int(Ts), width, H) if memory.mlp_tiles != 1 else 1
-    Tt = T / tiles                                               # tokens of one tile (gathered)
-    act = (4 if swiglu else 2) * Tt * F / tp * e                 # fc1 out, act, fc2 in of one tile
-    mlp = saved + grads + (2 * act if tiles > 1 else act) + Tt * H * e
+    if moe:
+        mlp = saved + grads + _moe_backward_bytes(cfg, Ts, e, r, device, ep)
+    else:
+        width = F * (2 if swiglu else 1) // tp
+        tiles = resolve_count(memory.mlp_tiles, int(Ts), width, H) if memory.mlp_tiles != 1 else 1
+        Tt = T / tiles                                           # tokens of one tile (gathered)
+        act = (4 if swiglu else 2) * Tt * F / tp * e             # fc1 out, act, fc2 in of one tile
+        mlp = saved + grads + (2 * act if tiles > 1 else act) + Tt * H * e
     kv = T * d * max(gl, sp)                  # k or v elements at the kernel (as _layer_terms)
     q = T * hl * d
     kernel = attention_kernel_name(device, e, d, cp, documents)
@@ -733,9 +1105,42 @@ def _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory: MemoryOptions,
         projection = local + T * H * e
         attn_bwd = max(Ts * H * e + max(kernel_phase, projection), Ts * H * (e + r) if r != e else 0)
         ring *= max(gl, sp * chunks) / (chunks * max(gl, sp))
-    attention = (saved - terms["mlp_norm"] - terms["fc1_input"] - terms["mlp_act"]
-                 - (terms["proj_input"] if sp > 1 or chunks > 1 else 0) + grads + attn_bwd + ring)
+    mlp_block = sum(terms.get(name, 0) for name in MLP_TERMS)
+    attention = (saved - mlp_block - (terms["proj_input"] if sp > 1 or chunks > 1 else 0)
+                 + grads + attn_bwd + ring)
     return max(mlp, attention)
+
+
+def _moe_backward_bytes(cfg, Tm, e, r, device="cuda", ep=1) -> float:
+    """The most one MoE layer's MLP backward holds beyond its saved tensors and the residual
+    gradient, over Tm tokens (N routed rows, Nx at the experts: _expert_rows; El = E/ep local
+    experts; measured on CPU with LiveTensorPeak, tests/unit/test_planner_moe.py), the largest of
+    its phases in backward order:
+      shared    the shared expert's, a dense SwiGLU of Fs: at most its fc1 output's gradient
+                [Tm, 2Fs] e (its saved activations are freed as their gradients form); then all
+                its saved tensors are freed (_shared_expert_bytes) and its tokens' gradient
+                (Tm*H*r) stays
+      combine   unpermute's backward: index_add frees the weighted rows and gives their gradient
+                [N, H] r, whose product with the weights and with the fp32 expert output makes
+                two [N, H] fp32 (+ its fp32 cast with 16-bit rows):     N*H*(8 (+4))
+      experts   unpermute's saved tensors freed (N*H*(4 + r) + N*p + 2*N*8), + the largest of
+                the second GEMM's backward (the expert output's gradient [Nx, H], w2's El*H*Fm
+                and its input's [Nx, Fm]), the SwiGLU's (the product's, silu's and up's gradients,
+                its saved product freed: 2 [Nx, Fm]) and the first GEMM's (h's gradient [Nx, 2Fm],
+                its input's [Nx, H], w1's El*2*Fm*H with w2's still held: their transposes'
+                backward runs after it; the SwiGLU's saved 4 [Nx, Fm] freed), all in r."""
+    H, Fm, El = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_experts // ep
+    N, Nx = _expert_rows(cfg, Tm)
+    Fs = cfg.moe_shared_expert_intermediate_size or 0
+    shared = Tm * 2 * Fs * e
+    after_shared = Tm * H * r - _shared_expert_bytes(cfg, Tm, e, r, e != r) if Fs else 0
+    combine = after_shared + N * H * (8 + (4 if r != 4 else 0))
+    freed = N * H * (4 + r) + N * router_prob_bytes(cfg, e, r, device) + 2 * N * 8
+    gemm2 = Nx * H + El * H * Fm + Nx * Fm
+    swiglu = 2 * Nx * Fm
+    gemm1 = Nx * 2 * Fm + Nx * H + El * 3 * Fm * H - Nx * 4 * Fm
+    experts = after_shared - freed + max(gemm2, swiglu, gemm1) * r
+    return max(shared, combine, experts)
 
 
 def _output_peak(cfg, T, tp, seqpar, e, r, memory: MemoryOptions, saved: float) -> float:
@@ -762,7 +1167,7 @@ def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int
                     sequence_parallel: bool = False, memory: MemoryOptions | None = None,
                     dtype_bytes: int = 2, residual_bytes: int = 4, in_flight_micro_batches: int = 1,
                     pinned: bool = True, device: str = "cuda", cp: int = 1,
-                    documents: bool = False, host_pool: bool = False) -> dict:
+                    documents: bool = False, host_pool: bool = False, ep: int = 1) -> dict:
     """Peak activation bytes of one step on one rank (the heaviest pipeline stage), and host bytes.
 
     kept: what the forward leaves for backward (all layers', or only the checkpointed inputs under
@@ -776,7 +1181,9 @@ def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int
     ring's backward buffers join one layer's attention backward; "ring" in the result gives them).
     documents: packed documents as segments. Over the whole step the attention plans' index
     tensors (plan_index_bytes: the varlen kernel's, ring or documents; "index" in the result) are
-    added; "kernel" names the attention kernel (attention_kernel_name).
+    added; "kernel" names the attention kernel (attention_kernel_name). ep:
+    --expert-model-parallel-size (MoE layers: each kind of layer the stage has is tried for the
+    layer backward).
     """
     memory = memory or MemoryOptions()
     e, r = dtype_bytes, residual_bytes
@@ -784,22 +1191,26 @@ def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int
     L = cfg.num_layers // pp
     act = activation_bytes(cfg, seq, micro_batch, tp=tp, sp=sp, sequence_parallel=seqpar,
                            num_layers=L, memory=memory, dtype_bytes=e, residual_bytes=r,
-                           device=device, cp=cp)
+                           device=device, cp=cp, ep=ep)
     T = micro_batch * seq / (sp * cp)
     Ts = T / tp if seqpar else T
     ckpt_input = Ts * cfg.hidden_size * r
     kept = (act["layers"] + act["embedding"] + act["shared"]) * in_flight_micro_batches
-    layer_peak = _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory, device, cp, documents)
     kernel = attention_kernel_name(device, e, cfg.kv_channels, cp, documents)
     index = plan_index_bytes(seq, micro_batch, cp=cp, kernel=kernel, documents=documents,
                              in_flight_micro_batches=in_flight_micro_batches)
-    if memory.full_recompute:
-        group = memory.recompute_num_layers if memory.recompute_method == "uniform" else 1
-        # the group's input is the first norm's saved input: counted in kept unless offloaded
-        working = layer_peak + (group - 1) * act["layer"] - (0 if memory.offload_activations
-                                                             else ckpt_input)
-    else:
-        working = layer_peak - (0 if memory.offload_activations else act["layer"])
+    workings = []
+    for kind, (layer_bytes, _) in act["by_kind"].items():
+        layer_peak = _layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory, device, cp,
+                                          documents, moe=kind == "moe", ep=ep)
+        if memory.full_recompute:
+            group = memory.recompute_num_layers if memory.recompute_method == "uniform" else 1
+            # the group's input is the first norm's saved input: counted in kept unless offloaded
+            workings.append(layer_peak + (group - 1) * act["layer"]
+                            - (0 if memory.offload_activations else ckpt_input))
+        else:
+            workings.append(layer_peak - (0 if memory.offload_activations else layer_bytes))
+    working = max(workings)
     output = _output_peak(cfg, T, tp, seqpar, e, r, memory, act["output"])
     on_device = kept + max(output, working) + index
     host = 0.0
@@ -839,14 +1250,22 @@ class Plan:
     ring's degree (context parallelism; 1: none), the sequence over sp x cp ranks; seq_length,
     max_position_embeddings and global_batch: the job it was planned for (0: not recorded, and
     then not among the flags); documents: packed documents (--reset-attention-mask);
-    attention_kernel: the attention kernel the memory model assumes (attention_kernel).
+    attention_kernel: the attention kernel the memory model assumes (attention_kernel); ep: a
+    mixture-of-experts model's --expert-model-parallel-size (1: every expert on every rank); etp:
+    its --expert-tensor-parallel-size, 1 (whole experts on each tp rank, ep folded over the
+    stage's dp x cp x sp x tp ranks: what the planner models; None for a dense model), given
+    among the flags when tp > 1 (pretrain_gpt.py's default there is tp);
+    total_parameters and active_parameters: the model's (GPTConfig.num_parameters and
+    num_active_parameters: a MoE model's per token, k of its E experts; set by plan()).
 
     Cost (set by plan()): score, the estimated seconds per step (step_s), = compute_s (model FLOPs
     at hw.mfu of the peak x technique cost x (1 + pipeline bubble)) + comm_s (communication bytes
     / bandwidth, not overlapped); model_flops, the step's model FLOPs by Megatron-LM's
     num_floating_point_operations (docs/design.md §9: 12 B s L H^2 ((1 + g/a + s/H) q + (F/H)
-    gated + V/(2 L H)), forward and backward, recompute not counted; megatron_sp.training.flops);
-    peak_flops, the job's peak FLOP/s (GPUs x bf16 dense peak). From them tokens_per_s and mfu."""
+    gated + V/(2 L H)), forward and backward, recompute not counted; megatron_sp.training.flops;
+    a MoE model's F is the active width, k x moe_ffn_hidden_size (+ the shared expert's) in its MoE
+    layers: MFU counts the active parameters, as Megatron-LM's does); peak_flops, the job's peak
+    FLOP/s (GPUs x bf16 dense peak). From them tokens_per_s and mfu."""
     tp: int
     sp: int
     pp: int
@@ -876,6 +1295,10 @@ class Plan:
     comm_s: float = 0.0
     model_flops: float = 0.0
     peak_flops: float = 0.0
+    ep: int = 1
+    etp: int | None = None
+    total_parameters: int = 0
+    active_parameters: int = 0
 
     @property
     def comm_total_gb(self) -> float:
@@ -927,10 +1350,16 @@ class Plan:
         return parts
 
     def layout_flags(self) -> list[str]:
-        """tp (with --sequence-parallel when tp > 1), the context split, pp, and the sharding of
-        model state over dp x sp (x cp); dp is what the launcher's world size leaves."""
+        """tp (with --sequence-parallel when tp > 1), the context split, pp, expert parallelism
+        (--expert-model-parallel-size when ep > 1; a MoE model's --expert-tensor-parallel-size 1
+        when tp > 1), and the sharding of model state over dp x sp (x cp); dp is what the
+        launcher's world size leaves."""
         parts = [f"--tensor-model-parallel-size {self.tp}", *self.context_flags(),
                  f"--pipeline-model-parallel-size {self.pp}"]
+        if self.ep > 1:
+            parts.append(f"--expert-model-parallel-size {self.ep}")
+        if self.etp is not None and self.tp > 1:       # the run's default would split the experts
+            parts.append(f"--expert-tensor-parallel-size {self.etp}")
         if self.sequence_parallel:
             parts.append("--sequence-parallel")
         if self.sharding == "distributed-optimizer":
@@ -980,7 +1409,7 @@ class Plan:
             "state_device_gb", "state_host_gb", "activations_gb", "activations_host_gb",
             "reserve_gb", "total_gb", "host_node_gb", "comm_gb", "score", "documents",
             "attention_kernel", "step_s", "compute_s", "comm_s", "tokens_per_s", "mfu",
-            "model_flops")}
+            "model_flops", "ep", "etp", "total_parameters", "active_parameters")}
         out["memory"] = self.memory.to_dict()
         out["flags"] = self.flags()
         return out
@@ -1008,7 +1437,8 @@ def head_chunk_cost(cfg, seq: int) -> float:
     H, h = cfg.hidden_size, cfg.num_attention_heads
     q = cfg.kv_channels * h / H
     attention = (1.0 + cfg.num_query_groups / h + seq / H) * q
-    mlp = cfg.ffn_hidden_size / H * (1.5 if cfg.activation == "swiglu" else 1.0)
+    from megatron_sp.training.flops import active_ffn_hidden_size   # a MoE model's active width
+    mlp = active_ffn_hidden_size(cfg) / H * (1.5 if cfg.activation == "swiglu" else 1.0)
     vocab = cfg.padded_vocab_size(1) / (2.0 * cfg.num_layers * H)
     return attention / (attention + mlp + vocab) / 3
 
@@ -1058,7 +1488,9 @@ def concrete_memory(cfg, work: Workload, dims: ParallelDims) -> MemoryOptions:
     H, V = cfg.hidden_size, cfg.padded_vocab_size(tp) // tp
     width = cfg.ffn_hidden_size * (2 if cfg.activation == "swiglu" else 1) // tp
     tiles, chunks = mem.mlp_tiles, mem.loss_chunks
-    if tiles == "auto":
+    if all(moe_layer_flags(cfg)):
+        tiles = 1                                    # --mlp-tiles tiles dense MLPs only
+    elif tiles == "auto":
         tiles = min(max(resolve_count("auto", Ts, width, H), math.ceil(T / MLP_TILE_TOKENS)), Ts)
     if chunks == "auto":
         chunks = min(max(resolve_count("auto", T, V, H), math.ceil(T / LOSS_CHUNK_TOKENS)), T)
@@ -1106,16 +1538,42 @@ def _admissible(cfg, work: Workload, dims: ParallelDims) -> bool:
     """Whether the batch splits into micro-batches over dp, the layers over pp, the sequence over
     sp*tp (with a ring 2*cp*sp*tp: its zigzag chunks, megatron_sp.mesh.sequence_layout_problem)
     and the heads over tp and Ulysses sp (cfg.check_parallel, docs/design.md §4; the ring splits
-    no heads)."""
+    no heads), with the planner's --sequence-parallel (on whenever tp > 1: a MoE model's layers
+    need it; a job that forbids it leaves a MoE model no tp > 1), and a MoE model has an ep
+    (expert_parallel_choices)."""
     if work.global_batch % (work.micro_batch * dims.dp) or cfg.num_layers % dims.pp:
         return False
     if sequence_layout_problem(work.seq, dims.sp, dims.tp, sequence_parallel=True, cp=dims.cp):
         return False
     try:
-        cfg.check_parallel(dims.tp, dims.sp, dims.pp)
+        cfg.check_parallel(dims.tp, dims.sp, dims.pp, sequence_parallel=dims.tp > 1)
     except ValueError:
         return False
-    return True
+    return bool(expert_parallel_choices(cfg, work, dims))
+
+
+def expert_parallel_choices(cfg, work: Workload, dims: ParallelDims) -> list[int]:
+    """The --expert-model-parallel-size values the planner tries on `dims`, ascending: [1] for a
+    dense model; work.expert_parallel_size when given and it divides the stage's dp*cp*sp*tp
+    ranks (else none); otherwise every divisor of num_experts that divides them (ep folds over
+    the whole stage, tp first: mesh.expert_groups)."""
+    if not is_moe(cfg):
+        return [1]
+    stage = dims.tp * dims.sp * dims.cp * dims.dp
+    fixed = work.expert_parallel_size
+    eps = [fixed] if fixed is not None else _divisors(cfg.num_experts)
+    return [ep for ep in eps if stage % ep == 0]
+
+
+def _check_expert_parallel_size(cfg, ep) -> None:
+    """A fixed --expert-model-parallel-size (Workload.expert_parallel_size) the model can take, or
+    ValueError in one sentence: a positive integer, 1 for a dense model, a divisor of
+    num_experts."""
+    if ep is None:
+        return
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"--expert-model-parallel-size must be a positive integer, got {ep!r}.")
+    _check_moe_layout(cfg, 1, True, ep)
 
 
 def _step_seconds(p: Plan, work: Workload, hw: Hardware, compute_s: float) -> float:
@@ -1130,7 +1588,11 @@ def _step_parts(p: Plan, work: Workload, hw: Hardware, compute_s: float) -> tupl
     The ring runs at the network's bandwidth once it leaves a node (a ring is as fast as its
     slowest hop)."""
     c = p.sp * p.cp                                   # the context ranks (stride tp; the ring tp*sp)
+    node = hw.gpus_per_node
+    stage = p.tp * c * p.dp                           # a stage's ranks: ep and edp fold over them
     bw = {"tp": hw.intra_node_gbps,
+          "ep": hw.intra_node_gbps if p.ep <= node and node % p.ep == 0 else hw.inter_node_gbps,
+          "edp": hw.intra_node_gbps if stage <= node else hw.inter_node_gbps,
           "sp": hw.intra_node_gbps if p.tp * p.sp <= hw.gpus_per_node else hw.inter_node_gbps,
           "cp": hw.intra_node_gbps if p.tp * c <= hw.gpus_per_node else hw.inter_node_gbps,
           "pp": hw.inter_node_gbps if p.tp * c * p.dp < hw.num_gpus else hw.intra_node_gbps,
@@ -1171,12 +1633,17 @@ def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
     keeps the two parts (Plan.compute_s, Plan.comm_s), the step's model FLOPs (Megatron-LM's
     formula, docs/design.md §9) and the job's peak, whence Plan.tokens_per_s and Plan.mfu.
     progress: told of each layout tried (SearchProgress.layout).
+
+    Mixture of experts (cfg.num_experts; expert tensor parallelism 1, Plan.etp): each layout also
+    tries every expert_parallel_choices ep
+    (work.expert_parallel_size fixes it; one that does not divide the experts is refused), the
+    fastest fitting (mode, offload, ep) kept: larger ep holds fewer experts per rank (state over
+    their edp group) and moves more rows by all-to-all (comm "ep"). tp > 1 always comes with
+    --sequence-parallel. The model FLOPs count the active parameters (Megatron-LM's MoE formula,
+    flops_for_config), so MFU does; Plan.total_parameters / active_parameters say both.
     """
     from megatron_sp.training.flops import flops_for_config
-    if getattr(cfg, "num_experts", None) is not None:
-        raise ValueError(f"the planner does not model mixture-of-experts layers yet (num_experts="
-                         f"{cfg.num_experts}): plan the dense model of the same attention and "
-                         f"measure the MoE model with --report-memory.")
+    _check_expert_parallel_size(cfg, work.expert_parallel_size)
     progress = progress or SearchProgress()
     candidates = sharding_candidates(sharding, cpu_offload)
     flops = flops_for_config(cfg, work.global_batch, work.seq)
@@ -1189,6 +1656,9 @@ def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
         progress.layout(best)
         if best is not None:
             best.model_flops, best.peak_flops = flops, peak
+            best.total_parameters = cfg.num_parameters()
+            best.active_parameters = cfg.num_active_parameters() if is_moe(cfg) \
+                else best.total_parameters
             plans.append(best)
     plans.sort(key=lambda q: q.score)
     return plans
@@ -1196,52 +1666,64 @@ def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
 
 def _best_fit(cfg, work: Workload, dims: ParallelDims, hw: Hardware, candidates,
               compute_s: float) -> Plan | None:
-    """The fastest of the (sharding mode, offload) candidates that fit one admissible layout,
-    with its communication and score; None when none fits."""
+    """The fastest of the (sharding mode, offload, ep) candidates that fit one admissible layout,
+    with its communication and score; None when none fits (ep: expert_parallel_choices, ascending,
+    so that a tie keeps the smaller)."""
     job = replace(work, sequence_parallel=dims.tp > 1)
+    ladder = [(concrete_memory(cfg, replace(job, memory=mem), dims), cost)
+              for mem, cost in technique_candidates(cfg, job, dims)]
     fits = []
-    for mode, offload in candidates:
-        p = _fit(cfg, job, dims, hw, mode, offload)
-        if p is not None:
-            p.comm_gb = {k: v / GiB for k, v in comm_bytes_per_step(
-                cfg, replace(job, memory=p.memory), dims, mode, offload).items()}
-            p.compute_s, p.comm_s = _step_parts(p, job, hw, compute_s)
-            p.score = p.compute_s + p.comm_s
-            fits.append(p)
+    for ep in expert_parallel_choices(cfg, job, dims):
+        for mode, offload in candidates:
+            p = _fit(cfg, job, dims, hw, mode, offload, ep, ladder)
+            if p is not None:
+                p.comm_gb = {k: v / GiB for k, v in comm_bytes_per_step(
+                    cfg, replace(job, memory=p.memory), dims, mode, offload, ep).items()}
+                p.compute_s, p.comm_s = _step_parts(p, job, hw, compute_s)
+                p.score = p.compute_s + p.comm_s
+                fits.append(p)
     return min(fits, key=lambda q: q.score) if fits else None
 
 
-def _model_state(cfg, dims: ParallelDims, mode: str, offload: bool, e: int) -> tuple[float, float]:
+def _model_state(cfg, dims: ParallelDims, mode: str, offload: bool, e: int,
+                 ep: int = 1) -> tuple[float, float]:
     """(device, host) bytes of the model state per rank, sharded over n = dp x sp (x cp: the mesh's
-    dp_sp group spans the whole context; docs/design.md §11); under bf16 autocast (not FSDP2) + the
-    cast cache's bf16 copy of every weight, which aten::linear saves for backward (docs/design.md
-    §9's 18 bytes/param)."""
+    dp_sp group spans the whole context; docs/design.md §11; experts over expert_shard_ranks);
+    under bf16 autocast (not FSDP2) + the cast cache's bf16 copy of every weight, which
+    aten::linear saves for backward (docs/design.md §9's 18 bytes/param), but the routed experts':
+    their grouped GEMMs run in the tokens' fp32 (autocast has no rule for them) on the weights
+    themselves."""
     n = dims.dp * dims.context
-    device = model_state_bytes(cfg, dims.tp, dims.pp, n, mode, offload, bf16=e == 2)["device"]
+    device = model_state_bytes(cfg, dims.tp, dims.pp, n, mode, offload, bf16=e == 2,
+                               ep=ep)["device"]
     if mode != "fsdp" and e == 2:
-        device += 2 * params_per_rank(cfg, dims.tp, dims.pp)
+        device += 2 * params_split_per_rank(cfg, dims.tp, dims.pp, ep)[0]
     # the distributed optimizer's offloaded shards are blocks of its exact host pool; FSDP2's
     # CPUOffloadPolicy pins through torch's caching host allocator (powers of two)
-    host = host_state_pinned_bytes(cfg, dims.tp, dims.pp, n, pool=mode == "distributed-optimizer") \
-        if offload else 0.0
+    host = host_state_pinned_bytes(cfg, dims.tp, dims.pp, n, pool=mode == "distributed-optimizer",
+                                   ep=ep) if offload else 0.0
     return device, host
 
 
 def _fit(cfg, work: Workload, dims: ParallelDims, hw: Hardware, mode: str,
-         offload: bool) -> Plan | None:
-    """The first of technique_candidates (the technique ladder, with Ulysses head chunks) that fits
+         offload: bool, ep: int = 1, ladder=None) -> Plan | None:
+    """The first of technique_candidates (the technique ladder, with Ulysses head chunks; ladder:
+    them with concrete_memory's counts, as _best_fit computes them once per layout) that fits
     device and host memory, as a Plan."""
     e = work.dtype_bytes
-    state_device, state_host = _model_state(cfg, dims, mode, offload, e)
-    r = 2 if (mode == "fsdp" and e == 2) else 4
-    for mem, cost in technique_candidates(cfg, work, dims):
-        mem = concrete_memory(cfg, replace(work, memory=mem), dims)
+    state_device, state_host = _model_state(cfg, dims, mode, offload, e, ep)
+    r = _residual_bytes(mode, e)
+    if ladder is None:
+        ladder = [(concrete_memory(cfg, replace(work, memory=mem), dims), cost)
+                  for mem, cost in technique_candidates(cfg, work, dims)]
+    for mem, cost in ladder:
         peak = step_peak_bytes(cfg, work.seq, work.micro_batch, tp=dims.tp, sp=dims.sp,
                                pp=dims.pp, sequence_parallel=work.sequence_parallel, memory=mem,
                                dtype_bytes=e, residual_bytes=r,
                                in_flight_micro_batches=work.in_flight(dims), device=hw.device,
                                cp=dims.cp, documents=work.documents,
-                               host_pool=dims.pp == 1)   # pretrain_gpt's pool: no pipeline only
+                               host_pool=dims.pp == 1,   # pretrain_gpt's pool: no pipeline only
+                               ep=ep)
         modelled = state_device + peak["device"]
         reserve = hw.reserve_gb * GiB + hw.fragmentation * modelled
         host_node = hw.ranks_per_node * (state_host + peak["host"])
@@ -1255,7 +1737,8 @@ def _fit(cfg, work: Workload, dims: ParallelDims, hw: Hardware, mode: str,
                         seq_length=work.seq, max_position_embeddings=cfg.max_position_embeddings,
                         global_batch=work.global_batch, documents=work.documents,
                         attention_kernel=attention_kernel(hw.device, e, cfg.kv_channels, dims.cp,
-                                                          work.documents))
+                                                          work.documents), ep=ep,
+                        etp=1 if is_moe(cfg) else None)
     return None
 
 

@@ -57,10 +57,14 @@ def test_moe_with_tensor_parallelism_needs_sequence_parallel():
     cfg.check_parallel(tp=1, sp=4)                              # no tp: nothing to shard
 
 
-def test_planner_refuses_moe():
+def test_planner_plans_moe():
+    """The planner models MoE layers (tests/unit/test_planner_moe.py): a one-GPU plan, on the
+    active parameters."""
     from megatron_sp.memory.planner import Hardware, Workload, plan
-    with pytest.raises(ValueError, match="does not model mixture-of-experts layers yet"):
-        plan(preset("llama-tiny", **MOE), Workload(seq=64), Hardware(num_gpus=1))
+    cfg = preset("llama-tiny", **MOE)
+    plans = plan(cfg, Workload(seq=64), Hardware(num_gpus=1))
+    assert plans and plans[0].ep == 1
+    assert plans[0].active_parameters == cfg.num_active_parameters() < cfg.num_parameters()
 
 
 def test_router_losses_reach_the_router_through_the_scaler():

@@ -153,37 +153,46 @@ def _flag_argv(p):
 
 def test_each_plans_flags_are_accepted_by_pretrain_gpt():
     """Each plan's own flags (no --seq-length added) parse back to its layout and sequence; the
-    ring plans' through _context_flags_parse (the 32-GPU ALST run with the ring)."""
+    ring plans' through _context_flags_parse (the 32-GPU ALST run with the ring); a MoE preset's
+    (Qwen3-30B-A3B on 64 GPUs, each sharding mode) with its --expert-model-parallel-size."""
     parser = build_parser()
     cfg8 = _llama8b(131072)
-    cases = [plan(_llama8b(s), Workload(s), Hardware(g)) for s, g in ALST]
+    cases = [("llama-8b", plan(_llama8b(s), Workload(s), Hardware(g))) for s, g in ALST]
     ringed = plan(_llama8b(ALST[2][0]), Workload(ALST[2][0]), Hardware(ALST[2][1]), ring=True)
     assert any(p.cp > 1 for p in ringed[:6])
     for p in ringed[:6]:
         _context_flags_parse(parser, p)
-    cases += [plan(cfg8, Workload(131072, global_batch=16), Hardware(32), sharding=m, cpu_offload=o)
-              for m, o in (("none", None), ("distributed-optimizer", False),
-                           ("distributed-optimizer", True), ("fsdp", False), ("fsdp", True))]
+    modes = (("none", None), ("distributed-optimizer", False), ("distributed-optimizer", True),
+             ("fsdp", False), ("fsdp", True))
+    cases += [("llama-8b", plan(cfg8, Workload(131072, global_batch=16), Hardware(32), sharding=m,
+                                cpu_offload=o)) for m, o in modes]
+    qwen = preset("qwen3-30b-a3b", max_position_embeddings=32768)
+    cases += [("qwen3-30b-a3b", plan(qwen, Workload(32768, global_batch=64), Hardware(64),
+                                     sharding=m, cpu_offload=o)) for m, o in modes]
     seen = set()
-    for plans in cases:
+    for model, plans in cases:
         assert plans
         for p in plans[:6]:
-            argv = ["--model", "llama-8b"] + _flag_argv(p)
+            argv = ["--model", model] + _flag_argv(p)
             args, unknown = parser.parse_known_args(argv)
             assert not unknown, unknown
             assert (args.seq_length, args.max_position_embeddings) == (p.seq_length,) * 2
             assert (args.tensor_model_parallel_size, args.sequence_parallel_size,
-                    args.pipeline_model_parallel_size, args.micro_batch_size) == (p.tp, p.sp, p.pp, 1)
+                    args.pipeline_model_parallel_size, args.micro_batch_size,
+                    args.expert_model_parallel_size) == (p.tp, p.sp, p.pp, 1, p.ep)
             assert args.bf16 and args.sequence_parallel == p.sequence_parallel
+            if model == "qwen3-30b-a3b":              # the layout planned: whole experts per tp rank
+                assert (args.expert_tensor_parallel_size or p.tp) == 1
             assert MemoryOptions.from_config(job_config(args).memory) == p.memory
             for flag, on in (("--use-distributed-optimizer", p.sharding == "distributed-optimizer"),
                              ("--use-torch-fsdp2", p.sharding == "fsdp"),
                              ("--optimizer-cpu-offload", p.cpu_offload)):
                 assert (flag in argv) == on and getattr(args, flag[2:].replace("-", "_")) == on
-            seen.add((p.sharding, p.cpu_offload, p.pp > 1, p.sequence_parallel))
+            seen.add((p.sharding, p.cpu_offload, p.pp > 1, p.sequence_parallel, model, p.ep > 1))
     assert {s[:2] for s in seen} == {("none", False), ("distributed-optimizer", False),
                                      ("distributed-optimizer", True), ("fsdp", False),
                                      ("fsdp", True)}
+    assert {s[:2] for s in seen if s[4] == "qwen3-30b-a3b" and s[5]} == {s[:2] for s in seen}
 
 
 def test_cli_table_fits_120_columns_with_labelled_columns_and_json(capsys):
