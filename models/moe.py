@@ -360,19 +360,27 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def _grouped_mm_probe(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm runs forward and backward for this device and dtype (once)."""
+    """Whether torch._grouped_mm runs forward and backward for this device and dtype (once, with
+    autograd on whatever the caller's mode: a first forward under no_grad or inference_mode, an
+    evaluation or a conversion check, must not turn the grouped GEMM off for the process)."""
     key = (device.type, dtype)
     if key not in _GROUPED_MM_WORKS:
         try:
-            x = torch.randn(6, 8, device=device, dtype=dtype, requires_grad=True)
-            w = torch.randn(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
-            offs = torch.tensor([0, 6], device=device, dtype=torch.int32)   # expert 0 gets none
-            y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)        # [6, 8]
-            y.backward(torch.ones_like(y))
-            _GROUPED_MM_WORKS[key] = True
+            with torch.inference_mode(False), torch.enable_grad():
+                _GROUPED_MM_WORKS[key] = _grouped_mm_forward_backward(device, dtype)
         except (RuntimeError, NotImplementedError, TypeError):
             _GROUPED_MM_WORKS[key] = False
     return _GROUPED_MM_WORKS[key]
+
+
+def _grouped_mm_forward_backward(device: torch.device, dtype: torch.dtype) -> bool:
+    """One tiny torch._grouped_mm forward and backward (raises where the kernel is missing)."""
+    x = torch.randn(6, 8, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
+    offs = torch.tensor([0, 6], device=device, dtype=torch.int32)   # expert 0 gets none
+    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)        # [6, 8]
+    y.backward(torch.ones_like(y))
+    return True
 
 
 def grouped_mm_usable(x: torch.Tensor, hidden_size: int, ffn_hidden_size: int) -> bool:

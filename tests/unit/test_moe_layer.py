@@ -176,6 +176,22 @@ def test_layer_reports_losses_when_enabled(seed):
     torch.testing.assert_close(layer(x)[0], y_routed, rtol=OUT_TOL, atol=OUT_TOL)
 
 
+def test_grouped_mm_probe_ignores_the_callers_grad_mode(monkeypatch):
+    """The probe's verdict does not depend on the mode of the first MoE forward: under no_grad and
+    inference_mode (an evaluation, a conversion check) it is the same as with autograd on, so a
+    process whose first forward is an evaluation still trains with the grouped GEMM."""
+    from megatron_sp.models import moe
+    verdicts = {}
+    for mode, ctx in (("grad", torch.enable_grad), ("no_grad", torch.no_grad),
+                      ("inference", torch.inference_mode)):
+        monkeypatch.setattr(moe, "_GROUPED_MM_WORKS", {})
+        with ctx():
+            verdicts[mode] = moe._grouped_mm_probe(torch.device("cpu"), torch.float32)
+    assert verdicts["no_grad"] == verdicts["inference"] == verdicts["grad"], verdicts
+    if torch.__version__ >= (2, 13):        # seen: torch 2.13's CPU grouped GEMM in fp32
+        assert verdicts["grad"]
+
+
 def test_grouped_mm_equals_loop_with_idle_experts(seed):
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no torch._grouped_mm")
