@@ -61,6 +61,15 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint that is missing, incomplete or does not fit the model: one clear sentence."""
 
 
+class AgreedCheckpointError(CheckpointError):
+    """A CheckpointError every rank raises with the same sentence right after a collective that
+    agreed on it (comm.agree_on_error, a save's verdict): found together, so the first rank to
+    report says it without waiting for the others (a loaded rank seconds behind must not turn it
+    into "rank 0: ...")."""
+
+    found_together = True
+
+
 # Shard geometry ------------------------------------------------------------------------------------
 
 @dataclass

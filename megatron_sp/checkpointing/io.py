@@ -31,6 +31,7 @@ import torch
 from megatron_sp.checkpointing.comm import (_all_gather_object, _barrier, _dist, _rank, _world,
                                             agree_on_error)
 from megatron_sp.checkpointing.format import (FORMAT_VERSION, META_FILENAME, RELEASE,
+                                              AgreedCheckpointError,
                                               TRACKER_FILENAME, CheckpointError, Shard,
                                               _jsonable, _rng_from_storable, _rng_to_storable,
                                               check_config, iteration_dirname, model_state,
@@ -469,7 +470,7 @@ def _agree_on_save(error, root, iteration, tmp, final, sizes: dict,
     message = _save_failure(kind, root, final, tmp, needed, parts[0][1], background)
     if error is not None and kind["kind"] == "other" and not isinstance(error, CheckpointError):
         raise error                            # a bug: its traceback (the files are cleaned up)
-    raise CheckpointError(message) from None
+    raise AgreedCheckpointError(message) from None
 
 
 def finalize_async_save():
@@ -614,7 +615,7 @@ def load_checkpoint(path: str, chunks, mesh, *, optimizer=None, scheduler=None, 
         error = f"cannot read checkpoint {path}: {err}; check the files' permissions and disk."
     error = agree_on_error(error)
     if error is not None:
-        raise CheckpointError(error)
+        raise AgreedCheckpointError(error)
     if opened is None:
         return None
     folder, meta, checksums, advice = opened

@@ -7,7 +7,7 @@ import sys
 import time
 
 from megatron_sp.checkpointing.comm import _rank, agree_on_error, any_rank_flag
-from megatron_sp.checkpointing.format import CheckpointError
+from megatron_sp.checkpointing.format import AgreedCheckpointError, CheckpointError
 from megatron_sp.checkpointing.io import (async_save_failed, async_save_in_flight,
                                           finalize_async_save, load_checkpoint, save_checkpoint)
 from megatron_sp.checkpointing.lock import SaveLock, fresh_run_problem, track
@@ -97,7 +97,7 @@ class CheckpointManager:
         problem = agree_on_error(problem)
         if problem is not None:
             self.release()
-            raise CheckpointError(problem)
+            raise AgreedCheckpointError(problem)
 
     def _checkpoint_size(self) -> int | None:
         """About the bytes of one checkpoint of this run (preflight.checkpoint_bytes)."""

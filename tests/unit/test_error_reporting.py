@@ -119,6 +119,20 @@ def test_an_error_found_together_is_said_at_once_without_a_rank():
     assert line_of(NonFiniteLossError("iteration 2: nan."), 0, 2, store) is None
 
 
+def test_checkpoint_refusals_agreed_by_a_collective_are_found_together():
+    """A --save lock refusal, a save's failure or a load's refusal reaches every rank through a
+    collective (checkpointing.comm.agree_on_error, io._agree_on_save) before any raises: rank 0
+    says it unprefixed at once, though rank 1 (loaded: seconds behind) has not posted yet
+    (seen under the full suite: "error: rank 0: --save ... is locked by another run")."""
+    from megatron_sp.checkpointing.format import AgreedCheckpointError
+    message = "--save /ck is locked by another run (host h, pid 1): wait for that run to end."
+    store = FakeStore()
+    t0 = time.monotonic()
+    assert line_of(AgreedCheckpointError(message), 0, 2, store) == message
+    assert time.monotonic() - t0 < errors.GRACE_S
+    assert line_of(AgreedCheckpointError(message), 1, 2, store) is None
+
+
 def test_consequences_are_quiet_after_a_cause_and_said_once_otherwise():
     store = FakeStore()
     assert line_of(ConfigError("rank 1's data file is bad."), 1, 2, store)
