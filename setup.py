@@ -4,7 +4,13 @@ Three import names from three folders: megatron_sp (the parallel core), megatron
 and megatron_sp.data (data/). torch is required but never replaced: a torch that is already importable
 satisfies ">=2.4"; on a machine without one, install the build you want first (README).
 """
-from setuptools import setup
+from setuptools import find_packages, setup
+
+
+def _sub(folder):
+    """The package suffixes of a folder: '' for itself, then '.x', '.x.y' for the packages under it."""
+    return [""] + ["." + p for p in find_packages(where=folder)]
+
 
 setup(
     name="megatron-sp",
@@ -12,12 +18,11 @@ setup(
     description="Pretrain GPT models at million-token contexts with tensor, Ulysses sequence, "
                 "pipeline and data parallelism on one device mesh.",
     python_requires=">=3.10",
-    packages=[
-        "megatron_sp", "megatron_sp.tensor_parallel", "megatron_sp.ulysses", "megatron_sp.attention",
-        "megatron_sp.pipeline", "megatron_sp.memory", "megatron_sp.models", "megatron_sp.data",
-        "megatron_sp.checkpointing", "megatron_sp.sharding", "megatron_sp.training", "megatron_sp.cli",
-        "megatron_sp.context_parallel", "megatron_sp.hf",
-    ],
+    # Found, not listed: every package under megatron_sp/, plus models/ and data/ installed as
+    # megatron_sp.models and megatron_sp.data (a hand-written list missed megatron_sp.moe once).
+    packages=(find_packages(include=["megatron_sp", "megatron_sp.*"])
+              + [f"megatron_sp.models{p}" for p in _sub("models")]
+              + [f"megatron_sp.data{p}" for p in _sub("data")]),
     package_dir={"megatron_sp.models": "models", "megatron_sp.data": "data"},
     install_requires=["torch>=2.4", "numpy", "sentencepiece", "tqdm",
                       "protobuf",  # sentencepiece's model file: scores rounded, export (data/)
@@ -32,5 +37,4 @@ setup(
         # GPU fast paths: source builds against CUDA, install them yourself (README):
         #   transformer-engine[pytorch], flash-attn, NVIDIA apex.
     },
-    py_modules=[],
 )
