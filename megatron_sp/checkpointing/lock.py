@@ -18,13 +18,20 @@ through.
 A fresh run (no --load, or --load another folder) into a --save that already holds complete
 checkpoints would mix two runs' iterations under one tracker: it is refused unless
 --overwrite-save says so; `--load <save>` resumes the run there (Megatron's way to continue).
+
+A conversion (tools/checkpoint/convert.py) takes the same lock on its --save-dir while it writes,
+and never writes into a folder that holds a training run's checkpoints (iter_* folders, or a
+tracker naming an iteration): a converted checkpoint rewrites the tracker to 'release', and the
+run's next resume would load the converted weights and save over its own iterations.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import json
 import os
+import re
 import socket
 import stat
 import time
@@ -105,8 +112,8 @@ class SaveLock:
         lock.release()            # at exit (normal, error, signal); idempotent
     """
 
-    def __init__(self, folder: str, force: bool = False):
-        self.folder, self.force = folder, force
+    def __init__(self, folder: str, force: bool = False, flag: str = "--save"):
+        self.folder, self.force, self.flag = folder, force, flag
         self.path = os.path.join(folder, LOCK_FILENAME)
         self.fd: int | None = None
 
@@ -129,7 +136,7 @@ class SaveLock:
                 return note
             os.close(fd)       # we locked a file that was unlinked meanwhile: again
         raise SaveLockError(f"cannot take the lock {self.path}: it keeps being replaced; is "
-                            f"another run starting into --save {self.folder}?")
+                            f"another run starting into {self.flag} {self.folder}?")
 
     def _open(self) -> tuple[int, bool] | None:
         """(fd, created) of the lock file, never through a symbolic link (O_NOFOLLOW, O_EXCL);
@@ -169,8 +176,8 @@ class SaveLock:
     def _not_a_file(self, what: str) -> str:
         remove = (f"remove the link (rm {self.path}; its target is untouched)"
                   if what.startswith("a symbolic link") else f"remove {self.path}")
-        return (f"the lock file {self.path} of --save {self.folder} is {what}, and the lock never "
-                f"writes into anything but a regular file of its own: {remove} and run again.")
+        return (f"the lock file {self.path} of {self.flag} {self.folder} is {what}, and the lock "
+                f"never writes into anything but a regular file of its own: {remove} and run again.")
 
     def _same_file(self, fd: int) -> bool:
         try:
@@ -229,12 +236,12 @@ class SaveLock:
             time.sleep(0.05)
 
     def _refusal(self, record: dict | None, other_host: bool = False) -> str:
-        what = (f"--save {self.folder} is locked by another run ({describe(record)}; lock file "
-                f"{self.path})")
+        what = (f"{self.flag} {self.folder} is locked by another run ({describe(record)}; lock "
+                f"file {self.path})")
         if other_host:
-            return (what + ": wait for that run to end or choose another --save; if it is "
+            return (what + f": wait for that run to end or choose another {self.flag}; if it is "
                            "certainly gone, pass --force-unlock.")
-        return what + ": wait for that run to end or choose another --save."
+        return what + f": wait for that run to end or choose another {self.flag}."
 
     def _write_record(self) -> None:
         data = json.dumps(holder_record()).encode()
@@ -299,3 +306,47 @@ def fresh_run_problem(save: str | None, load: str | None, overwrite: bool) -> st
     return (f"--save {save} already holds checkpoints of another run (newest: {newest}) and "
             f"{loading}: pass --load {save} to resume that run (Megatron's way), choose an "
             f"empty --save, or pass --overwrite-save to save a new run over them.")
+
+
+def run_folder_problem(folder: str, flag: str = "--save-dir") -> str | None:
+    """The sentence refusing a conversion into `folder` when it holds a training run's
+    checkpoints (a complete or partial iter_* folder, or a tracker naming anything but 'release'),
+    or None (absent, empty, another conversion's 'release' checkpoint, an export)."""
+    if not os.path.isdir(folder):
+        return None
+    iterations = sorted(name for name in os.listdir(folder)
+                        if re.fullmatch(r"iter_\d+(\.tmp|\.old)?", name))
+    tracker = os.path.join(folder, TRACKER_FILENAME)
+    named = None
+    if os.path.isfile(tracker):
+        with open(tracker, "rb") as f:
+            named = f.read().decode("utf-8", "replace").strip()
+    if not iterations and named in (None, "release"):
+        return None
+    newest = (f"tracker {TRACKER_FILENAME} names iteration {named}" if named not in
+              (None, "release") else f"it holds {iterations[-1]}")
+    return (f"{flag} {folder} holds a training run's checkpoints ({newest}) and a conversion "
+            f"never writes into a run's folder (the run's next resume would load the converted "
+            f"weights and save over its own iterations): choose a new or empty {flag}, e.g. "
+            f"{os.path.normpath(folder)}-converted.")
+
+
+@contextlib.contextmanager
+def conversion_target(folder: str, flag: str = "--save-dir"):
+    """Hold the lock of a conversion's output folder while it is written: refused (SaveLockError)
+    while a training run (or another conversion) holds it, or when it holds a run's checkpoints
+    (`run_folder_problem`, checked again once the lock is ours)."""
+    problem = run_folder_problem(folder, flag)
+    if problem:
+        raise SaveLockError(problem)
+    lock = SaveLock(folder, flag=flag)
+    note = lock.acquire()
+    try:
+        if note:
+            print(note, flush=True)
+        problem = run_folder_problem(folder, flag)
+        if problem:
+            raise SaveLockError(problem)
+        yield lock
+    finally:
+        lock.release()

@@ -21,6 +21,10 @@ a sentencepiece .model, written as a tokenizer.json that AutoTokenizer loads wit
 ids, or a Hugging Face tokenizer folder) and config.json its bos/eos/pad ids. Exported files get
 the user's umask.
 
+A conversion never writes into a folder that holds a training run's checkpoints (iter_* folders,
+a tracker naming an iteration): refused in one sentence. It holds the run lock of --save-dir while
+it writes, so a run cannot start into it meanwhile (megatron_sp/checkpointing/lock.py).
+
 The name and layout mapping is in megatron_sp/models/families.py.
 """
 from __future__ import annotations
@@ -30,6 +34,7 @@ import os
 import sys
 import traceback
 
+from megatron_sp.checkpointing.lock import conversion_target
 from megatron_sp.errors import debug_requested
 
 from megatron_sp.models.families import (ConversionError, FAMILIES, full_tensors,  # noqa: F401
@@ -175,29 +180,39 @@ def main(argv=None):
     a = p.parse_args(argv)
     from megatron_sp.checkpointing import CheckpointError
     try:
-        if a.loader == "hf" and a.saver == "megatron_sp":
-            config = convert_hf_to_megatron_sp(a.load_dir, a.save_dir)
-        elif a.loader == "megatron_sp" and a.saver == "hf":
-            hf = convert_megatron_sp_to_hf(a.load_dir, a.save_dir, a.hf_family, a.tokenizer_model,
-                                           a.trust_remote_code, a.tokenizer_type)
-            print(f"> wrote a {hf['model_type']} model ({hf['architectures'][0]})")
-            config = None
-        elif a.loader == "megatron_sp" and a.saver == "safetensors":
-            from megatron_sp.checkpointing import export_safetensors
-            path = export_safetensors(a.load_dir, os.path.join(a.save_dir, "model.safetensors"))
-            print(f"> wrote {path}")
-            return
-        else:
-            raise ConversionError(f"--loader {a.loader} --saver {a.saver} is not a supported pair.")
+        with conversion_target(a.save_dir):   # never into a run's folder; the run lock is ours
+            config = _convert(a)
     except (ConversionError, CheckpointError) as err:
         if debug_requested(argv):
             traceback.print_exc()
         raise SystemExit(f"error: {err}") from None
+    if config is False:
+        return
     print(f"> converted {a.load_dir} ({a.loader}) -> {a.save_dir} ({a.saver})")
     if config is not None:
         from megatron_sp.models.config import config_to_flags
         print(f"> fine-tune it with: --load {a.save_dir} --finetune --use-checkpoint-args "
               f"(model flags, stored in the checkpoint: {' '.join(config_to_flags(config))})")
+
+
+def _convert(a):
+    """Run the --loader / --saver pair: the config of a megatron_sp checkpoint written, None for
+    an export, False when the saver printed its own closing line."""
+    if a.loader == "hf" and a.saver == "megatron_sp":
+        config = convert_hf_to_megatron_sp(a.load_dir, a.save_dir)
+    elif a.loader == "megatron_sp" and a.saver == "hf":
+        hf = convert_megatron_sp_to_hf(a.load_dir, a.save_dir, a.hf_family, a.tokenizer_model,
+                                       a.trust_remote_code, a.tokenizer_type)
+        print(f"> wrote a {hf['model_type']} model ({hf['architectures'][0]})")
+        config = None
+    elif a.loader == "megatron_sp" and a.saver == "safetensors":
+        from megatron_sp.checkpointing import export_safetensors
+        path = export_safetensors(a.load_dir, os.path.join(a.save_dir, "model.safetensors"))
+        print(f"> wrote {path}")
+        return False
+    else:
+        raise ConversionError(f"--loader {a.loader} --saver {a.saver} is not a supported pair.")
+    return config
 
 
 if __name__ == "__main__":
