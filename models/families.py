@@ -65,8 +65,40 @@ def is_hf_folder(path: str) -> bool:
     cfg = os.path.join(path, "config.json")
     if not os.path.isfile(cfg):
         return False
-    with open(cfg) as f:
-        return "model_type" in json.load(f)
+    return "model_type" in read_config_json(cfg)
+
+
+def read_config_json(cfg_path: str) -> dict:
+    """config.json as a dict; ConversionError (one sentence) when it is not a JSON object."""
+    try:
+        with open(cfg_path, "rb") as f:
+            config = json.loads(f.read().decode("utf-8"))
+    except UnicodeDecodeError:
+        problem = "not UTF-8 text"
+    except json.JSONDecodeError as err:
+        problem = f"not JSON ({err.msg} at line {err.lineno} column {err.colno})"
+    else:
+        if isinstance(config, dict):
+            return config
+        problem = f"JSON but not an object (a {type(config).__name__})"
+    raise ConversionError(f"{cfg_path} is {problem}: it is not a Hugging Face model config; "
+                          f"restore the model's config.json (download it again) and run again.")
+
+
+STALE_HF_FILES = ("model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+                  "generation_config.json")
+
+
+def stale_hf_files(path: str) -> list[str]:
+    """The files of another model in `path` that a loader would read beside (or instead of) an
+    export's config.json + model.safetensors: weight shards, indexes, pytorch_model*.bin,
+    generation_config.json (an export writes none of them)."""
+    if not os.path.isdir(path):
+        return []
+    return sorted(name for name in os.listdir(path)
+                  if name in STALE_HF_FILES or (name.endswith(".safetensors")
+                                                and name != "model.safetensors")
+                  or (name.startswith("pytorch_model") and name.endswith(".bin")))
 
 
 def read_hf_folder(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -74,8 +106,7 @@ def read_hf_folder(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ConversionError(f"{path} has no config.json: not a Hugging Face model folder.")
-    with open(cfg_path) as f:
-        config = json.load(f)
+    config = read_config_json(cfg_path)
     _refuse_unsupported(config, {})     # before reading gigabytes of weights
     if not any(os.path.isfile(os.path.join(path, n)) for n in
                ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")):

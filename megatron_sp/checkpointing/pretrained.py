@@ -150,11 +150,12 @@ def load_pretrained(path: str, *, device="cpu", dtype: torch.dtype | None = None
     from megatron_sp.mesh import ParallelMesh
     from megatron_sp.models import GPTConfig, GPTModel
     from megatron_sp.models import families
-    if os.path.isdir(path) and families.is_hf_folder(path):
-        try:
-            model = families.load_hf_folder(path, attention_backend)
-        except families.ConversionError as err:
-            raise CheckpointError(str(err)) from None
+    try:
+        hf_folder = os.path.isdir(path) and families.is_hf_folder(path)
+        model = families.load_hf_folder(path, attention_backend) if hf_folder else None
+    except families.ConversionError as err:      # a config.json that is not JSON, ...
+        raise CheckpointError(str(err)) from None
+    if hf_folder:
         return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     if os.path.isfile(path) and path.endswith(".safetensors"):
         from safetensors import safe_open

@@ -63,7 +63,15 @@ def convert_megatron_sp_to_hf(load_dir: str, save_dir: str, family: str = "auto"
                               tokenizer_type: str | None = None):
     """Write a HF folder of the family with the tokenizer (`_export_tokenizer`) and its ids."""
     from megatron_sp import load_pretrained
+    from megatron_sp.models.families import stale_hf_files
+    stale = stale_hf_files(save_dir)
+    if stale:   # a loader would read them beside (or instead of) the new model.safetensors
+        raise ConversionError(
+            f"--save-dir {save_dir} holds another Hugging Face model's files that a loader would "
+            f"read beside the export ({', '.join(stale[:4])}{', ...' if len(stale) > 4 else ''}): "
+            f"choose a new or empty --save-dir, or move those files away first.")
     model = load_pretrained(load_dir)
+    _note_capacity(model.config)
     tokenizer = _export_tokenizer(load_dir, tokenizer_model, tokenizer_type, trust_remote_code,
                                   model.config.max_position_embeddings)
     hf_config, state = megatron_sp_to_hf(model.config, full_tensors(model), family,
@@ -75,6 +83,16 @@ def convert_megatron_sp_to_hf(load_dir: str, save_dir: str, family: str = "auto"
     elif tokenizer is not None:
         tokenizer.save_pretrained(save_dir)
     return hf_config
+
+
+def _note_capacity(config) -> None:
+    """Say that an export routes every token where training dropped tokens over capacity."""
+    factor = getattr(config, "moe_expert_capacity_factor", None)
+    if getattr(config, "num_experts", None) and factor is not None:
+        print(f"> note: the model was trained with --moe-expert-capacity-factor {factor:g} "
+              f"(tokens over an expert's capacity dropped); Hugging Face's models route every "
+              f"token to its top-k experts, so the export's outputs differ from training's "
+              f"wherever tokens were dropped.")
 
 
 def _recorded_tokenizer(load_dir: str) -> dict:
