@@ -115,6 +115,7 @@ class SequenceParallelMixin:
     def __init__(self, *args, sp_size: int | None = None, cp_size: int | None = None,
                  mesh: ParallelMesh | None = None, **kwargs):
         say_user_errors()
+        _check_sizes(sp_size, cp_size)
         _check_arguments(kwargs["args"] if "args" in kwargs else
                          (args[1] if len(args) > 1 else None), sp_size, cp_size)
         super().__init__(*args, **kwargs)
@@ -298,6 +299,16 @@ class SequenceParallelMixin:
 
 TWO_LINES = ("make the two lines `from megatron_sp.hf.trainer import SequenceParallelTrainer` and "
              "`SequenceParallelTrainer(..., sp_size=N, cp_size=M)` the only sequence parallelism")
+
+
+def _check_sizes(sp_size, cp_size) -> None:
+    """sp_size / cp_size: None (1) or a positive integer; 0 is refused like -1 (it would train
+    without sequence parallelism, silently)."""
+    for name, size in (("sp_size", sp_size), ("cp_size", cp_size)):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ConfigError(f"SequenceParallelTrainer: {name}={size!r} is not a positive "
+                              f"integer; pass {name}=N with N >= 1 (1, or leaving it out, for no "
+                              f"{'sequence' if name == 'sp_size' else 'context'} parallelism).")
 
 
 def _check_arguments(training_args, sp_size, cp_size) -> None:
