@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_sp.tensor_parallel import mappings
+from megatron_sp.tensor_parallel import fp8 as fp8_ops, mappings
 from megatron_sp.tensor_parallel.utils import check_divisible, divide
 
 
@@ -177,8 +177,15 @@ class ColumnParallelLinear(nn.Module):
             for p in self.parameters():
                 p.zero_()
 
+    fp8 = None
+    """A megatron_sp.tensor_parallel.fp8.Fp8Plan: the matmuls in FP8 (None: high precision)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:   # all-gather [b, s/tp, in] -> [b, s, in], shard kept for backward
+        if self.fp8 is not None:     # the input all-gathered inside under sequence_parallel
+            if not self.sequence_parallel:
+                x = mappings.copy_to_tensor_parallel_region(x, self.group)
+            y = fp8_ops.fp8_linear(x, self.weight, self.bias, self.fp8)     # [..., out/tp]
+        elif self.sequence_parallel:  # all-gather [b, s/tp, in] -> [b, s, in], shard kept for backward
             y = sequence_parallel_linear(x, self.weight, self.bias, self.group)  # [b, s, out/tp]
         else:
             x = mappings.copy_to_tensor_parallel_region(x, self.group)
@@ -228,10 +235,14 @@ class RowParallelLinear(nn.Module):
                                 sequence_parallel=sequence_parallel) if bias else None)
 
     reset_parameters = ColumnParallelLinear.reset_parameters
+    fp8 = None
+    """A megatron_sp.tensor_parallel.fp8.Fp8Plan: the matmul in FP8 (None: high precision)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_parallel_region(x, self.group)  # [..., in/tp]
+        if self.fp8 is not None:
+            return self.reduce_partial(fp8_ops.fp8_linear(x, self.weight, None, self.fp8))
         return self.reduce_partial(F.linear(x, self.weight))   # [..., out]
 
     def reduce_partial(self, y: torch.Tensor) -> torch.Tensor:

@@ -103,3 +103,40 @@ def attention_backend(model) -> str:
         if model.attention_backend == "auto":
             return "te"
     return model.attention_backend
+
+
+# FP8 through torchao, in our own tensor-parallel linears (megatron_sp.tensor_parallel.fp8) --------
+
+FP8_LINEARS = ("qkv", "proj", "fc1", "fc2")
+"""The layers that run in FP8: attention's fused QKV and output projections, the dense MLP's two
+matmuls. Never the embedding, the output layer, the norms, the MoE router or experts."""
+
+
+def fp8_groups(module, mesh):
+    """The Fp8Groups of a ColumnParallelLinear / RowParallelLinear on `mesh`."""
+    from megatron_sp.tensor_parallel import ColumnParallelLinear
+    from megatron_sp.tensor_parallel.fp8 import Fp8Groups
+    tokens = mesh.dp_sp_group      # dp x cp x sp: the ranks sharing one micro-batch's tokens
+    if isinstance(module, ColumnParallelLinear):
+        return Fp8Groups(tokens=tokens, out_features=module.group,
+                         sequence=module.group if module.sequence_parallel else None)
+    return Fp8Groups(tokens=tokens, in_features=module.group)
+
+
+def enable_fp8(chunks, recipe, mesh) -> int:
+    """Switch the FP8_LINEARS of the model chunks to FP8 with `recipe` (an Fp8Recipe); returns how
+    many layers run in FP8. Refuses --ulysses-head-chunks > 1, whose chunks bypass the layers."""
+    from megatron_sp.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron_sp.tensor_parallel.fp8 import Fp8Plan
+    count = 0
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if getattr(module, "head_chunks", 1) > 1:
+                raise ConfigError("--fp8-format with --ulysses-head-chunks > 1: the head chunks "
+                                  "multiply by slices of the QKV weight outside the FP8 linear; "
+                                  "leave one of the two flags out.")
+            if (isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+                    and name.rsplit(".", 1)[-1] in FP8_LINEARS):
+                module.fp8 = Fp8Plan(recipe, fp8_groups(module, mesh))
+                count += 1
+    return count

@@ -4,6 +4,10 @@ Every rank of a spawned gloo job trains the one-rank reference locally (a Parall
 model, no communication) and the parallel model on the real mesh, on the same global batches, then
 compares per-step losses (1e-5 relative) and full gradients (gathered over tp, and over ep for
 expert-parallel experts; 1e-4) after every step. Parameters are initialised layout-independently, so both start from identical weights.
+
+A case's "fp8" (an Fp8Recipe) runs the FP8 linears in both (the one-rank reference with the same
+recipe); "sharding" ("fsdp2" | "distopt") trains the candidate under FSDP2 or the distributed
+optimizer, compared on losses and gradient norms (its gradients are sharded: not compared).
 """
 from __future__ import annotations
 
@@ -84,15 +88,28 @@ def full_gradient(p, mesh):
 
 
 def train_layout(mesh, config, batches, micro_batch_size, *, sequence_parallel=False, seed=7,
-                 model_kwargs=None, lr=1e-3, pipeline=None):
+                 model_kwargs=None, lr=1e-3, pipeline=None, fp8=None, sharding=None):
     """Train on `mesh`; return per-step (loss, grad_norm, {name: full gradient}).
 
     With pipelining each stage reports the gradients of the parameters it holds (names are global);
-    the loss and grad norm are global on every rank.
+    the loss and grad norm are global on every rank. fp8: an Fp8Recipe for the FP8 linears;
+    sharding: "fsdp2" or "distopt" (then no gradients are reported).
     """
     chunks, schedule = build_chunks(mesh, config, sequence_parallel=sequence_parallel,
                                     model_kwargs=model_kwargs, pipeline=pipeline, seed=seed)
-    optimizer = build_optimizer(chunks, lr=lr, weight_decay=0.1)
+    if fp8 is not None:
+        from megatron_sp.training.fp8 import enable_fp8
+        assert enable_fp8(chunks, fp8, mesh) > 0
+    sharded = None
+    if sharding == "distopt":
+        from megatron_sp.sharding.distributed_optimizer import DistributedOptimizer
+        sharded = optimizer = DistributedOptimizer(chunks, mesh, lr=lr, weight_decay=0.1,
+                                                   bucket_mb=0.05)
+    else:
+        if sharding == "fsdp2":
+            from megatron_sp.sharding.fsdp import apply_fsdp2
+            sharded = apply_fsdp2(chunks, mesh)
+        optimizer = build_optimizer(chunks, lr=lr, weight_decay=0.1)
     scheduler = LRScheduler(optimizer, lr, lr / 10, warmup_iters=1, decay_iters=len(batches),
                             style="cosine")
     global_batch = batches[0]["tokens"].shape[0]
@@ -100,11 +117,12 @@ def train_layout(mesh, config, batches, micro_batch_size, *, sequence_parallel=F
                                 "micro_batch_size": micro_batch_size,
                                 "seq_length": batches[0]["tokens"].shape[1],
                                 "clip_grad": 1.0, "grad_bucket_size_mb": 0.05})
-    trainer = Trainer(job, mesh, chunks, optimizer, scheduler, schedule=schedule)
+    trainer = Trainer(job, mesh, chunks, optimizer, scheduler, schedule=schedule, sharding=sharded)
     history = []
     for batch in batches:
         result = trainer.train_step(micro_batches(batch, micro_batch_size, mesh.dp_rank, mesh.dp_size))
-        grads = {name: full_gradient(p, mesh) for chunk in chunks for name, p in chunk.named_parameters()}
+        grads = {} if sharded is not None else {
+            name: full_gradient(p, mesh) for chunk in chunks for name, p in chunk.named_parameters()}
         history.append((result.loss, result.grad_norm, grads))
     return history
 
@@ -131,18 +149,20 @@ def compare(reference, candidate, what: str, loss_rtol=LOSS_RTOL, grad_atol=GRAD
 
 def check_layouts(rank, world, cases):
     """Run each (name, preset overrides, tp, sp, cp, pp, pipeline, micro_batch, sequence_parallel,
-    packed, model_kwargs) case."""
+    packed, model_kwargs, fp8, sharding) case."""
     torch.manual_seed(1000 + rank)
     results = []
     for case in cases:
         cfg = preset(case["model"], **case.get("overrides", {}))
         batches = global_batches(cfg.vocab_size, case["seq"], case["global_batch"], case["steps"],
                                  seed=case.get("data_seed", 11), packed=case.get("packed", False))
-        reference = train_layout(ParallelMesh.single(), cfg, batches, case["global_batch"])
+        reference = train_layout(ParallelMesh.single(), cfg, batches, case["global_batch"],
+                                 fp8=case.get("reference_fp8", case.get("fp8")))
         mesh = ParallelMesh.from_sizes(tp=case.get("tp", 1), sp=case.get("sp", 1),
                                        pp=case.get("pp", 1), cp=case.get("cp", 1))
         candidate = train_layout(mesh, cfg, batches, case["micro_batch"],
                                  sequence_parallel=case.get("sequence_parallel", False),
-                                 pipeline=case.get("pipeline"), model_kwargs=case.get("model_kwargs"))
+                                 pipeline=case.get("pipeline"), model_kwargs=case.get("model_kwargs"),
+                                 fp8=case.get("fp8"), sharding=case.get("sharding"))
         results.append((case["name"],) + compare(reference, candidate, case["name"]))
     return results
