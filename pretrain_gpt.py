@@ -358,7 +358,8 @@ def build_model(config, mesh, job: JobConfig, device):
                              sequence_parallel=p.sequence_parallel, rng_tracker=tracker,
                              memory=MemoryOptions.from_config(job.memory),
                              expert_parallel_size=p.expert_model_parallel_size,
-                             expert_tensor_parallel_size=p.expert_tensor_parallel_size, **spec)
+                             expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+                             context_parallel_layout=p.context_parallel_layout, **spec)
         init_parameters(model, seed=seed)
         chunks.append(model.to(device))
     from megatron_sp.compile import CompileLayoutError, compile_from_config
@@ -569,6 +570,18 @@ def loaders(job: JobConfig, train_ds, valid_ds, state, mesh, vocab_size: int):
 
 # Start-up and closing lines ---------------------------------------------------------------------
 
+def ring_layout_line(job: JobConfig) -> str:
+    """The start-up line naming the ring's token layout (docs/design.md §14)."""
+    kind = job.parallel.context_parallel_layout
+    if not job.data.reset_attention_mask:
+        return "> ring layout: zigzag (chunks r and 2cp-1-r of the row; no packed documents)"
+    if kind == "zigzag":
+        return ("> ring layout: zigzag (--context-parallel-layout zigzag: chunks r and 2cp-1-r "
+                "of the row, whatever the documents)")
+    return ("> ring layout: balanced (packed documents: long ones in zigzag per document, short "
+            "ones whole on the least-loaded rank; cp_work_balance in the log)")
+
+
 def say_startup(job: JobConfig, mesh, config, chunks) -> None:
     """The start-up lines, each said once (a line that would repeat another is left out)."""
     from megatron_sp.attention import describe_attention   # the kernel and the document path
@@ -576,6 +589,8 @@ def say_startup(job: JobConfig, mesh, config, chunks) -> None:
     context = job.parallel.describe_context()   # how Ulysses and the ring split the context (§14)
     if context:
         lines.append(context)
+    if mesh.cp_size > 1:        # which tokens each ring rank holds (context_parallel/balance.py)
+        lines.append(ring_layout_line(job))
     backend = chunks[0].attention_backend_name
     described = describe_attention(
         backend, requested=job.model.attention_backend, device=next(chunks[0].parameters()).device,

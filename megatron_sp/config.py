@@ -177,6 +177,10 @@ class ParallelConfig:
     inside x ring across) or allgather (refused)."""
     hierarchical_context_parallel_sizes: tuple[int, ...] | None = None
     """--hierarchical-context-parallel-sizes: a2a+p2p's Ulysses and ring degrees (A R)."""
+    context_parallel_layout: str = "balanced"
+    """--context-parallel-layout: which tokens each ring rank holds with packed documents:
+    balanced (documents placed so every rank has the same causal attention work; docs/design.md
+    §14) or zigzag (chunks r and 2cp-1-r of the row). Without documents both are the zigzag."""
     expert_model_parallel_size: int = 1
     """--expert-model-parallel-size: Megatron-LM's expert-parallel degree (ep): each MoE layer's
     experts split over ep consecutive ranks of a stage's (dp, cp, sp, tp) order, tokens dispatched
@@ -231,6 +235,9 @@ class ParallelConfig:
             _resolve(self, hierarchical_context_parallel_sizes=sizes)
         if n < 1:
             raise ConfigError(f"--context-parallel-size must be >= 1, got {n}.")
+        if self.context_parallel_layout not in ("balanced", "zigzag"):
+            raise ConfigError(f"--context-parallel-layout {self.context_parallel_layout!r} is "
+                              f"not a layout: use balanced or zigzag.")
         if sizes is not None and kind != "a2a+p2p":
             raise ConfigError(f"--hierarchical-context-parallel-sizes applies to --cp-comm-type "
                               f"a2a+p2p, not {kind}: add --cp-comm-type a2a+p2p or drop the sizes.")

@@ -32,6 +32,7 @@ from megatron_sp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear
 from megatron_sp.tensor_parallel import mappings
 from megatron_sp.tensor_parallel.layers import sequence_parallel_linear
 from megatron_sp.context_parallel import RingLocalAttention, zigzag_split
+from megatron_sp.context_parallel.balance import LayoutPlanner
 from megatron_sp.context_parallel.te import TEContextParallelAttention
 from megatron_sp.ulysses import UlyssesAttention, check_head_chunks
 
@@ -491,6 +492,10 @@ class GPTModel(nn.Module):
         expert_parallel_size: --expert-model-parallel-size: the MoE layers hold E/ep experts each,
             their tokens dispatched by all-to-all over the ep group (mesh.expert_groups: ep
             consecutive ranks of the stage's (dp, cp, sp, tp) order; tp > 1 needs --sequence-parallel).
+        context_parallel_layout: --context-parallel-layout, which tokens each ring rank holds
+            with packed documents (context_parallel/balance.py): "balanced" (each rank the same
+            causal work) or "zigzag" (chunks r and 2cp-1-r of the row); without documents both
+            are the zigzag.
         expert_tensor_parallel_size: --expert-tensor-parallel-size: 1, whole experts (each tp
             rank routes its own tokens, ep folded over tp too); tp (None: the default, as in
             Megatron-LM), the experts split over tp like the dense SwiGLU MLP, the tokens
@@ -504,7 +509,8 @@ class GPTModel(nn.Module):
                  pre_process: bool | None = None, post_process: bool | None = None,
                  attention_backend="sdpa", sequence_parallel: bool = False, rng_tracker=None,
                  memory: MemoryOptions | None = None, expert_parallel_size: int = 1,
-                 expert_tensor_parallel_size: int | None = None):
+                 expert_tensor_parallel_size: int | None = None,
+                 context_parallel_layout: str = "balanced"):
         super().__init__()
         mesh = mesh or ParallelMesh.single()
         config.check_parallel(mesh.tp_size, mesh.sp_size, mesh.pp_size,
@@ -562,6 +568,7 @@ class GPTModel(nn.Module):
                                      expert_groups=expert_groups,
                                      expert_tp_group=expert_tp_group)
             for i in self.layer_ids})
+        self._share_cp_planner(context_parallel_layout)
         self.final_norm = self.output_layer = None
         if self.post_process:
             self.final_norm = make_norm(config)
@@ -594,16 +601,43 @@ class GPTModel(nn.Module):
         return etp
 
     # Sequence sharding over cp and sp ---------------------------------------------------------
+    def _share_cp_planner(self, kind: str) -> None:
+        """One LayoutPlanner for this model's rings (cp > 1): the step's layout is computed once
+        from the document ids, and the tokens this model gathers are the ones every ring plans."""
+        self.cp_planner, self._cp_positions = None, None
+        if self.mesh.cp_size == 1:
+            return
+        self.cp_planner = LayoutPlanner(kind, self.mesh.cp_size, self.mesh.cp_rank)
+        for module in self.modules():
+            if isinstance(module, RingLocalAttention):
+                module.planner = self.cp_planner
+
+    def _set_cp_layout(self, document_ids) -> None:
+        """This step's ring layout: the balanced one's positions [b, s/cp] when the planner uses
+        it for these documents, else None (the whole-row zigzag)."""
+        planner = self.cp_planner
+        if planner is None or not planner.uses_layout(document_ids):
+            self._cp_positions = None
+            return
+        layout = planner.layout(document_ids, *document_ids.shape)
+        self._cp_positions = layout.positions(self.mesh.cp_rank, document_ids.device)
+
     def shard_sequence(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """This rank's tokens of a full-sequence tensor [b, s, ...] -> [b, s/(sp*cp), ...]: with a
-        ring (cp > 1) its ring rank's zigzag chunks r and 2cp-1-r (docs/design.md §14), then this
-        sp rank's contiguous part of them. Positions, labels and the loss mask all go through
-        here, so RoPE and the loss follow the same layout."""
+        ring (cp > 1) its ring rank's tokens (zigzag chunks r and 2cp-1-r, docs/design.md §14, or
+        the balanced layout of the last forward's packed documents), then this sp rank's
+        contiguous part of them. Positions, labels and the loss mask all go through here, so
+        RoPE and the loss follow the same layout."""
         mesh = self.mesh
         if t is None or mesh.sp_size * mesh.cp_size == 1:
             return t
         mesh.check_sequence(t.shape[1], what="sequence length")   # LayoutError, a ValueError
-        if mesh.cp_size > 1:
+        if mesh.cp_size > 1 and self._cp_positions is not None:
+            index = self._cp_positions                               # [b, s/cp]
+            t = t.expand(index.shape[0], *t.shape[1:])
+            index = index.view(*index.shape, *[1] * (t.dim() - 2)).expand(-1, -1, *t.shape[2:])
+            t = t.gather(1, index)                                   # [b, s, ...] -> [b, s/cp, ...]
+        elif mesh.cp_size > 1:
             t = zigzag_split(t, mesh.cp_size, mesh.cp_rank, dim=1)  # [b, s/cp, ...]
         chunk = t.shape[1] // mesh.sp_size
         return t[:, mesh.sp_rank * chunk:(mesh.sp_rank + 1) * chunk]
@@ -631,6 +665,7 @@ class GPTModel(nn.Module):
             raise ValueError(f"sequence length {position_ids.shape[1]} exceeds the model's sliding "
                              f"window {window}: sliding-window attention is not implemented, so "
                              f"train with --seq-length <= {window}.")
+        self._set_cp_layout(document_ids)
         positions = self.shard_sequence(position_ids)             # [b, s/sp] global positions
         if self.pre_process:
             x = self.embedding(self.shard_sequence(input_ids), positions, self.rng_tracker)

@@ -191,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
                      metavar="N", help="a2a+p2p: A R, the Ulysses (adjacent ranks) and ring "
                      "degrees, A x R = --context-parallel-size")
+    par.add_argument("--context-parallel-layout", choices=["balanced", "zigzag"],
+                     default="balanced", help="which tokens each ring rank holds with packed "
+                     "documents: balanced (the same causal work on every rank) or zigzag "
+                     "(chunks r and 2cp-1-r of the row, as without documents)")
     _bool_flag(par, "--sequence-parallel", "Megatron sequence sharding inside tensor parallelism")
     par.add_argument("--expert-model-parallel-size", type=int, default=1,
                      help="expert-parallel ranks: each MoE layer's experts split over ep "

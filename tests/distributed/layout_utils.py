@@ -29,8 +29,32 @@ LOSS_RTOL = 1e-5
 GRAD_ATOL = 1e-4
 
 
+def document_starts(mix, rng, global_batch: int, seq: int):
+    """[b, s] bool, True where a document starts. mix: True (about 4 random documents a row),
+    "skewed" (one long document of about 60% of the row at a random place among short ones of
+    1-4 tokens, one-token ones included), "short" (documents of 1-6 tokens), "one-token" (every
+    token its own document) or "whole" (one document the whole row)."""
+    if mix is True:
+        starts = rng.random((global_batch, seq)) < 4.0 / seq
+    elif mix == "skewed":
+        starts = rng.random((global_batch, seq)) < 0.5
+        for row in starts:
+            first = int(rng.integers(0, seq - int(0.6 * seq) + 1))
+            row[first + 1:first + int(0.6 * seq)] = False
+            row[first] = True
+    elif mix == "short":
+        starts = rng.random((global_batch, seq)) < 0.3
+    elif mix in ("one-token", "whole"):
+        starts = np.full((global_batch, seq), mix == "one-token")
+    else:
+        raise ValueError(f"unknown document mix {mix!r}")
+    starts[:, 0] = True
+    return starts
+
+
 def global_batches(vocab: int, seq: int, global_batch: int, steps: int, seed: int, packed=False):
-    """Fresh random samples with random loss masks (some all-zero spans), as numpy."""
+    """Fresh random samples with random loss masks (some all-zero spans), as numpy. packed: a
+    document mix (document_starts) or False."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(steps):
@@ -40,8 +64,7 @@ def global_batches(vocab: int, seq: int, global_batch: int, steps: int, seed: in
         batch = {"tokens": text[:, :-1], "labels": text[:, 1:], "loss_mask": mask,
                  "position_ids": np.tile(np.arange(seq), (global_batch, 1))}
         if packed:   # documents of random lengths, crossing sp chunk boundaries
-            starts = rng.random((global_batch, seq)) < 4.0 / seq
-            starts[:, 0] = True
+            starts = document_starts(packed, rng, global_batch, seq)
             doc = np.cumsum(starts, axis=1) - 1
             first = np.maximum.accumulate(np.where(starts, np.arange(seq), 0), axis=1)
             batch["document_ids"] = doc
