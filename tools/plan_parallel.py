@@ -70,7 +70,9 @@ its count. A search that runs longer than --progress-interval seconds says how f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import sys
 import textwrap
@@ -204,7 +206,49 @@ def parse_args(argv=None):
     if args.sharding == "none" and args.optimizer_cpu_offload:
         p.error("--optimizer-cpu-offload needs a sharded mode: use --sharding "
                 "distributed-optimizer, fsdp or auto")
+    problem = number_problem(args)
+    if problem:
+        p.error(problem)
     return args
+
+
+POSITIVE_INTS = ("num_gpus", "global_batch_size", "micro_batch_size", "seq_length",
+                 "gpus_per_node", "top", "num_layers", "hidden_size", "num_attention_heads",
+                 "num_query_groups", "ffn_hidden_size", "vocab_size")
+POSITIVE_FLOATS = ("gpu_memory_gb", "host_memory_gb", "intra_node_gbps", "inter_node_gbps",
+                   "pcie_gbps", "peak_tflops")
+
+
+def number_problem(args) -> str | None:
+    """The first numeric flag out of its range, as one sentence naming it (argparse accepts 0,
+    negative sizes, nan and inf), or a global batch no micro-batch split can hold; else None."""
+    flag = lambda name: "--" + name.replace("_", "-")     # noqa: E731
+    for name in POSITIVE_INTS:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return f"{flag(name)} must be a positive integer, got {value}"
+    for name in POSITIVE_FLOATS:
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            return f"{flag(name)} must be a positive finite number, got {value:g}"
+    if not (math.isfinite(args.mfu) and 0 < args.mfu <= 1):
+        return f"--mfu is a fraction of the peak in (0, 1], got {args.mfu:g}"
+    if not (math.isfinite(args.reserve_gb) and args.reserve_gb >= 0):
+        return f"--reserve-gb must be a finite number of GB >= 0, got {args.reserve_gb:g}"
+    if not (math.isfinite(args.fragmentation) and 0 <= args.fragmentation < 1):
+        return f"--fragmentation is a fraction in [0, 1), got {args.fragmentation:g}"
+    if args.reserve_gb >= args.gpu_memory_gb:
+        return (f"--reserve-gb {args.reserve_gb:g} leaves nothing of --gpu-memory-gb "
+                f"{args.gpu_memory_gb:g}: give the GPU's memory, or a smaller reserve")
+    if args.progress_interval is not None and math.isnan(args.progress_interval):
+        return "--progress-interval must be a number of seconds (negative: none), got nan"
+    if args.global_batch_size % args.micro_batch_size:
+        return (f"--global-batch-size {args.global_batch_size} is not a multiple of "
+                f"--micro-batch-size {args.micro_batch_size}: no layout can split it into "
+                f"micro-batches; give a multiple of {args.micro_batch_size} x the data-parallel "
+                f"size (e.g. --global-batch-size "
+                f"{args.micro_batch_size * -(-args.global_batch_size // args.micro_batch_size)})")
+    return None
 
 
 def hardware(args) -> Hardware:
@@ -424,12 +468,28 @@ def main(argv=None):
         return 0 if plans else 1
     print(*describe(cfg, args, seq), sep="\n")
     if not plans:
-        print("no feasible layout: more GPUs, more memory, a sharding mode, or a shorter sequence.")
+        print(no_layout_sentence(cfg, args, seq))
         return 1
     print_table(plans, args.top, model)
     print(*cost_lines(args), sep="\n")
     print(reference_line(cfg, args, seq, plans[0]))
     return 0
+
+
+def no_layout_sentence(cfg, args, seq: int) -> str:
+    """Why no layout fits: the global batch when layouts fit once every data-parallel size can
+    split it (global batch = micro-batch x GPUs), else memory (the usual advice)."""
+    micro, gpus = args.micro_batch_size, args.num_gpus
+    roomy = dataclasses.replace(workload(args, seq), global_batch=micro * gpus)
+    fits = plan(cfg, roomy, hardware(args), **search(args))
+    if not fits:
+        return "no feasible layout: more GPUs, more memory, a sharding mode, or a shorter sequence."
+    dp = sorted({p.dp for p in fits})
+    batch = math.lcm(args.global_batch_size, micro * fits[0].dp)
+    return (f"no feasible layout for --global-batch-size {args.global_batch_size}: the layouts "
+            f"that fit {gpus} GPUs have a data-parallel size ({', '.join(f'dp {d}' for d in dp)}) "
+            f"that does not divide its {args.global_batch_size // micro} micro-batch(es) of "
+            f"{micro}; give --global-batch-size {batch} (a multiple of --micro-batch-size x dp).")
 
 
 def reference_line(cfg, args, seq: int, best) -> str:
