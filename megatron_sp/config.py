@@ -21,6 +21,7 @@ model (heads over tp x sp, layers over stages, the batch over dp) are checked wh
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -446,6 +447,21 @@ class ModelFlags:
         """The --moe-* flags of the model that were given (their command-line names)."""
         return [_flag(n) for n in self.MOE_FLAGS if getattr(self, n) not in (None, False)]
 
+    def _check_capacity(self) -> None:
+        """A capacity factor over num_experts / topk is no capacity: an expert's capacity
+        (factor x tokens x topk / experts, of a rank's tokens) is then over the tokens it can
+        receive, so nothing is dropped, and padding to it allocates that many rows (1e9: TB)."""
+        factor, experts = self.moe_expert_capacity_factor, self.num_experts
+        topk = self.moe_router_topk or 2                   # Megatron-LM's default top-k
+        if factor is None or experts is None or factor * topk <= experts:
+            return
+        bound = experts / topk
+        raise ConfigError(f"--moe-expert-capacity-factor {factor:g} is no capacity: with "
+                          f"{experts} experts and top-{topk} routing a factor of {bound:g} "
+                          f"already lets an expert take every token of a rank, so nothing is "
+                          f"dropped (and padding to it only adds zero rows); leave the flag out "
+                          f"for no dropping, or give a factor <= {bound:g}.")
+
     def _check_moe(self) -> None:
         """Megatron-LM's MoE flags at the edge, one sentence each (the model's own rules: MoEConfig)."""
         for name in ("num_experts", "moe_ffn_hidden_size", "moe_router_topk",
@@ -459,12 +475,13 @@ class ModelFlags:
                               f"go to more experts than there are.")
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
             value = getattr(self, name)
-            if value is not None and not value >= 0:
-                raise ConfigError(f"{_flag(name)} must be >= 0, got {value:g}.")
+            if value is not None and not 0 <= value < math.inf:
+                raise ConfigError(f"{_flag(name)} must be >= 0 and finite, got {value:g}.")
         for name in ("moe_router_topk_scaling_factor", "moe_expert_capacity_factor"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ConfigError(f"{_flag(name)} must be > 0, got {value:g}.")
+            if value is not None and not 0 < value < math.inf:
+                raise ConfigError(f"{_flag(name)} must be > 0 and finite, got {value:g}.")
+        self._check_capacity()
         if self.moe_layer_freq is not None:
             freq = parse_moe_layer_freq(self.moe_layer_freq)
             if self.num_layers is not None:
@@ -858,6 +875,11 @@ class MemoryConfig:
         chunks = self.ulysses_head_chunks
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ConfigError(f"--ulysses-head-chunks must be an integer >= 1, got {chunks!r}.")
+        pool = self.offload_pool_gb
+        if pool is not None and not 0 <= pool < math.inf:
+            raise ConfigError(f"--offload-pool-gb must be a finite number of GiB >= 0 (0: torch's "
+                              f"pinned buffers; leave it out for the planner's count), got "
+                              f"{pool:g}.")
 
 
 @dataclass(frozen=True)

@@ -180,10 +180,10 @@ def load_strict(model, folder: str, ckpt_format: str):
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.validation import StrictHandling
     if ckpt_format == "torch_dist":
-        state = dist_checkpointing.load(model.sharded_state_dict(), folder,
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, folder,
                                         strict=StrictHandling.RAISE_ALL)
-        model.load_state_dict(state, strict=True)
-        return dist_checkpointing.load_common_state_dict(folder)
+        model.load_state_dict(state.pop("model"), strict=True)
+        return state
     tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     name = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if ps.get_pipeline_model_parallel_world_size() > 1 else "")
     state = torch.load(os.path.join(folder, name, "model_optim_rng.pt"), weights_only=False)

@@ -1,0 +1,227 @@
+"""Writing a checkpoint Megatron-LM loads as it is: torch_dist or torch, at a chosen tp x pp.
+
+torch_dist (one process, torch.distributed.checkpoint): every tensor at its global shape under
+megatron-core's sharded keys, layers stacked on a leading num_layers axis
+(`decoder.layers.self_attention.linear_qkv.weight` [L, (h+2g)d, H]), the norms under Transformer
+Engine's fused names, one `<module>._extra_state/shard_{i}_{L}` byte entry per layer and linear
+module (torch.save([None]): no FP8 metadata), `common.pt` (args, checkpoint_version 3.0,
+iteration, the scheduler) and `metadata.json`. Tensors are tp/pp-independent: any layout loads it.
+
+torch: one `mp_rank_TT[_PPP]/model_optim_rng.pt` per (tp, pp) rank, each stage's layers numbered
+from 0, the embedding on the first stage, the final norm and output layer on the last (with tied
+embeddings and pp > 1 the last stage holds the output layer's copy), every `_extra_state` None.
+
+The vocabulary is padded with zero rows to make_vocab_size_divisible_by x tp, as Megatron-LM pads
+the tokenizer's. Everything is written under `<name>.tmp`, renamed when complete, and the tracker
+is replaced last.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+
+import torch
+
+from megatron_sp.checkpointing.format import (RELEASE, TRACKER_FILENAME, CheckpointError,
+                                              iteration_dirname)
+from megatron_sp.checkpointing.megatron_lm import names
+from megatron_sp.checkpointing.megatron_lm.arguments import args_for
+from megatron_sp.checkpointing.megatron_lm.folder import TORCH, TORCH_DIST
+
+IMPLS = ("transformer_engine", "local")
+LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
+           "mlp.linear_fc2")
+
+
+def _modules_with_extra_state(impl: str) -> tuple[str, ...]:
+    """The per-layer modules whose `_extra_state` megatron-core's spec expects."""
+    return LINEARS + (("self_attention.core_attention",) if impl == "transformer_engine" else ())
+
+
+def check_layout(config, tp: int, pp: int) -> None:
+    """Refuse (one sentence) a target layout megatron-core cannot build for `config`."""
+    c = config
+    if c.num_experts is not None:
+        raise CheckpointError("writing a mixture-of-experts model in Megatron-LM's format is not "
+                              "implemented yet; export it with --saver hf instead.")
+    problems = [(c.num_attention_heads, "num_attention_heads"),
+                (c.num_query_groups, "num_query_groups"), (c.ffn_hidden_size, "ffn_hidden_size")]
+    for value, name in problems:
+        if value % tp:
+            raise CheckpointError(f"--target-tensor-parallel-size {tp} does not divide {name}="
+                                  f"{value}; choose a tp that does.")
+    if c.num_layers % pp:
+        raise CheckpointError(f"--target-pipeline-parallel-size {pp} does not divide num_layers="
+                              f"{c.num_layers} (Megatron-LM's even split); choose a pp that does.")
+
+
+def padded_rows(config, tp: int) -> int:
+    multiple = config.make_vocab_size_divisible_by * tp
+    return -(-config.vocab_size // multiple) * multiple
+
+
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] >= rows:
+        return t[:rows].contiguous()
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])   # [rows, H]
+
+
+def megatron_scheduler(ours: dict | None, global_batch_size: int) -> dict | None:
+    """Megatron-LM's opt_param_scheduler state (counted in samples) of our LRScheduler's
+    (counted in iterations)."""
+    if not ours:
+        return None
+    g = global_batch_size
+    return {"max_lr": ours["max_lr"], "min_lr": ours["min_lr"],
+            "lr_warmup_steps": int(ours["warmup_iters"]) * g,
+            "num_steps": int(ours["num_steps"]) * g, "lr_decay_style": ours["style"],
+            "lr_decay_steps": int(ours["decay_iters"]) * g, "start_wd": None, "end_wd": None,
+            "wd_incr_style": "constant", "wd_incr_steps": int(ours["decay_iters"]) * g}
+
+
+def write_checkpoint(root: str, config, tensors: dict[str, torch.Tensor], *, ckpt_format: str,
+                     tp: int = 1, pp: int = 1, iteration: int | str = RELEASE,
+                     transformer_impl: str = "transformer_engine", scheduler: dict | None = None,
+                     extra_args: dict | None = None) -> str:
+    """Write `tensors` (our names, full shapes, vocabulary unpadded) of GPTConfig `config` as a
+    Megatron-LM checkpoint under `root` (a save folder); returns the iteration folder.
+    `scheduler`: Megatron-LM's opt_param_scheduler state; `extra_args`: stored arguments such as
+    consumed_train_samples and global_batch_size."""
+    if ckpt_format not in (TORCH_DIST, TORCH):
+        raise CheckpointError(f"--ckpt-format {ckpt_format!r} is not torch_dist or torch.")
+    if transformer_impl not in IMPLS:
+        raise CheckpointError(f"--transformer-impl {transformer_impl!r} is not one of {IMPLS}.")
+    check_layout(config, tp, pp)
+    missing = [n for n in names.expected_names(vars(config)) if n not in tensors]
+    if missing:
+        raise CheckpointError(f"the model has no tensor {missing[0]}; it cannot be written.")
+    final = os.path.join(root, iteration_dirname(iteration))
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} exists already; choose another --save-dir (nothing was "
+                              f"written).")
+    rows = padded_rows(config, tp)
+    full = {k: (_padded(v, rows) if k in ("embedding.word_embeddings.weight",
+                                          "output_layer.weight") else v).float().contiguous()
+            for k, v in tensors.items()}
+    args = args_for(config, tp=tp, pp=pp, padded_vocab_size=rows,
+                    iteration=0 if iteration == RELEASE else int(iteration),
+                    extra=dict(extra_args or {}, ckpt_format=ckpt_format,
+                               transformer_impl=transformer_impl))
+    common = {"args": args, "checkpoint_version": 3.0,
+              "iteration": 0 if iteration == RELEASE else int(iteration),
+              "num_floating_point_operations_so_far": 0}
+    if scheduler is not None:
+        common["opt_param_scheduler"] = scheduler
+    os.makedirs(root, exist_ok=True)
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        if ckpt_format == TORCH_DIST:
+            _write_torch_dist(tmp, config, full, common, transformer_impl)
+        else:
+            _write_torch(tmp, config, full, common, tp, pp, transformer_impl)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    os.replace(tmp, final)
+    _write_tracker(root, iteration)
+    return final
+
+
+def _write_tracker(root: str, iteration) -> None:
+    path = os.path.join(root, TRACKER_FILENAME)
+    with open(path + ".tmp", "w") as f:
+        f.write(str(iteration))
+    os.replace(path + ".tmp", path)
+
+
+# torch_dist ---------------------------------------------------------------------------------------
+
+def _write_torch_dist(folder: str, config, full: dict, common: dict, impl: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    L = config.num_layers
+    state: dict = {}
+    for name, t in full.items():
+        if not name.startswith("layers."):
+            if name == "output_layer.weight" and config.tie_embeddings:
+                continue
+            state[names.megatron_name(name)] = t
+            continue
+        i, ours = name.split(".", 2)[1:]
+        if i != "0":
+            continue
+        key = names.megatron_name(name, te_names=True).replace("decoder.layers.0.",
+                                                               "decoder.layers.")
+        state[key] = torch.stack([full[f"layers.{j}.{ours}"] for j in range(L)])   # [L, ...]
+    empty = io.BytesIO()
+    torch.save([None], empty)
+    for module in _modules_with_extra_state(impl):
+        for i in range(L):
+            state[f"decoder.layers.{module}._extra_state/shard_{i}_{L}"] = io.BytesIO(
+                empty.getvalue())
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, single_file_per_rank=True),
+             planner=_planner(), no_dist=True)
+    torch.save(common, os.path.join(folder, "common.pt"))
+    with open(os.path.join(folder, "metadata.json"), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                   "common_backend": "torch", "common_backend_version": 1}, f)
+
+
+def _planner():
+    """DCP's save planner writing a BytesIO's bytes as they are (megatron-core's byte entries
+    hold torch.save([object]); the default planner would pickle the BytesIO itself)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class Planner(DefaultSavePlanner):
+        def transform_object(self, write_item, object):
+            return object if isinstance(object, io.BytesIO) else \
+                super().transform_object(write_item, object)
+    return Planner()
+
+
+# torch -------------------------------------------------------------------------------------------
+
+def _write_torch(folder: str, config, full: dict, common: dict, tp: int, pp: int,
+                 impl: str) -> None:
+    per_stage = config.num_layers // pp
+    swiglu = config.activation == "swiglu"
+    te = impl == "transformer_engine"
+    for p in range(pp):
+        first, last = p == 0, p == pp - 1
+        for r in range(tp):
+            model = {}
+            for name, t in full.items():
+                local = _local_name(name, p, per_stage, first, last, pp, config.tie_embeddings)
+                if local is None:
+                    continue
+                model[names.megatron_name(local, te_names=te)] = \
+                    names.split_tp(name, t, tp, r, swiglu).clone()
+            if last and pp > 1 and config.tie_embeddings:   # the output layer's copy
+                model["output_layer.weight"] = names.split_tp(
+                    "output_layer.weight", full["embedding.word_embeddings.weight"], tp, r,
+                    swiglu).clone()
+            for i in range(per_stage):
+                for module in _modules_with_extra_state(impl):
+                    model[f"decoder.layers.{i}.{module}._extra_state"] = None
+            if last:
+                model["output_layer._extra_state"] = None
+            name = f"mp_rank_{r:02d}" + (f"_{p:03d}" if pp > 1 else "")
+            os.makedirs(os.path.join(folder, name))
+            torch.save(dict(common, model=model), os.path.join(folder, name, "model_optim_rng.pt"))
+
+
+def _local_name(name: str, stage: int, per_stage: int, first: bool, last: bool, pp: int,
+                tied: bool) -> str | None:
+    """Our name as stage `stage` holds it (layers renumbered from 0), None when elsewhere."""
+    if name.startswith("layers."):
+        i, rest = name.split(".", 2)[1:]
+        i = int(i) - stage * per_stage
+        return f"layers.{i}.{rest}" if 0 <= i < per_stage else None
+    if name.startswith("embedding."):
+        return name if first else None
+    if name == "output_layer.weight":
+        return name if last and not tied else None
+    return name if last else None      # the final norm
