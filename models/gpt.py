@@ -604,7 +604,7 @@ class GPTModel(nn.Module):
     def _share_cp_planner(self, kind: str) -> None:
         """One LayoutPlanner for this model's rings (cp > 1): the step's layout is computed once
         from the document ids, and the tokens this model gathers are the ones every ring plans."""
-        self.cp_planner, self._cp_positions = None, None
+        self.cp_planner, self._cp_positions, self._cp_work = None, None, None
         if self.mesh.cp_size == 1:
             return
         self.cp_planner = LayoutPlanner(kind, self.mesh.cp_size, self.mesh.cp_rank)
@@ -615,12 +615,21 @@ class GPTModel(nn.Module):
     def _set_cp_layout(self, document_ids) -> None:
         """This step's ring layout: the balanced one's positions [b, s/cp] when the planner uses
         it for these documents, else None (the whole-row zigzag)."""
-        planner = self.cp_planner
-        if planner is None or not planner.uses_layout(document_ids):
-            self._cp_positions = None
+        planner, self._cp_positions = self.cp_planner, None
+        if planner is None or document_ids is None:
             return
         layout = planner.layout(document_ids, *document_ids.shape)
-        self._cp_positions = layout.positions(self.mesh.cp_rank, document_ids.device)
+        work = layout.work()                    # every ring rank's causal pairs, this micro-batch
+        self._cp_work = work if self._cp_work is None else [a + b for a, b in
+                                                            zip(self._cp_work, work)]
+        if planner.uses_layout(document_ids):
+            self._cp_positions = layout.positions(self.mesh.cp_rank, document_ids.device)
+
+    def take_cp_work(self) -> list[int] | None:
+        """Every ring rank's causal (query, key) pairs summed over the forwards since the last
+        call (packed documents under a ring; None otherwise), and start counting anew."""
+        work, self._cp_work = self._cp_work, None
+        return work
 
     def shard_sequence(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """This rank's tokens of a full-sequence tensor [b, s, ...] -> [b, s/(sp*cp), ...]: with a

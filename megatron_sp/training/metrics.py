@@ -150,6 +150,8 @@ def format_log_line(record: dict, train_iters: int, extra: str | None = None) ->
               f"tokens/s: {record['tokens_per_sec']:.0f}"]
     if "mfu" in record:
         parts.append(f"MFU: {100 * record['mfu']:.1f}%")
+    if "cp_work_balance" in record:      # ring ranks' causal work, max / mean (1.000: balanced)
+        parts.append(f"cp work balance: {record['cp_work_balance']:.3f}")
     if "mem_peak_gb" in record:
         parts.append(f"mem peak (GB): {record['mem_peak_gb']:.2f}")
     elif "host_peak_rss_gb" in record:

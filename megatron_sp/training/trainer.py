@@ -35,6 +35,7 @@ import torch
 from megatron_sp import comm_stats
 from megatron_sp.errors import (CollectiveFailure, ConfigError, NonFiniteLossError, Terminated,
                                 is_collective_failure)
+from megatron_sp.context_parallel.balance import work_balance
 from megatron_sp.training.flops import device_peak_tflops
 from megatron_sp.grad_sync import (all_reduce_sum, gather_step_times, model_parallel_sum,
                                    reduce_loss_and_count)
@@ -124,6 +125,7 @@ class Trainer:
         self.has_moe = any(getattr(getattr(c, "config", None), "num_experts", None) is not None
                            for c in self.chunks)
         self._moe_sum = self._moe_losses = None
+        self._cp_work = None        # the last step's causal pairs per ring rank (cp_log_fields)
         self._set_precision(job.precision, par.grad_reduce_in_bf16)
 
     def _set_precision(self, precision, grad_reduce_in_bf16: bool):
@@ -217,6 +219,7 @@ class Trainer:
         start = time.perf_counter()
         hooks = [h for hook in self.step_hooks for h in hook.before_forward(iteration, self.chunks)]
         hooks += self._moe_begin_step()
+        self._take_cp_work()            # forgets what evaluation counted
         try:
             loss = self.schedule(self.chunks, micro_batches, self.mesh,
                                  num_tokens=num_tokens.float() / scale,
@@ -224,6 +227,7 @@ class Trainer:
         finally:
             for hook in hooks:
                 hook.remove()
+        self._cp_work = self._take_cp_work()
         if self._moe_sum is not None:     # the step's router losses, mean over its micro-batches
             self._moe_losses = self._moe_sum / self.num_micro_batches
         for hook in self.step_hooks:
@@ -308,6 +312,28 @@ class Trainer:
         lb, z = values.tolist()
         return {"load_balancing_loss": lb, "z_loss": z}
 
+    def _take_cp_work(self) -> list[int] | None:
+        """The step's causal (query, key) pairs per ring rank, summed over its micro-batches
+        (GPTModel.take_cp_work of the first chunk that counted; every chunk is reset)."""
+        found = None
+        for chunk in self.chunks:
+            work = chunk.take_cp_work() if hasattr(chunk, "take_cp_work") else None
+            found = found if found is not None else work
+        return found
+
+    def cp_log_fields(self) -> dict:
+        """cp_work_balance of the last step ({} without packed documents under a ring): the max
+        over ring ranks of the step's causal attention (query, key) pairs divided by their mean
+        (context_parallel/balance.py), the worst data-parallel replica's. Collective over dp:
+        every rank calls it at the same iteration (log_record does)."""
+        work = self._cp_work
+        if work is None:
+            return {}
+        rows = torch.zeros(self.mesh.dp_size, len(work), dtype=torch.float64, device=self.device)
+        rows[self.mesh.dp_rank] = torch.tensor(work, dtype=torch.float64)
+        all_reduce_sum(rows, self.mesh.dp_group)             # [dp, cp]: every replica's ranks
+        return {"cp_work_balance": max(work_balance(row) for row in rows.tolist())}
+
     def _update_loss_scale(self, grads_finite: bool) -> bool:
         """--fp16: update the scaler from this step's overflow; True when the step overflowed."""
         if self.loss_scaler is None:
@@ -382,6 +408,7 @@ class Trainer:
                   "tokens_per_sec": tokens_per_sec, "tflops_per_gpu": tflops,
                   "loss_scale": result.loss_scale}
         record.update(self.moe_log_fields())
+        record.update(self.cp_log_fields())
         for group in self.optimizer.param_groups:    # --decoupled-lr: Megatron logs it too
             if group.get("is_decoupled_lr") and self.scheduler.num_steps:
                 record["decoupled_lr"] = self.scheduler.lr_at(self.scheduler.num_steps - self._lr_increment,

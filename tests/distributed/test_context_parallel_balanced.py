@@ -4,16 +4,23 @@ and gradient norms), 3 optimizer steps (layout_utils.check_layouts), on 4 gloo r
 spawn: cp 4 and cp 2 x dp 2 p2p, a2a+p2p / sp 2 x cp 2, cp 2 x tp 2 --sequence-parallel, cp 2 x
 pp 2, FSDP2, full and selective recompute, head chunks; mixes skewed (one long document among
 short and one-token ones), short ones, one-token documents, one document the whole row, and
---context-parallel-layout zigzag on the same skewed rows. Outside the spawn: those rows really
-are laid out differently from the zigzag (and the whole-row document identically)."""
-import numpy as np
+--context-parallel-layout zigzag on the same skewed rows. In the same spawn, the work the model
+counts per ring rank (GPTModel.take_cp_work, summed over two micro-batches) equals a brute-force
+count of causal (query, key) pairs, and Trainer.cp_log_fields gives the worst dp replica's
+max/mean. Outside the spawn: those rows really are laid out differently from the zigzag (and the
+whole-row document identically)."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from megatron_sp.attention.segments import document_bounds
-from megatron_sp.context_parallel.balance import cp_layout
+from megatron_sp.context_parallel.balance import causal_pairs, cp_layout, work_balance
 from megatron_sp.memory import MemoryOptions
+from megatron_sp.mesh import ParallelMesh
+from megatron_sp.models import GPTModel, preset
 from megatron_sp.testing import run_distributed
+from megatron_sp.training import Trainer
 
 from layout_utils import check_layouts, global_batches
 from test_model_parallel import LLAMA, LLAMA_GQA2
@@ -64,8 +71,46 @@ def test_mixes_are_laid_out_differently_from_the_zigzag():
             assert balanced.balance() < zigzag.balance(), mix
 
 
+def _brute_work(ids, cp):
+    """Per ring rank, brute-force causal pairs of the balanced layout's positions of ids [b, s]."""
+    bounds = document_bounds(ids)
+    layout = cp_layout("balanced", bounds, ids.shape[0], ids.shape[1], cp)
+    return [sum(causal_pairs(bounds[i], layout.positions(r)[i].tolist())
+                for i in range(ids.shape[0])) for r in range(cp)]
+
+
+def _check_work_counted(rank, world):
+    """cp 2 x dp 2: two forwards of this replica's rows; the model's count and the log field."""
+    cfg = preset(LLAMA["model"], **LLAMA["overrides"])
+    mesh = ParallelMesh.from_sizes(cp=2)
+    model = GPTModel(cfg, mesh)
+    batches = global_batches(cfg.vocab_size, 32, 4, 1, seed=5 + mesh.dp_rank, packed="skewed")
+    expected = [0, 0]
+    with torch.no_grad():
+        for half in (slice(0, 2), slice(2, 4)):
+            ids = batches[0]["document_ids"][half]
+            model(input_ids=batches[0]["tokens"][half], document_ids=ids)
+            expected = [a + b for a, b in zip(expected, _brute_work(ids, 2))]
+    counted = model.take_cp_work()
+    assert counted == expected and model.take_cp_work() is None, (counted, expected)
+    fields = Trainer.cp_log_fields(SimpleNamespace(_cp_work=counted, mesh=mesh,
+                                                   device=torch.device("cpu")))
+    replicas = [work_balance([a + b for a, b in zip(
+        _brute_work(global_batches(cfg.vocab_size, 32, 4, 1, seed=5 + d,
+                                   packed="skewed")[0]["document_ids"][:2], 2),
+        _brute_work(global_batches(cfg.vocab_size, 32, 4, 1, seed=5 + d,
+                                   packed="skewed")[0]["document_ids"][2:], 2))])
+        for d in range(2)]
+    assert fields == {"cp_work_balance": max(replicas)}, (fields, replicas)
+
+
+def _spawned(rank, world, cases):
+    _check_work_counted(rank, world)
+    return check_layouts(rank, world, cases)
+
+
 @pytest.mark.timeout(600)
 def test_balanced_layout_equals_one_rank():
     cases = _cases()
-    results = run_distributed(check_layouts, 4, cases)
+    results = run_distributed(_spawned, 4, cases)
     assert [r[0] for r in results[0]] == [c["name"] for c in cases]

@@ -172,3 +172,12 @@ def test_ring_over_balanced_plans_equals_attention(cp, seed):
             for row in range(b):
                 full[row, index[r][row]] = got[row].to(full.dtype)
         assert (full - ref[i]).abs().max().item() <= tol, name
+
+
+def test_log_line_has_cp_work_balance_only_when_counted():
+    from megatron_sp.training.metrics import format_log_line
+    record = {"iteration": 1, "consumed_samples": 4, "ms_per_iter": 1.0, "tflops_per_gpu": 1e-5,
+              "lr": 1e-3, "global_batch_size": 4, "lm_loss": 6.0, "grad_norm": 1.0,
+              "tokens_per_sec": 10.0}
+    assert "cp work balance" not in format_log_line(record, 2)
+    assert "| cp work balance: 1.234 |" in format_log_line(dict(record, cp_work_balance=1.2341), 2)
