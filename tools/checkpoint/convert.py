@@ -7,6 +7,15 @@
         --load-dir ./ckpt/run1 --save-dir ./hf-export                 # GPT2LMHeadModel / LlamaForCausalLM
     python tools/checkpoint/convert.py --loader megatron_sp --saver safetensors \
         --load-dir ./ckpt/run1 --save-dir ./export                    # one model.safetensors, our names
+    python tools/checkpoint/convert.py --loader megatron --saver hf \
+        --load-dir ./megatron-run --save-dir ./hf-export              # Megatron-LM torch_dist / torch
+    python tools/checkpoint/convert.py --loader megatron_sp --saver megatron --ckpt-format torch_dist \
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1 \
+        --load-dir ./ckpt/run1 --save-dir ./back-to-megatron         # megatron-core loads it strictly
+
+Megatron-LM checkpoints (--loader megatron, also core / legacy) are read without Megatron-LM
+installed, at whatever tp x pp they were saved with, their sizes from the stored arguments; the
+formats are in docs/checkpoints.md and megatron_sp/checkpointing/megatron_lm/.
 
 HF checkpoints are read from safetensors (or pytorch_model.bin with torch.load(weights_only=True));
 nothing is downloaded. A megatron_sp checkpoint written here is a converted checkpoint (Megatron's
@@ -43,6 +52,7 @@ from megatron_sp.models.families import (ConversionError, FAMILIES, full_tensors
                                         read_hf_folder, token_ids_of, write_hf_folder)
 
 build_model_from_full = model_from_full
+MEGATRON_LOADERS = ("megatron", "core", "legacy")   # Megatron-LM's checkpoints, either format
 
 
 # Entry points ---------------------------------------------------------------------------------------
@@ -173,8 +183,11 @@ def _hf_tokenizer(path: str, trust_remote_code: bool = False):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--model-type", default="GPT", help="Megatron's flag; only GPT")
-    p.add_argument("--loader", required=True, choices=["hf", "megatron_sp"])
-    p.add_argument("--saver", required=True, choices=["megatron_sp", "hf", "safetensors"])
+    p.add_argument("--loader", required=True, choices=["hf", "megatron_sp", *MEGATRON_LOADERS],
+                   help="megatron (also Megatron-LM's names core, legacy): a Megatron-LM save or "
+                        "iteration folder, torch_dist or torch, any tp x pp")
+    p.add_argument("--saver", required=True, choices=["megatron_sp", "hf", "safetensors",
+                                                      "megatron"])
     p.add_argument("--load-dir", required=True)
     p.add_argument("--save-dir", required=True)
     p.add_argument("--hf-family", default="auto", choices=("auto",) + FAMILIES,
@@ -192,6 +205,17 @@ def main(argv=None):
     p.add_argument("--trust-remote-code", action="store_true",
                    help="--tokenizer-model: allow a tokenizer folder whose config has auto_map to "
                         "run its own Python code (never asked; refused without this flag)")
+    p.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist", "torch"],
+                   help="--saver megatron: Megatron-LM's checkpoint format")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1,
+                   help="--saver megatron: the tp the checkpoint is written for (torch: one file "
+                        "per rank; torch_dist: only the stored arguments)")
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1,
+                   help="--saver megatron: the pp the checkpoint is written for")
+    p.add_argument("--transformer-impl", default="transformer_engine",
+                   choices=["transformer_engine", "local"],
+                   help="--saver megatron: the spec of the Megatron-LM run that loads it (its "
+                        "_extra_state entries; torch format: the norms' names)")
     p.add_argument("--debug", action="store_true",
                    help="print the Python traceback with an error message (also "
                         "MEGATRON_SP_DEBUG=1)")
@@ -228,9 +252,49 @@ def _convert(a):
         path = export_safetensors(a.load_dir, os.path.join(a.save_dir, "model.safetensors"))
         print(f"> wrote {path}")
         return False
+    elif a.loader in MEGATRON_LOADERS or a.saver == "megatron":
+        return _convert_megatron_lm(a)
     else:
         raise ConversionError(f"--loader {a.loader} --saver {a.saver} is not a supported pair.")
     return config
+
+
+def _convert_megatron_lm(a):
+    """--loader megatron (core, legacy) and --saver megatron (megatron_sp/cli/megatron_checkpoints.py)."""
+    from megatron_sp.cli import megatron_checkpoints as mlm
+    if a.saver == "megatron":
+        if a.loader not in ("megatron_sp",) + MEGATRON_LOADERS:
+            raise ConversionError(f"--saver megatron reads --loader megatron_sp (a checkpoint, an "
+                                  f"export or a Hugging Face folder) or megatron, not {a.loader}.")
+        folder = mlm.to_megatron(a.load_dir, a.save_dir, loader=a.loader, ckpt_format=a.ckpt_format,
+                                 tp=a.target_tensor_parallel_size,
+                                 pp=a.target_pipeline_parallel_size,
+                                 transformer_impl=a.transformer_impl)
+        print(f"> wrote {folder} ({a.ckpt_format}, tp {a.target_tensor_parallel_size} x pp "
+              f"{a.target_pipeline_parallel_size}); load it in Megatron-LM with "
+              f"{mlm.load_flags(folder, a.ckpt_format)}")
+        return False
+    if a.saver == "megatron_sp":
+        return mlm.megatron_to_megatron_sp(a.load_dir, a.save_dir)
+    if a.saver == "safetensors":
+        print(f"> wrote {mlm.megatron_to_safetensors(a.load_dir, os.path.join(a.save_dir, 'model.safetensors'))}")
+        return False
+    tokenizer = None
+    if a.tokenizer_model is not None:
+        tokenizer = _export_tokenizer(a.load_dir, a.tokenizer_model, a.tokenizer_type,
+                                      a.trust_remote_code, 1 << 30)
+    else:
+        recorded = mlm.recorded_tokenizer(a.load_dir).get("tokenizer_model")
+        print("> no tokenizer exported: pass --tokenizer-model" + (
+            f" (the run recorded {recorded})" if recorded else "") + " to export one.")
+    hf = mlm.megatron_to_hf(a.load_dir, a.save_dir, a.hf_family, tokenizer)
+    if getattr(tokenizer, "built_here", False):
+        from megatron_sp.data.sentencepiece_hf import save_hf_tokenizer
+        save_hf_tokenizer(tokenizer, a.save_dir)
+    elif tokenizer is not None:
+        tokenizer.save_pretrained(a.save_dir)
+    print(f"> wrote a {hf['model_type']} model ({hf['architectures'][0]})")
+    return None
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -108,7 +109,9 @@ def _read_torch_dist(folder: str):
         model[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     import torch.distributed.checkpoint as dcp
     try:
-        dcp.load(model, storage_reader=_dcp_reader(folder), no_dist=True)
+        with warnings.catch_warnings():   # "assuming the intent is to load in a single process"
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(model, storage_reader=_dcp_reader(folder), no_dist=True)
     except CheckpointError:
         raise
     except Exception as err:
