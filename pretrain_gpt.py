@@ -165,9 +165,15 @@ def apply_checkpoint_args(args, argv=None) -> int | None:
     if not args.load:
         raise ConfigError("--use-checkpoint-args reads the model from a checkpoint: pass it "
                           "with --load DIR.")
+    from megatron_sp.checkpointing.megatron_lm import megatron_lm_folder
+    from megatron_sp.checkpointing.megatron_lm.read import read_fields
     try:
-        folder = resolve_checkpoint(args.load)
-        saved = read_meta(folder).get("config") if folder else None
+        megatron_folder = megatron_lm_folder(args.load, args.ckpt_step)
+        if megatron_folder is not None:           # a Megatron-LM save: its stored arguments
+            saved = read_fields(megatron_folder)
+        else:
+            folder = resolve_checkpoint(args.load)
+            saved = read_meta(folder).get("config") if folder else None
     except CheckpointError as err:
         raise ConfigError(str(err)) from None
     if not saved:

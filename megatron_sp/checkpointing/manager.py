@@ -6,6 +6,7 @@ import signal
 import sys
 import time
 
+from megatron_sp.checkpointing import megatron_lm
 from megatron_sp.checkpointing.comm import _rank, agree_on_error, any_rank_flag
 from megatron_sp.checkpointing.format import AgreedCheckpointError, CheckpointError
 from megatron_sp.checkpointing.io import (async_save_failed, async_save_in_flight,
@@ -124,11 +125,19 @@ class CheckpointManager:
         o, t = self.options, self.trainer
         if not o.load:
             return None
-        meta = load_checkpoint(o.load, t.chunks, self.mesh, optimizer=t.optimizer,
-                               scheduler=t.scheduler, train_state=t.state, config=self.config,
-                               rng_tracker=self._rng_tracker(), load_optim=not o.no_load_optim,
-                               load_rng=not o.no_load_rng, finetune=o.finetune, step=o.ckpt_step,
-                               verify=not o.no_verify_checkpoint, schedule=self._schedule_policy())
+        megatron_folder = megatron_lm.megatron_lm_folder(o.load, o.ckpt_step)
+        if megatron_folder is not None:      # a Megatron-LM save (megatron_lm/resume.py)
+            meta = megatron_lm.load_for_training(
+                megatron_folder, t.chunks, self.mesh, optimizer=t.optimizer, scheduler=t.scheduler,
+                train_state=t.state, config=self.config, finetune=o.finetune,
+                schedule=self._schedule_policy())
+        else:
+            meta = load_checkpoint(o.load, t.chunks, self.mesh, optimizer=t.optimizer,
+                                   scheduler=t.scheduler, train_state=t.state, config=self.config,
+                                   rng_tracker=self._rng_tracker(), load_optim=not o.no_load_optim,
+                                   load_rng=not o.no_load_rng, finetune=o.finetune,
+                                   step=o.ckpt_step, verify=not o.no_verify_checkpoint,
+                                   schedule=self._schedule_policy())
         if meta is None and _rank() == 0:
             print(f"> no checkpoint found under --load {o.load}: starting from scratch", flush=True)
         self.last_saved = t.state.iteration if meta is not None and not o.finetune else None

@@ -14,5 +14,20 @@ fields, never built here.
 """
 from megatron_sp.checkpointing.megatron_lm.folder import is_megatron_lm_checkpoint, locate
 from megatron_sp.checkpointing.megatron_lm.read import MegatronCheckpoint, read_checkpoint
+from megatron_sp.checkpointing.megatron_lm.resume import load_for_training
 
-__all__ = ["MegatronCheckpoint", "is_megatron_lm_checkpoint", "locate", "read_checkpoint"]
+
+def megatron_lm_folder(load: str | None, step: int | None = None) -> str | None:
+    """The path to read when --load (with --ckpt-step `step`) names a Megatron-LM checkpoint,
+    else None (our own format, or nothing there)."""
+    if not is_megatron_lm_checkpoint(load):
+        return None
+    if step is None:
+        return load
+    import os
+    from megatron_sp.checkpointing.format import iteration_dirname
+    return os.path.join(load, iteration_dirname(step))
+
+
+__all__ = ["MegatronCheckpoint", "is_megatron_lm_checkpoint", "load_for_training", "locate",
+           "megatron_lm_folder", "read_checkpoint"]

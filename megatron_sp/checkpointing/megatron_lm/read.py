@@ -241,3 +241,24 @@ def _check_names(tensors: dict, fields: dict, where: str) -> None:
 
 def _natural(name: str):
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def read_fields(path: str) -> dict:
+    """The GPTConfig fields of the checkpoint in `path` from its stored arguments alone (no
+    tensor read: --use-checkpoint-args); the vocabulary is the stored padded_vocab_size."""
+    where = locate(path)
+    if where.ckpt_format == TORCH_DIST:
+        common_path = os.path.join(where.folder, "common.pt")
+        if not os.path.isfile(common_path):
+            raise CheckpointError(f"{where.folder} has no common.pt (the arguments of a "
+                                  f"torch_dist save): a half-written save?")
+        common = safe_load(common_path, f"checkpoint file {common_path}")
+    else:
+        first = os.path.join(where.folder, sorted(n for n in os.listdir(where.folder)
+                                                  if MP_RANK.match(n))[0], "model_optim_rng.pt")
+        common = safe_load(first, f"checkpoint file {first}")
+    args = as_dict(common.get("args"))
+    if not args.get("padded_vocab_size"):
+        raise CheckpointError(f"checkpoint {where.folder} stores no padded_vocab_size in its "
+                              f"arguments; give the model flags instead of --use-checkpoint-args.")
+    return model_fields(args, int(args["padded_vocab_size"]), where.folder)
