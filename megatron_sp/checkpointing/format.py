@@ -291,7 +291,7 @@ def check_config(saved: dict | None, config, where: str) -> None:
     if current.get("position_embedding_type") == "learned_absolute":
         fields.append("max_position_embeddings")
     diffs = [f"{_flag_of(k)} {saved.get(k)!r} in the checkpoint but {current.get(k)!r} from the "
-             f"command line" for k in fields if k in saved and saved.get(k) != current.get(k)]
+             f"command line" for k in fields if k in saved and not _same(k, saved, current)]
     if diffs:
         raise CheckpointError(f"checkpoint {where} does not fit the model: " + "; ".join(diffs)
                               + " (pass the checkpoint's values, or --use-checkpoint-args).")
@@ -301,6 +301,22 @@ def check_config(saved: dict | None, config, where: str) -> None:
         print(f"warning: checkpoint {where} was trained with other settings: " + "; ".join(changed)
               + " (pass the checkpoint's values, or --use-checkpoint-args, unless this is intended).",
               file=sys.stderr, flush=True)
+
+
+def _same(key: str, saved: dict, current: dict) -> bool:
+    """Whether field `key` agrees; --moe-layer-freq by the layers it makes MoE (1 and [1, 1] on
+    two layers are the same model)."""
+    if key == "moe_layer_freq" and saved.get("num_layers") == current.get("num_layers"):
+        layers = current.get("num_layers")
+        return _moe_pattern(saved.get(key), layers) == _moe_pattern(current.get(key), layers)
+    return saved.get(key) == current.get(key)
+
+
+def _moe_pattern(freq, layers) -> list | None:
+    """[0/1 per layer] of a --moe-layer-freq (an integer k: every k-th layer from 0; a list)."""
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq > 0 and isinstance(layers, int):
+        return [int(i % freq == 0) for i in range(layers)]
+    return [int(v) for v in freq] if isinstance(freq, (list, tuple)) else freq
 
 
 # Config fields whose flag is not "--" + the field name with dashes.

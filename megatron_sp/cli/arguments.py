@@ -543,6 +543,10 @@ def validate(args) -> None:
 def parse_args(argv=None):
     """The parsed command line (the namespace stays at the edge: megatron_sp.cli.build turns it
     into the JobConfig the library takes)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from megatron_sp.cli.flag_checks import offload_pool_notes, refuse_non_finite
+    refuse_non_finite(parser, args)        # every float flag: inf / nan refused, naming it
     validate(args)
+    args.megatron_notes += offload_pool_notes(args)
     return args
