@@ -27,7 +27,8 @@ the same gather (CpLayout.positions), so the loss is the same sum over the same 
 
 The share starts high (few documents split, few keys travel) and halves, down to 0 (every
 document of 2cp tokens or more split), until the row's max/mean work is within BALANCE_GOAL;
-the most balanced is kept if none is (tiny rows).
+the most balanced is kept if none is, and the whole-row zigzag where it is at least as balanced
+(tiny rows, or a row that is one document: the zigzag exactly).
 
 A short document held whole by one rank is never a key of another rank's queries: its keys and
 values need no ring step (`travelling_tokens` counts the tokens that do; the rest is what a ring
@@ -187,16 +188,22 @@ def _zigzag_document(d0: int, length: int, cp: int, tokens: list) -> list[list]:
 
 def balanced_row(bounds: list, seq_len: int, cp: int) -> RowLayout:
     """The document-aware balanced layout of one row (module docstring): the first of
-    LONG_SHARES within BALANCE_GOAL, else the most balanced."""
+    LONG_SHARES within BALANCE_GOAL, else the most balanced; the whole-row zigzag where that is
+    at least as balanced (a tiny row)."""
     best = None
     for share in LONG_SHARES:
         row = _balanced_row(bounds, seq_len, cp, share)
-        balance = work_balance([sum(p.work() for p in pieces) for pieces in row.ranks])
+        balance = _row_balance(row)
         if best is None or balance < best[0]:
             best = (balance, row)
         if balance <= BALANCE_GOAL:
             break
-    return best[1]
+    zigzag = zigzag_row(bounds, seq_len, cp)
+    return zigzag if _row_balance(zigzag) <= best[0] else best[1]
+
+
+def _row_balance(row: RowLayout) -> float:
+    return work_balance([sum(p.work() for p in pieces) for pieces in row.ranks])
 
 
 def _balanced_row(bounds: list, seq_len: int, cp: int, share: float) -> RowLayout:
