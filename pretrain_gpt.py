@@ -349,7 +349,7 @@ def start(job: JobConfig):
 def build_model(config, mesh, job: JobConfig, device):
     """This stage's model chunks: contiguous global layer ids per stage (one chunk per virtual stage
     with --num-layers-per-virtual-pipeline-stage); embedding on the first, loss on the last."""
-    from megatron_sp.training import fp8   # --transformer-impl, --fp8-param-gather (Transformer Engine)
+    from megatron_sp.training import fp8   # --transformer-impl, --fp8-* (Transformer Engine, torchao)
     seed, p = job.training.seed, job.parallel
     tracker = RNGTracker(seed, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank,
                          sp_rank=mesh.sequence_chunk)   # one dropout stream per sequence chunk
@@ -368,6 +368,7 @@ def build_model(config, mesh, job: JobConfig, device):
                              context_parallel_layout=p.context_parallel_layout, **spec)
         init_parameters(model, seed=seed)
         chunks.append(model.to(device))
+    fp8.enable_from_config(chunks, job.precision, mesh, device)   # --fp8-format through torchao
     from megatron_sp.compile import CompileLayoutError, compile_from_config
     with reraise_as(ConfigError, CompileLayoutError):   # --torch-compile: per layer, before FSDP2
         line = compile_from_config(chunks, mesh, job)

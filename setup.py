@@ -31,7 +31,9 @@ setup(
         # Test-only: megatron-core is the reference for dataset indices, transformers for conversion.
         "test": ["pytest", "pytest-timeout", "megatron-core==0.16.1", "transformers>=4.40",
                  "tokenizers", "safetensors", "tensorboard",
-                 "trl", "accelerate", "datasets"],   # megatron_sp.hf.trainer (deepspeed: bench only)
+                 "trl", "accelerate", "datasets",   # megatron_sp.hf.trainer (deepspeed: bench only)
+                 "torchao>=0.18"],                  # FP8 without Transformer Engine
+        "fp8": ["torchao>=0.18"],   # --fp8-format without Transformer Engine (torchao's float8)
         "hf": ["transformers>=4.40", "tokenizers", "safetensors", "accelerate"],
         "tensorboard": ["tensorboard"],
         # GPU fast paths: source builds against CUDA, install them yourself (README):

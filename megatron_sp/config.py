@@ -711,6 +711,17 @@ class TrainingConfig:
             or bool(self.lr_warmup_samples) or self.lr_wsd_decay_samples is not None
 
 
+FP8_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8", "rowwise", "rowwise_with_gw_hp")
+"""--fp8-recipe's names: Megatron-LM's four, then torchao's rowwise ones."""
+
+
+def check_fp8_recipe(recipe: str | None) -> None:
+    """ConfigError (one sentence) for a --fp8-recipe that is not in FP8_RECIPES."""
+    if recipe is not None and recipe not in FP8_RECIPES:
+        raise ConfigError(f"--fp8-recipe {recipe} is not a recipe: use one of "
+                          f"{', '.join(FP8_RECIPES)}.")
+
+
 @dataclass(frozen=True)
 class PrecisionConfig:
     """Mixed precision: bf16, fp16 with Megatron-LM's loss scaling, FP8 through Transformer Engine."""
@@ -731,9 +742,16 @@ class PrecisionConfig:
     hysteresis: int = 2
     """--hysteresis: --fp16: overflows in a row before the scale halves (2)."""
     fp8_format: str | None = None
-    """--fp8-format: FP8 through Transformer Engine's fp8_autocast (needs transformer_engine)."""
+    """--fp8-format e4m3|hybrid: FP8 through Transformer Engine's fp8_autocast, or through torchao
+    in the projections and MLP linears (megatron_sp.training.fp8; fp8_backend)."""
+    fp8_recipe: str | None = None
+    """--fp8-recipe: Megatron-LM's tensorwise|delayed|blockwise|mxfp8, or torchao's rowwise|
+    rowwise_with_gw_hp; None: delayed under Transformer Engine, tensorwise through torchao."""
+    fp8_backend: str | None = None
+    """Which library runs --fp8-format: "transformer_engine" or "torchao" (the command line resolves
+    it with megatron_sp.training.fp8.resolve_backend; None: Transformer Engine where installed)."""
     fp8_margin: int = 0
-    """--fp8-margin: FP8 scaling margin (Transformer Engine)."""
+    """--fp8-margin: FP8 scales divided by 2^margin (both backends)."""
     fp8_interval: int = 1
     """--fp8-interval: deprecated by Transformer Engine 1.8 (passed to older versions)."""
     fp8_amax_history_len: int = 1
@@ -756,6 +774,9 @@ class PrecisionConfig:
             raise ConfigError(f"--loss-scale must be positive, got {self.loss_scale:g}.")
         if self.fp8_param_gather and self.fp8_format is None:
             raise ConfigError("--fp8-param-gather needs --fp8-format e4m3|hybrid.")
+        check_fp8_recipe(self.fp8_recipe)
+        if self.fp8_backend not in (None, "transformer_engine", "torchao"):
+            raise ConfigError(f"FP8 backend {self.fp8_backend!r}: use transformer_engine or torchao.")
 
     @property
     def autocast_dtype(self):

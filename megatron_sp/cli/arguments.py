@@ -479,7 +479,13 @@ def _add_megatron_math_args(p, model_group) -> None:
                    help="local: these layers; transformer_engine: Transformer Engine's fused "
                         "attention (runs as local, said at start-up, when it is not installed)")
     g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None,
-                   help="FP8 through Transformer Engine's fp8_autocast (needs transformer_engine)")
+                   help="FP8 through Transformer Engine's fp8_autocast (installed, with "
+                        "--transformer-impl transformer_engine), else through torchao in the "
+                        "projection and MLP linears")
+    g.add_argument("--fp8-recipe", default=None,
+                   help="tensorwise | delayed | blockwise | mxfp8 (Megatron-LM's) or rowwise | "
+                        "rowwise_with_gw_hp (torchao's); default: delayed under Transformer "
+                        "Engine, tensorwise through torchao")
     g.add_argument("--fp8-margin", type=int, default=0)
     g.add_argument("--fp8-interval", type=int, default=1,
                    help="deprecated by Transformer Engine 1.8 (passed to older versions)")
@@ -535,9 +541,11 @@ def validate(args) -> None:
             raise ConfigError(message)
     if args.train_iters is not None and args.train_samples is not None:
         raise ConfigError("give --train-iters or --train-samples, not both (as Megatron-LM).")
-    if args.fp8_format is not None:    # --transformer-impl transformer_engine: megatron_compat
-        from megatron_sp.training.fp8 import require_transformer_engine
-        require_transformer_engine("--fp8-format")
+    from megatron_sp.training.fp8 import resolve_backend   # after megatron_compat's TE mapping
+    args.fp8_backend, notes = resolve_backend(
+        args.fp8_format, args.fp8_recipe, args.transformer_impl, args.fp8_param_gather,
+        args.fp8_amax_history_len, args.fp8_amax_compute_algo)
+    args.megatron_notes += notes
 
 
 def parse_args(argv=None):

@@ -48,7 +48,7 @@ HONOURED = (
     "--wandb-exp-name", "--wandb-save-dir",
     "--fp16", "--rotary-percent", "--apply-layernorm-1p", "--no-position-embedding",
     "--decoupled-lr", "--decoupled-min-lr", "--calculate-per-token-loss", "--grad-reduce-in-bf16",
-    "--optimizer", "--transformer-impl", "--fp8-format", "--fp8-amax-history-len",
+    "--optimizer", "--transformer-impl", "--fp8-format", "--fp8-recipe", "--fp8-amax-history-len",
     "--fp8-amax-compute-algo", "--fp8-margin", "--fp8-interval", "--fp8-param-gather",
     "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
     "--use-torch-fsdp2",
@@ -98,13 +98,19 @@ HONOURED_NOTES = {
     "--transformer-impl": "local; transformer_engine: Transformer Engine's fused attention, "
                           "mapped to local (said at start-up) when Transformer Engine is not "
                           "installed",
-    "--fp8-format": "through Transformer Engine's fp8_autocast; refused in one sentence without "
-                    "Transformer Engine",
-    "--fp8-amax-history-len": "Transformer Engine's DelayedScaling recipe",
-    "--fp8-amax-compute-algo": "Transformer Engine's DelayedScaling recipe",
-    "--fp8-margin": "Transformer Engine's DelayedScaling recipe",
+    "--fp8-format": "Transformer Engine's fp8_autocast (installed, --transformer-impl "
+                    "transformer_engine), else torchao in the qkv, out-proj, fc1, fc2 linears; "
+                    "refused in one sentence naming both when neither is installed",
+    "--fp8-recipe": "delayed (Transformer Engine); tensorwise (torchao's default), rowwise, "
+                    "rowwise_with_gw_hp (torchao); the others refused in one sentence",
+    "--fp8-amax-history-len": "Transformer Engine's DelayedScaling recipe (torchao's current "
+                              "scaling: no effect, said at start-up)",
+    "--fp8-amax-compute-algo": "Transformer Engine's DelayedScaling recipe (torchao's current "
+                               "scaling: no effect, said at start-up)",
+    "--fp8-margin": "scales divided by 2^margin (DelayedScaling; torchao's recipes too)",
     "--fp8-interval": "Transformer Engine's DelayedScaling recipe (before TE 1.8, as Megatron)",
-    "--fp8-param-gather": "the model is built inside Transformer Engine's fp8_model_init",
+    "--fp8-param-gather": "the model is built inside Transformer Engine's fp8_model_init "
+                          "(torchao: weights gathered in high precision, said at start-up)",
     "--use-distributed-optimizer": "Adam state and fp32 master weights sharded over dp x sp "
                                    "(ZeRO-1/2)",
     "--overlap-grad-reduce": "gradient buckets reduced from the backward pass's hooks (always)",

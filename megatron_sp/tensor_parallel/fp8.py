@@ -26,6 +26,8 @@ torchao is imported lazily, when FP8 is switched on.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -96,8 +98,25 @@ class Fp8Plan:
 
 # Scales and casts ----------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _quiet_import():
+    """torchao's import warns about its CUDA-only kernels off CUDA (and torch about an enum it
+    registers): not the user's concern, so those loggers are raised to ERROR meanwhile."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def _torchao():
     """torchao's float8 pieces used here (imported on first use)."""
+    with _quiet_import():
+        import torchao.float8   # noqa: F401
     from torchao.float8 import float8_training_tensor as ftt
     from torchao.float8.float8_utils import amax_to_scale
     return ftt, amax_to_scale
@@ -229,7 +248,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias, plan: Fp8Plan) -> to
 def torchao_available() -> bool:
     """Whether torchao's float8 training pieces import."""
     try:
-        from torchao.float8 import float8_training_tensor  # noqa: F401
+        with _quiet_import():
+            from torchao.float8 import float8_training_tensor  # noqa: F401
     except ImportError:
         return False
     return True

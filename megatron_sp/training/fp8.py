@@ -1,4 +1,4 @@
-"""Transformer Engine glue: --transformer-impl transformer_engine and FP8 (--fp8-*), as Megatron-LM.
+"""Transformer Engine glue and FP8 (--fp8-*): --transformer-impl transformer_engine, as Megatron-LM,
 
 Written against Transformer Engine's documented API (imported lazily; never needed otherwise):
 
@@ -14,11 +14,13 @@ before 1.8, which dropped it, as in Megatron); every forward runs inside fp8_aut
 reduced over the ranks of one pipeline stage (tp x sp x dp, Megatron's amax group with context
 parallelism); --fp8-param-gather builds the model inside fp8_model_init.
 
-FP8 reaches Transformer Engine modules only. Our linear layers are torch modules, so today FP8
-changes the Transformer Engine attention backend's context (--transformer-impl transformer_engine)
-and nothing else: the matmuls of the projections and the MLP stay in bf16. Without Transformer
-Engine, --transformer-impl transformer_engine (Megatron's default) runs as local, said once at
-start-up (megatron_compat.apply), and --fp8-format is refused in one sentence.
+With Transformer Engine (installed, --transformer-impl transformer_engine) FP8 reaches its modules
+only: our linear layers are torch modules, so the matmuls of the projections and the MLP stay in
+bf16 there. Without it (or with --transformer-impl local) FP8 runs through torchao in our own
+tensor-parallel linears (megatron_sp.tensor_parallel.fp8): qkv, out-proj, fc1 and fc2 with current
+scaling (--fp8-recipe tensorwise, the default there, or torchao's rowwise / rowwise_with_gw_hp), the
+amaxes reduced over the ranks that share a tensor so every layout computes one rank's FP8. Neither
+library: --fp8-format is refused in one sentence naming both.
 """
 from __future__ import annotations
 
@@ -78,8 +80,9 @@ def amax_group(mesh):
 
 
 def fp8_autocast_factory(precision, mesh):
-    """A callable giving each forward's FP8 context (None without --fp8-format)."""
-    if precision.fp8_format is None:
+    """A callable giving each forward's FP8 context (None without --fp8-format, and through
+    torchao, whose FP8 lives in the layers: enable_from_config)."""
+    if precision.fp8_format is None or backend_of(precision) == "torchao":
         return None
     te = require_transformer_engine("--fp8-format")
     recipe, group = delayed_scaling_recipe(precision), amax_group(mesh)
@@ -88,7 +91,7 @@ def fp8_autocast_factory(precision, mesh):
 
 def model_init_context(precision):
     """--fp8-param-gather: the model is built inside fp8_model_init (TE modules' weights in FP8)."""
-    if not precision.fp8_param_gather:
+    if not precision.fp8_param_gather or backend_of(precision) == "torchao":
         return contextlib.nullcontext()
     te = require_transformer_engine("--fp8-param-gather")
     return te.fp8_model_init(enabled=True)
@@ -140,3 +143,74 @@ def enable_fp8(chunks, recipe, mesh) -> int:
                 module.fp8 = Fp8Plan(recipe, fp8_groups(module, mesh))
                 count += 1
     return count
+
+
+TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def torchao_installed() -> bool:
+    from megatron_sp.tensor_parallel.fp8 import torchao_available
+    return torchao_available()
+
+
+def backend_of(precision) -> str:
+    """The library that runs --fp8-format: the resolved fp8_backend, else Transformer Engine
+    where it is installed, else torchao."""
+    if precision.fp8_backend is not None:
+        return precision.fp8_backend
+    return "transformer_engine" if transformer_engine_installed() else "torchao"
+
+
+def resolve_backend(fp8_format, fp8_recipe, transformer_impl, fp8_param_gather=False,
+                    history_len=1, compute_algo="most_recent"):
+    """(backend, start-up notes) for --fp8-format; (None, []) without it. ConfigError (one
+    sentence) for a recipe the backend does not run or for neither library installed.
+
+    Transformer Engine when transformer_impl is "transformer_engine" (megatron_compat has already
+    turned it into "local" where Transformer Engine is not installed), torchao otherwise.
+    """
+    from megatron_sp.config import check_fp8_recipe
+    check_fp8_recipe(fp8_recipe)
+    if fp8_format is None:
+        return None, []
+    if transformer_impl == "transformer_engine" and transformer_engine_installed():
+        if fp8_recipe not in (None, "delayed"):
+            raise ConfigError(f"--fp8-recipe {fp8_recipe} with Transformer Engine: only delayed "
+                              f"runs there; pass --transformer-impl local for torchao's "
+                              f"{', '.join(TORCHAO_RECIPES)} in these layers.")
+        return "transformer_engine", []
+    if not torchao_installed():
+        raise ConfigError("--fp8-format needs NVIDIA Transformer Engine (with --transformer-impl "
+                          "transformer_engine) or torchao (pip install torchao, or megatron_sp"
+                          "[fp8]), and neither is installed; leave the flag out to train in bf16.")
+    recipe = fp8_recipe or "tensorwise"
+    if recipe not in TORCHAO_RECIPES:
+        raise ConfigError(f"--fp8-recipe {recipe} needs Transformer Engine (installed, with "
+                          f"--transformer-impl transformer_engine); through torchao the recipes "
+                          f"that run are {', '.join(TORCHAO_RECIPES)}.")
+    notes = [f"> --fp8-format {fp8_format}: through torchao, --fp8-recipe {recipe} (current "
+             f"scaling) in the qkv, out-proj, fc1 and fc2 linears; embedding, output layer, norms "
+             f"and MoE layers stay in high precision"]
+    if history_len != 1 or compute_algo != "most_recent":
+        notes.append("> --fp8-amax-history-len and --fp8-amax-compute-algo belong to the delayed "
+                     "recipe (Transformer Engine): no effect with current scaling")
+    if fp8_param_gather:
+        notes.append("> --fp8-param-gather through torchao: weights are kept and gathered in high "
+                     "precision (FP8 all-gather is not implemented here)")
+    return "torchao", notes
+
+
+def torchao_recipe(precision, device):
+    """The Fp8Recipe of --fp8-format / --fp8-recipe / --fp8-margin; the matmuls emulated in fp32
+    off CUDA (CPU: tests and checks, not speed)."""
+    from megatron_sp.tensor_parallel.fp8 import Fp8Recipe
+    return Fp8Recipe(format=precision.fp8_format, recipe=precision.fp8_recipe or "tensorwise",
+                     margin=precision.fp8_margin, emulate=getattr(device, "type", device) != "cuda")
+
+
+def enable_from_config(chunks, precision, mesh, device) -> int:
+    """--fp8-format through torchao: the FP8_LINEARS of the chunks in FP8 (enable_fp8); 0 (nothing
+    done) without --fp8-format or under Transformer Engine."""
+    if precision.fp8_format is None or backend_of(precision) != "torchao":
+        return 0
+    return enable_fp8(chunks, torchao_recipe(precision, device), mesh)

@@ -5,9 +5,9 @@ examples/llama/train_llama3_8b_h200_bf16.sh and examples/llama/train_llama3.sh (
 compose them; model sizes, parallel sizes, iteration and sample counts shrunk; data -> --mock-data;
 paths -> tmp) run for 2 iterations on CPU at 1-2 ranks.
 
-Each script runs with every flag as Megatron has it. The FP8 script without Transformer Engine must
-end in the one-sentence refusal naming Transformer Engine (exit != 0, no traceback); the others must
-run clean: exit 0, no traceback, no "unrecognized arguments", 2 log lines that train_llama3.sh's
+Each script runs with every flag as Megatron has it. The FP8 script without Transformer Engine runs
+clean through torchao (its start-up line once), or, without torchao either, ends in the
+one-sentence refusal naming both (exit != 0, no traceback); the others must run clean: exit 0, no traceback, no "unrecognized arguments", 2 log lines that train_llama3.sh's
 regular expressions read (throughput > 0), every start-up line once (none repeating another's
 text), the no-op line once, the --context-parallel-size note
 (Megatron's default --cp-comm-type p2p: ring attention) once, the "nothing is profiled" note where --profile has Megatron's default steps, checkpoint
@@ -38,6 +38,7 @@ from test_megatron_compat import scrape_log  # noqa: E402  (train_llama3.sh's re
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PARSER_FLAGS = set(build_parser()._option_string_actions)
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 
 
 def gpt3_175b(tmp):
@@ -223,13 +224,16 @@ def _check_clean_run(name, rc, out, argv, tmp):
 
 
 def _expect(name, rc, out, argv, tmp):
-    if "--fp8-format" in argv and not HAS_TE:   # the refusal: one sentence naming TE
+    if "--fp8-format" in argv and not HAS_TE and not HAS_TORCHAO:   # one sentence naming both
         error_lines = [ln for ln in out.splitlines() if ln.startswith("error:")]
         assert rc != 0 and len(error_lines) >= 1, out[-3000:]
         assert re.search(r"transformer.?engine", error_lines[0], re.I), error_lines
+        assert "torchao" in error_lines[0], error_lines
         assert "Traceback" not in out
     else:
         _check_clean_run(name, rc, out, argv, tmp)
+        if "--fp8-format" in argv and not HAS_TE:   # FP8 through torchao, said once
+            assert out.count("> --fp8-format hybrid: through torchao") == 1, out[-3000:]
 
 
 def test_every_flag_of_the_scripts_has_a_category():

@@ -253,15 +253,18 @@ def test_fp8_flags_build_the_delayed_scaling_recipe_and_wrap_every_forward(fake_
 
 
 def test_without_transformer_engine_fp8_is_refused_and_transformer_impl_mapped(monkeypatch):
-    """FP8 without TE: one sentence naming it (also with --transformer-impl transformer_engine).
+    """FP8 without TE and without torchao: one sentence naming both (also with --transformer-impl
+    transformer_engine); with torchao it runs there (tests/unit/test_fp8.py).
     --transformer-impl transformer_engine alone (Megatron's default) runs as local, said once."""
-    monkeypatch.setitem(sys.modules, "transformer_engine", None)      # import fails
-    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", None)
+    for name in ("transformer_engine", "transformer_engine.pytorch", "torchao", "torchao.float8",
+                 "torchao.float8.float8_training_tensor"):
+        monkeypatch.setitem(sys.modules, name, None)      # import fails
     for flags in (FP8_FLAGS, FP8_FLAGS + ["--transformer-impl", "transformer_engine"]):
         with pytest.raises(ConfigError) as err:     # run_main prints it as "error: <message>"
             parse_args(flags)
         message = str(err.value)
         assert message.startswith("--fp8-format") and "Transformer Engine" in message
+        assert "torchao" in message
         assert message.count(". ") == 0 and "\n" not in message
     args = parse_args(["--transformer-impl", "transformer_engine"])
     assert args.transformer_impl == "local" and args.attention_backend == "auto"
