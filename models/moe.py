@@ -109,8 +109,8 @@ class MoEConfig:
             value = getattr(self, name)
             if value is None and unset:
                 continue
-            if not (value > low if strict else value >= low):
-                bound = f"{'>' if strict else '>='} {low}"
+            if not (value > low if strict else value >= low) or not math.isfinite(value):
+                bound = f"{'>' if strict else '>='} {low} and finite"
                 raise ValueError(f"{name} ({flag}) must be "
                                  f"{unset + ' or ' if unset else ''}{bound}, got {value!r}.")
         for name in ("moe_router_pre_softmax", "norm_topk_prob", "moe_pad_expert_input_to_capacity",
