@@ -135,3 +135,23 @@ def test_moe_layer_freq_list_resumes_an_integer_checkpoint(tmp_path):
     pretrain_gpt.main(flags + ["--train-iters", "1", "--moe-layer-freq", "1"])
     pretrain_gpt.main(flags + ["--train-iters", "2", "--moe-layer-freq", "[1,1]", "--load", run])
     assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
+def test_as_a_user_runs_it_one_sentence_no_traceback():
+    """pretrain_gpt.py launched (the runs start together): exit 1, one `error:` line."""
+    from test_user_errors import TINY, assert_one_sentence, finish, start
+    moe = TINY + ["--num-experts", "4", "--swiglu", "--train-iters", "1"]
+    cases = {
+        "capacity inf": (moe + ["--moe-expert-capacity-factor", "inf"],
+                         "error: --moe-expert-capacity-factor must be a finite number, got inf"),
+        "capacity 1e9 padded": (moe + ["--moe-expert-capacity-factor", "1e9",
+                                       "--moe-pad-expert-input-to-capacity"],
+                                "error: --moe-expert-capacity-factor 1e+09 is no capacity"),
+        "aux inf": (moe + ["--moe-aux-loss-coeff", "inf"],
+                    "error: --moe-aux-loss-coeff must be a finite number, got inf"),
+        "pool -1": (TINY + ["--train-iters", "1", "--offload-pool-gb", "-1"],
+                    "error: --offload-pool-gb must be a finite number of GiB >= 0"),
+    }
+    procs = {name: start(flags) for name, (flags, _) in cases.items()}
+    for name, (_, expected) in cases.items():
+        assert_one_sentence(*finish(procs[name]), expected)
