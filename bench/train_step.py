@@ -27,6 +27,12 @@ GEMM rate of the row's dtype: a CPU "MFU".
     python bench/train_step.py                                # gpt2 + llama, fp32 + bf16, defaults
     python bench/train_step.py --models llama --dtype bf16 --layers 8 --seq 1024 --steps 10
     python bench/train_step.py --profile                      # + top ops of one step, ours and HF
+    python bench/train_step.py --fp8 --models llama --dtype bf16  # ours with FP8 linears vs without
+
+--fp8: our model with its qkv, out-proj, fc1 and fc2 in FP8 (torchao, megatron_sp.tensor_parallel.fp8;
+hybrid tensorwise) against the same model without, same initial weights, interleaved steps. On CPU
+the FP8 matmuls are emulated in fp32 (CPU torch._scaled_mm is slower still): the row measures the
+casts' overhead and the first-step loss difference, not FP8's speed (a GPU row: tests/gpu).
 
 Goal: ours/HF >= 1.3 on every row.
 """
@@ -375,15 +381,86 @@ def parse_args(argv=None):
     p.add_argument("--results", default="train_step_{device}",
                    help="write the rows to bench/results/NAME.json (docs/performance.md's schema; "
                         "'{device}' becomes cpu or gpu); '' writes nothing")
+    p.add_argument("--fp8", action="store_true",
+                   help="ours with FP8 linears (torchao, hybrid tensorwise) vs ours without; no HF")
     p.add_argument("--default-malloc", action="store_true",
                    help="leave glibc's malloc settings as they are (default: keep freed memory, "
                         "megatron_sp.memory.cpu_allocator, as pretrain_gpt.py on CPU; both models)")
     return p.parse_args(argv)
 
 
+def fp8_row(family, dtype, args) -> dict:
+    """Ours without FP8 and with FP8 linears (same weights), interleaved: median ms, tokens/s."""
+    from megatron_sp.mesh import ParallelMesh
+    from megatron_sp.tensor_parallel.fp8 import Fp8Recipe
+    from megatron_sp.training.fp8 import enable_fp8
+    cfg = our_config(family, args)
+    models = {}
+    for name in ("plain", "fp8"):
+        model = GPTModel(cfg, attention_backend=args.attention)
+        init_parameters(model, seed=args.seed)
+        if name == "fp8":
+            enable_fp8([model], Fp8Recipe("hybrid", "tensorwise", emulate=True), ParallelMesh.single())
+        models[name] = (model.train(), build_optimizer([model], lr=1e-4, weight_decay=0.01))
+    times, first = {"plain": [], "fp8": []}, {}
+    for step in range(args.warmup + args.steps):
+        batch = make_batch(step, args)
+        for name in (("plain", "fp8") if step % 2 == 0 else ("fp8", "plain")):
+            t0 = time.perf_counter()
+            loss = ours_step(*models[name], batch, dtype)
+            if step == 0:
+                first[name] = float(loss)
+            if step >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
+    tokens = args.batch * args.seq
+    row = {"model": family, "dtype": dtype, "params": sum(p.numel() for p in models["plain"][0].parameters())}
+    for name in ("plain", "fp8"):
+        row[f"ms_{name}"] = 1000 * statistics.median(times[name])
+        row[f"tps_{name}"] = tokens / statistics.median(times[name])
+        row[f"loss_{name}"] = first[name]
+    return row
+
+
+FP8_COLUMNS = [("model", "model"), ("dtype", "dtype"), ("layers", "layers"), ("hidden", "hidden"),
+               ("seq", "seq"), ("batch", "batch"), ("impl", "linears"), ("ms", "ms/step"),
+               ("tokens_per_s", "tokens/s"), ("vs_plain", "vs no FP8"), ("first_loss", "first-step loss")]
+
+
+def fp8_main(args) -> int:
+    """--fp8: the table of fp8_row per (model, dtype), and bench/results/train_step_fp8_<device>.json."""
+    rows, out = [fp8_row(f, d, args) for f in args.models for d in args.dtype], []
+    header = f"{'model':6s} {'dtype':5s} {'no FP8 ms':>10s} {'FP8 ms':>8s} {'FP8/no':>7s} {'loss no FP8':>12s} {'loss FP8':>10s}"
+    print("\n" + header + "\n" + "-" * len(header))
+    for r in rows:
+        print(f"{r['model']:6s} {r['dtype']:5s} {r['ms_plain']:10.0f} {r['ms_fp8']:8.0f} "
+              f"{r['ms_fp8'] / r['ms_plain']:6.2f}x {r['loss_plain']:12.6f} {r['loss_fp8']:10.6f}")
+        for impl in ("plain", "fp8"):
+            out.append({"model": r["model"], "dtype": r["dtype"], "layers": args.layers,
+                        "hidden": args.hidden, "seq": args.seq, "batch": args.batch,
+                        "impl": "FP8 (emulated)" if impl == "fp8" else r["dtype"],
+                        "ms": r[f"ms_{impl}"], "tokens_per_s": r[f"tps_{impl}"],
+                        "vs_plain": r["tps_fp8"] / r["tps_plain"] if impl == "fp8" else None,
+                        "first_loss": r[f"loss_{impl}"]})
+    if args.results:
+        from performance_table import device_info, write_results
+        device = device_info(peak_note="CPU: no MFU (FP8 matmuls emulated in fp32)")
+        print("wrote " + write_results(
+            args.results.format(device=device["kind"]).replace("train_step", "train_step_fp8"),
+            "train_step_fp8", out, title="single-rank training step, FP8 linears (torchao) vs none",
+            columns=FP8_COLUMNS, device=device,
+            notes=[f"{args.warmup} warm-up + {args.steps} timed steps, interleaved; "
+                   f"{torch.get_num_threads()} threads",
+                   "CPU: the FP8 matmuls are torchao's fp32 emulation, so this measures the casts' "
+                   "and amax reductions' overhead, not FP8 speed (the GPU row: tests/gpu/gpu_checks.py)"]))
+    return 0
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.fp8:
+        keep_freed_memory()
+        return fp8_main(args)
     kept = False if args.default_malloc else keep_freed_memory()
     import transformers
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
