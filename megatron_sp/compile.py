@@ -23,8 +23,8 @@ Backends: "inductor" (the default; Triton kernels on CUDA, C++ on CPU, slow to c
 (Dynamo only). Dropout under inductor draws from inductor's own generator (other masks than eager,
 the same distribution).
 
-Refused (CompileLayoutError, one sentence): FP8 through Transformer Engine (its modules and
-fp8_autocast are not traced here). Composes (equal to eager): dp, tp (with --sequence-parallel),
+Refused (CompileLayoutError, one sentence): FP8, through Transformer Engine (its modules and
+fp8_autocast are not traced here) or torchao (its casts in our linears are not compiled here). Composes (equal to eager): dp, tp (with --sequence-parallel),
 Ulysses sp, pipeline stages, FSDP2, full and selective recompute (tests/distributed/
 test_compile.py); compared by hand but not in the tests: the ring (cp 2) and, on one rank,
 --offload-activations, --mlp-tiles and --loss-chunks.
@@ -46,8 +46,9 @@ def check_compile(*, backend: str, fp8: bool = False) -> None:
         raise CompileLayoutError(f"--torch-compile-backend {backend!r} is not one of "
                                  f"{', '.join(BACKENDS)}; pick one of them.")
     if fp8:
-        raise CompileLayoutError("--torch-compile with --fp8-format: Transformer Engine's FP8 "
-                                 "modules are not compiled here; drop one of the two flags.")
+        raise CompileLayoutError("--torch-compile with --fp8-format: FP8 (Transformer Engine's "
+                                 "modules, torchao's casts in our linears) is not compiled here; "
+                                 "drop one of the two flags.")
 
 
 def layer_holds_collectives(mesh) -> bool:
