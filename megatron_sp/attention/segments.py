@@ -240,11 +240,48 @@ def ranges_batches(bounds, q_ranges, k_ranges, causal: bool) -> list[SegmentBatc
 @dataclass
 class RingPlan:
     """One rank's ring: steps[i] the SegmentBatches of step i (its queries against the kv block
-    of ring rank (rank - i) mod cp), work[i] the (query, key) pairs step i computes."""
+    of ring rank (rank - i) mod cp), work[i] the (query, key) pairs step i computes.
+
+    send_index None: every rank's whole kv block travels. Otherwise (a layout where some keys
+    are attended only at home, context_parallel/balance.py) only the travelling tokens do:
+    send_index [b][m] this rank's local indices of them (padded with 0 to block_tokens[rank] per
+    row), block_tokens[j] the tokens of ring rank j's travelling block; the segments of steps
+    i >= 1 index those blocks."""
     cp: int
     rank: int
     steps: list
     work: list
+    send_index: list | None = None
+    block_tokens: list | None = None
+    _index: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def travelling(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's travelling tokens of t [b, n, ...] -> [b, m, ...] (t itself when the
+        whole block travels)."""
+        if self.send_index is None:
+            return t
+        key = str(t.device)
+        if key not in self._index:
+            self._index[key] = torch.tensor(self.send_index, dtype=torch.int64, device=t.device)
+        index = self._index[key]                                      # [b, m]
+        index = index.view(*index.shape, *[1] * (t.dim() - 2)).expand(-1, -1, *t.shape[2:])
+        return t.gather(1, index).contiguous()                        # [b, n, ..] -> [b, m, ..]
+
+    def scatter_home(self, full: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+        """full [b, n, ...] plus the travelling block's [b, m, ...] added at its tokens."""
+        if self.send_index is None:
+            return full + block
+        index = self._index[str(full.device)]
+        index = index.view(*index.shape, *[1] * (full.dim() - 2)).expand(-1, -1, *full.shape[2:])
+        return full.scatter_add(1, index, block)
+
+    def received_shape(self, step: int, like: torch.Tensor) -> tuple | None:
+        """The shape of the block arriving at `step` (ring rank (rank - step - 1) mod cp's), for
+        like's [b, n, ...]; None when every block has like's shape."""
+        if self.send_index is None:
+            return None
+        return (like.shape[0], self.block_tokens[(self.rank - step - 1) % self.cp],
+                *like.shape[2:])
 
 
 def zigzag_ranges(cp: int, rank: int, c: int):

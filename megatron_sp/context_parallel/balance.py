@@ -108,20 +108,13 @@ class CpLayout:
 
     def travelling_tokens(self) -> list[int]:
         """Per ring rank, its tokens some OTHER rank's queries attend (a piece whose document has
-        a later piece on another rank): the keys and values a ring must send. The rest (short
-        documents held whole) could stay home."""
+        a later piece on another rank), summed over rows: the keys and values the ring sends
+        (layout_ring_plan's compact blocks, before padding rows to one length). The rest (short
+        documents held whole) stays home."""
         out = [0] * self.cp
         for row in self.rows:
-            last_elsewhere = {}   # doc -> {rank: last start}
-            for r, pieces in enumerate(row.ranks):
-                for p in pieces:
-                    last_elsewhere.setdefault(p.doc, {})
-                    last_elsewhere[p.doc][r] = max(last_elsewhere[p.doc].get(r, -1), p.start)
-            for r, pieces in enumerate(row.ranks):
-                for p in pieces:
-                    others = [s for q, s in last_elsewhere[p.doc].items() if q != r]
-                    if others and max(others) > p.start:
-                        out[r] += p.length
+            for r, moving in enumerate(_later_elsewhere(row)):
+                out[r] += sum(p.length for p in row.ranks[r] if p.start in moving)
         return out
 
 
@@ -269,12 +262,36 @@ def causal_pairs(bounds_row: list, positions) -> int:
 
 # The ring's plan under a layout -----------------------------------------------------------------
 
-def _pieces_by_doc(row: RowLayout, rank: int) -> dict:
-    """doc -> [(piece, local start)] of `rank`'s pieces in one row."""
-    out = {}
+def _later_elsewhere(row: RowLayout) -> list[set]:
+    """Per rank, the starts of its pieces that another rank's queries attend: a later piece of
+    the same document lies on another rank."""
+    last = {}                                       # doc -> {rank: its last piece's start}
+    for r, pieces in enumerate(row.ranks):
+        for p in pieces:
+            last.setdefault(p.doc, {})[r] = max(last.get(p.doc, {}).get(r, -1), p.start)
+    return [{p.start for p in pieces
+             if max((s for q, s in last[p.doc].items() if q != r), default=-1) > p.start}
+            for r, pieces in enumerate(row.ranks)]
+
+
+def _pieces_by_doc(row: RowLayout, rank: int, travelling: set | None = None) -> dict:
+    """doc -> [(piece, local start)] of `rank`'s pieces in one row; with `travelling` (the
+    starts of its travelling pieces) only those, at their index in the travelling block."""
+    out, at = {}, 0
     for piece, local in zip(row.ranks[rank], row.local_starts(rank)):
-        out.setdefault(piece.doc, []).append((piece, local))
+        if travelling is None:
+            out.setdefault(piece.doc, []).append((piece, local))
+        elif piece.start in travelling:
+            out.setdefault(piece.doc, []).append((piece, at))
+            at += piece.length
     return out
+
+
+def _send_index(row: RowLayout, rank: int, travelling: set, width: int) -> list[int]:
+    """Local indices of `rank`'s travelling tokens in one row, padded with 0 to `width`."""
+    index = [i for piece, local in zip(row.ranks[rank], row.local_starts(rank))
+             if piece.start in travelling for i in range(local, local + piece.length)]
+    return index + [0] * (width - len(index))
 
 
 def _pair_segments(row_index: int, queries: dict, keys: dict, same_rank: bool, causal: bool):
@@ -292,24 +309,42 @@ def _pair_segments(row_index: int, queries: dict, keys: dict, same_rank: bool, c
     return found
 
 
-def layout_ring_plan(layout: CpLayout, rank: int, causal: bool = True):
+def layout_ring_plan(layout: CpLayout, rank: int, causal: bool = True,
+                     compact: bool = True) -> RingPlan:
     """Ring rank `rank`'s RingPlan (attention/segments.py) when the ranks hold `layout`'s tokens:
     step i pairs its pieces with those of ring rank (rank - i) mod cp, document by document
     (pieces never straddle a document, so every pair is a causal square, one dense rectangle or
-    nothing). Local indices are the ranks' own token orders (CpLayout.positions)."""
+    nothing). Local indices are the ranks' own token orders (CpLayout.positions).
+
+    compact (causal, cp > 1): only the travelling tokens go round the ring (the plan's
+    send_index / block_tokens; the segments of steps >= 1 index those blocks): a piece no other
+    rank attends, like a short document held whole, stays home."""
     cp, b = layout.cp, len(layout.rows)
+    compact = compact and causal and cp > 1
+    travelling = [_later_elsewhere(row) if compact else None for row in layout.rows]
     mine = [_pieces_by_doc(row, rank) for row in layout.rows]
     steps, work = [], []
     for i in range(cp):
         held = (rank - i) % cp
         found = []
         for row_index, row in enumerate(layout.rows):
-            keys = mine[row_index] if held == rank else _pieces_by_doc(row, held)
+            if held == rank:
+                keys = mine[row_index]
+            else:
+                keys = _pieces_by_doc(row, held,
+                                      travelling[row_index][held] if compact else None)
             found += _pair_segments(row_index, mine[row_index], keys, held == rank, causal)
         batches = make_batches(found)
         steps.append(batches)
         work.append(sum(batch.work(b) for batch in batches))
-    return RingPlan(cp, rank, steps, work)
+    if not compact:
+        return RingPlan(cp, rank, steps, work)
+    block_tokens = [max(1, max(sum(p.length for p in row.ranks[j] if p.start in moving[j])
+                               for row, moving in zip(layout.rows, travelling)))
+                    for j in range(cp)]          # at least one token: no empty message
+    send_index = [_send_index(row, rank, moving[rank], block_tokens[rank])
+                  for row, moving in zip(layout.rows, travelling)]
+    return RingPlan(cp, rank, steps, work, send_index, block_tokens)
 
 
 class LayoutPlanner:

@@ -75,8 +75,10 @@ def _post(sends, recvs, next_rank, prev_rank, group, tag):
     return dist.batch_isend_irecv(ops)
 
 
-def send_next_recv_prev(tensors, group, tag: int = KV_TAG) -> RingExchange:
-    """Post: send `tensors` to the next ring rank, receive same-shaped ones from the previous.
+def send_next_recv_prev(tensors, group, tag: int = KV_TAG, shape=None) -> RingExchange:
+    """Post: send `tensors` to the next ring rank, receive ones of the same dtype from the
+    previous, of their shapes or, given, of `shape` each (the previous rank's block may hold
+    another number of tokens: layouts whose keys travel only where attended).
 
     Returns the RingExchange to wait on (after the computation it overlaps). The sent tensors
     must stay untouched until then.
@@ -85,7 +87,8 @@ def send_next_recv_prev(tensors, group, tag: int = KV_TAG) -> RingExchange:
     if group_size(group) == 1:
         return RingExchange([], tensors)
     sends = tuple(t.contiguous() for t in tensors)                       # gloo needs contiguous
-    recvs = tuple(torch.empty_like(t) for t in sends)
+    recvs = tuple(torch.empty_like(t) if shape is None else
+                  torch.empty(shape, dtype=t.dtype, device=t.device) for t in sends)
     comm_stats.record(COMM_KIND, ring_bytes(sends))
     next_rank, prev_rank = ring_neighbours(group)
     works = _post(sends, recvs, next_rank, prev_rank, group, tag)

@@ -63,16 +63,21 @@ def plan_ring(document_ids, b: int, n: int, group, causal: bool) -> RingPlan:
 def rank_forward(q, k, v, plan: RingPlan, scale):
     """One rank's forward ring as a generator: (out [b, 2c, h, d] in q's dtype, lse [b, 2c, h]
     fp32, token-major) of its queries, step i merging the segments of plan.steps[i] against the
-    held kv block. At every exchange it yields (tensors to send on, tag) and is sent back the
-    posted exchange (whose wait() returns what the previous rank sent): _over_group posts it with
-    send_next_recv_prev, the rehearsal (rehearsal.py) hands it over locally."""
+    held kv block. At every exchange it yields (tensors to send on, tag, shape of what arrives or
+    None for the sent ones') and is sent back the posted exchange (whose wait() returns what the
+    previous rank sent): _over_group posts it with send_next_recv_prev, the rehearsal
+    (rehearsal.py) hands it over locally. With a compact plan (plan.send_index) step 0 uses the
+    whole own block and only its travelling tokens go on."""
     cp = plan.cp
     b, n, h, d = q.shape
     out = torch.zeros(b, n, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, n, h), float("-inf"), dtype=torch.float32, device=q.device)
     held = (k.contiguous(), v.contiguous())
     for i in range(cp):
-        pending = (yield held, KV_TAG) if i < cp - 1 else None   # the next block, posted first
+        pending = None
+        if i < cp - 1:                   # the next block, posted first
+            sent = tuple(plan.travelling(t) for t in held) if i == 0 else held
+            pending = yield sent, KV_TAG, plan.received_shape(i, k)
         for batch in plan.steps[i]:
             forward_batch(q, held[0], held[1], batch, scale=scale, out=out, lse=lse)
         if pending is not None:
@@ -82,37 +87,50 @@ def rank_forward(q, k, v, plan: RingPlan, scale):
 
 def rank_backward(q, k, v, out, dout, lse, plan: RingPlan, scale):
     """One rank's backward ring as a generator (the protocol of rank_forward): (dq, dk, dv) of
-    its tokens, fp32; the dk, dv of the held block travel with it."""
-    cp = plan.cp
+    its tokens, fp32; the dk, dv of the held block travel with it. With a compact plan the own
+    block's step-0 gradients stay home and the travelling block's come back to be added."""
+    cp, compact = plan.cp, plan.send_index is not None
     f32 = torch.float32
     dq = torch.zeros(q.shape, dtype=f32, device=q.device)
     held = (k.contiguous(), v.contiguous())
-    grads = None                           # the exchange bringing the next block's dk, dv
+    grads = home = None                    # the exchange bringing the next block's dk, dv
     for i in range(cp):
-        pending = (yield held, KV_TAG) if i < cp - 1 else None
-        dk = torch.zeros(k.shape, dtype=f32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=f32, device=v.device)
+        pending = None
+        if i < cp - 1:
+            sent = tuple(plan.travelling(t) for t in held) if i == 0 else held
+            pending = yield sent, KV_TAG, plan.received_shape(i, k)
+        dk = torch.zeros(held[0].shape, dtype=f32, device=k.device)
+        dv = torch.zeros(held[1].shape, dtype=f32, device=v.device)
         for batch in plan.steps[i]:
             backward_batch(q, held[0], held[1], out, dout, lse, batch, scale=scale, dq=dq,
                            dk=dk, dv=dv)
-        if grads is not None:              # the other ranks' share of this block so far
-            dk_in, dv_in = grads.wait()
-            dk, dv = dk + dk_in, dv + dv_in
-            del dk_in, dv_in               # not held into the next step (one fp32 pair fewer)
-        grads = yield (dk, dv), GRAD_TAG   # on around the ring / home after the last step
+        if compact and i == 0:
+            home = (dk, dv)                # the own block's share from its own queries
+        else:
+            if grads is not None:          # the other ranks' share of this block so far
+                dk_in, dv_in = grads.wait()
+                dk, dv = dk + dk_in, dv + dv_in
+                del dk_in, dv_in           # not held into the next step (one fp32 pair fewer)
+            # on around the ring / home after the last step
+            grads = yield (dk, dv), GRAD_TAG, plan.received_shape(i, k)
         if pending is not None:
             held = pending.wait()
-    dk, dv = grads.wait()                  # this rank's own block, complete, back home
-    return dq, dk, dv
+    if home is None:
+        dk, dv = grads.wait()              # this rank's own block, complete, back home
+        return dq, dk, dv
+    if grads is None:                      # a ring of one
+        return dq, home[0], home[1]
+    dk_in, dv_in = grads.wait()            # the travelling tokens' shares from the others
+    return dq, plan.scatter_home(home[0], dk_in), plan.scatter_home(home[1], dv_in)
 
 
 def _over_group(rank, group):
     """Run a rank_forward / rank_backward generator over the ring of `group`: every exchange it
     yields is posted with send_next_recv_prev (the transfer overlaps the next block's work)."""
     try:
-        tensors, tag = next(rank)
+        tensors, tag, shape = next(rank)
         while True:
-            tensors, tag = rank.send(send_next_recv_prev(tensors, group, tag))
+            tensors, tag, shape = rank.send(send_next_recv_prev(tensors, group, tag, shape))
     except StopIteration as done:
         return done.value
 

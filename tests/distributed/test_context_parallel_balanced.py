@@ -6,16 +6,21 @@ pp 2, FSDP2, full and selective recompute, head chunks; mixes skewed (one long d
 short and one-token ones), short ones, one-token documents, one document the whole row, and
 --context-parallel-layout zigzag on the same skewed rows. In the same spawn, the work the model
 counts per ring rank (GPTModel.take_cp_work, summed over two micro-batches) equals a brute-force
-count of causal (query, key) pairs, and Trainer.cp_log_fields gives the worst dp replica's
-max/mean. Outside the spawn: those rows really are laid out differently from the zigzag (and the
+count of causal (query, key) pairs, Trainer.cp_log_fields gives the worst dp replica's
+max/mean, and at cp 4 the ring sends only the travelling keys: the bytes counted ("cp/ring_p2p")
+equal those of the plan's blocks exactly and are fewer than the zigzag ring's. Outside the spawn: those rows really are laid out differently from the zigzag (and the
 whole-row document identically)."""
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from megatron_sp import comm_stats
 from megatron_sp.attention.segments import document_bounds
-from megatron_sp.context_parallel.balance import causal_pairs, cp_layout, work_balance
+from megatron_sp.context_parallel import COMM_KIND as RING_KIND
+from megatron_sp.context_parallel.balance import (LayoutPlanner, causal_pairs, cp_layout,
+                                                  work_balance)
+from megatron_sp.context_parallel.ring import ring_attention
 from megatron_sp.memory import MemoryOptions
 from megatron_sp.mesh import ParallelMesh
 from megatron_sp.models import GPTModel, preset
@@ -104,8 +109,42 @@ def _check_work_counted(rank, world):
     assert fields == {"cp_work_balance": max(replicas)}, (fields, replicas)
 
 
+def _ring_bytes(plan, ids, b, n, g, d, seed):
+    """(forward, backward) bytes this rank's ring sends on random fp32 q, k, v under plan."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, n, 4, d, generator=gen, requires_grad=True)
+    k, v = (torch.randn(b, n, g, d, generator=gen, requires_grad=True) for _ in range(2))
+    comm_stats.reset()
+    out = ring_attention(q, k, v, plan.group, plan=plan.plan)
+    forward = comm_stats.snapshot().get(RING_KIND, 0)
+    comm_stats.reset()
+    out.backward(torch.randn(out.shape, generator=gen))
+    return forward, comm_stats.snapshot().get(RING_KIND, 0)
+
+
+def _check_bytes_only_travelling(rank, world):
+    """cp 4 over the whole world: the skewed rows' ring under the balanced (compact) plan."""
+    group = torch.distributed.new_group(list(range(world)))
+    ids = global_batches(300, 64, 2, 1, seed=3, packed="skewed")[0]["document_ids"]
+    b, s, g, d = 2, 64, 2, 8
+    n = s // world
+    sent = {}
+    for kind in ("balanced", "zigzag"):
+        planner = LayoutPlanner(kind, world, rank)
+        plan = SimpleNamespace(group=group, plan=planner.plan(ids, b, n, True))
+        sent[kind] = _ring_bytes(plan, ids, b, n, g, d, seed=rank)
+    plan = LayoutPlanner("balanced", world, rank).plan(ids, b, n, True)
+    blocks = [plan.block_tokens[(rank - i) % world] for i in range(world)]   # held at step i
+    kv = lambda m: 2 * b * m * g * d * 4                                      # k and v, fp32
+    assert sent["balanced"] == (sum(kv(m) for m in blocks[:-1]),
+                                sum(kv(m) for m in blocks[:-1]) + sum(kv(m) for m in blocks[1:]))
+    assert sent["zigzag"] == ((world - 1) * kv(n), (world - 1) * kv(n) + world * kv(n))
+    assert sum(sent["balanced"]) < sum(sent["zigzag"])
+
+
 def _spawned(rank, world, cases):
     _check_work_counted(rank, world)
+    _check_bytes_only_travelling(rank, world)
     return check_layouts(rank, world, cases)
 
 
