@@ -339,8 +339,15 @@ def conversion_target(folder: str, flag: str = "--save-dir"):
     problem = run_folder_problem(folder, flag)
     if problem:
         raise SaveLockError(problem)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise SaveLockError(f"{flag} {folder} is a file, not a folder: choose a folder (new or "
+                            f"empty) for the output.")
     lock = SaveLock(folder, flag=flag)
-    note = lock.acquire()
+    try:
+        note = lock.acquire()
+    except OSError as err:     # no permission, a read-only or missing parent, a full disk
+        raise SaveLockError(f"cannot write into {flag} {folder} ({err.strerror or err}): choose "
+                            f"a folder you can write to.") from None
     try:
         if note:
             print(note, flush=True)

@@ -114,3 +114,16 @@ def test_the_run_lock_covers_conversions(tmp_path):
         with pytest.raises(SaveLockError, match=f"--save {out} is locked by another run"):
             SaveLock(out).acquire()
     assert not os.path.exists(os.path.join(out, LOCK_FILENAME))
+
+
+def test_an_output_that_cannot_be_a_folder_is_one_sentence(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    args = ["--loader", "megatron_sp", "--saver", "safetensors", "--load-dir", str(tmp_path)]
+    assert _refusal(args + ["--save-dir", str(tmp_path / "afile")]) == (
+        f"error: --save-dir {tmp_path / 'afile'} is a file, not a folder: choose a folder (new or "
+        f"empty) for the output.")
+    assert (tmp_path / "afile").read_text() == "x"
+    inside = str(tmp_path / "afile" / "out")        # a file where a parent folder should be
+    assert _refusal(args + ["--save-dir", inside]) == (
+        f"error: cannot write into --save-dir {inside} (Not a directory): choose a folder you can "
+        f"write to.")
