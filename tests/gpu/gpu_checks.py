@@ -47,9 +47,14 @@ Items, in order (each a subprocess with its own time limit, cut to what the time
                  32 experts, top 8); rows in bench/results/gpu_moe.json
   sharded        the same run with --use-torch-fsdp2, --use-distributed-optimizer, and each with
                  --optimizer-cpu-offload ("not available" when pretrain_gpt.py lacks the flag)
+  fp8            pretrain_gpt.py on 4 layers of Llama-3-8B shapes at 8K, bf16, 6 iterations, without
+                 and with --fp8-format hybrid (torchao, tensorwise: torch._scaled_mm in qkv, out-proj,
+                 fc1, fc2): ms/iter, tokens/s, MFU (against the bf16 peak, as the log line), the
+                 last loss (FP8 within 2e-2 relative of bf16); rows in bench/results/gpu_fp8_<gpu>.json
+                 ("not available" without torchao)
 
 GPU_CHECKS_ONLY=key,key,... runs only those items (keys: cuda, schemas, kernels, rehearsal, nccl,
-offload, long, throughput, documents, moe, sharded; install and probe always run), e.g.
+offload, long, throughput, documents, moe, sharded, fp8; install and probe always run), e.g.
 `GPU_CHECKS_ONLY=cuda,schemas,kernels,rehearsal bash tests/gpu/run_gpu_checks.sh`.
 Subprocesses run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set (long
 sequences: fewer unusable split blocks). Without CUDA every GPU item is skipped with one line, and
@@ -75,7 +80,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PY = sys.executable
 OPTIONAL = ["numpy", "pytest", "pytest_timeout", "triton", "sentencepiece", "tokenizers",
             "transformers", "safetensors", "tqdm", "setuptools", "transformer_engine", "flash_attn",
-            "apex"]
+            "apex", "torchao"]
 SHARDED = [("fsdp2", ["--use-torch-fsdp2"]),
            ("distributed optimizer", ["--use-distributed-optimizer"]),
            ("fsdp2 + optimizer cpu offload", ["--use-torch-fsdp2", "--optimizer-cpu-offload"]),
@@ -319,6 +324,52 @@ def nccl_and_sharded(c: Checks, info: dict, first: bool) -> None:
         else:
             row = pretrain_run(c, name, flags, 100, 10)
             c.extra.setdefault("sharded", []).append(row)
+
+
+FP8_MODEL = ["--model", "llama-8b", "--num-layers", "4"]   # 8B-shaped layers at RUN_ARGS' 8K
+FP8_ROWS = [("bf16 (llama-8b shapes x4, 8K)", FP8_MODEL),
+            ("fp8 hybrid tensorwise (torchao)", FP8_MODEL + ["--fp8-format", "hybrid"])]
+
+
+def fp8_rows(c: Checks, info: dict) -> None:
+    """The fp8 item (docstring): bf16 and FP8 through pretrain_gpt.py, their last losses compared,
+    rows in bench/results/gpu_fp8_<gpu>.json."""
+    if not info["cuda"]:
+        c.add("fp8 vs bf16", "skipped", "no CUDA device")
+        return
+    if not info["versions"].get("torchao"):
+        c.add("fp8 vs bf16", "not available", "torchao is not installed (pip install torchao)")
+        return
+    rows = [pretrain_run(c, name, flags, 150, 10) for name, flags in FP8_ROWS]
+    losses = [r.get("lm_loss") for r in rows]
+    if all(v is not None for v in losses):
+        rel = _rel(losses[1], losses[0])
+        c.add("fp8 vs bf16 last loss", "ok" if 0 < rel <= LOSS_REL_TOL else "FAILED",
+              f"relative difference {rel:.2e} (tolerance {LOSS_REL_TOL:g}, and not 0)", 0.0)
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if ok:
+        name = info.get("device", "gpu").split(",")[0]
+        gpu = name.split()[-1].lower() if name else "gpu"
+        record = {"schema": 1, "bench": "gpu_fp8", "title": "pretrain_gpt.py, 4 layers of "
+                  "Llama-3-8B shapes at 8K: bf16 vs FP8 linears (torchao)",
+                  "device": {"kind": "gpu", "name": name, "peak_tflops": None,
+                             "peak_note": "MFU from the training log line (bf16 dense peak)"},
+                  "torch": info["versions"].get("torch"), "command": "GPU_CHECKS_ONLY=fp8 bash "
+                  "tests/gpu/run_gpu_checks.sh", "date": time.strftime("%Y-%m-%d"),
+                  "columns": [["layout", "run"], ["lm_loss", "lm loss"], ["ms_per_iter", "ms/iter"],
+                              ["tokens_per_s", "tokens/s"], ["mfu", "MFU (bf16 peak)"],
+                              ["peak_memory_gib", "peak GiB"]],
+                  "rows": [{"layout": r["mode"], "lm_loss": r["lm_loss"],
+                            "ms_per_iter": r["ms_per_iter"],
+                            "tokens_per_s": 8192 / (r["ms_per_iter"] / 1e3) if r["ms_per_iter"]
+                            else None, "mfu": r["mfu"], "peak_memory_gib": r["mem_peak_gb"]}
+                           for r in ok],
+                  "notes": ["micro-batch 1, 6 iterations, the last logged record; FP8 in qkv, "
+                            "out-proj, fc1, fc2 only"]}
+        path = os.path.join(ROOT, "bench", "results", f"gpu_fp8_{gpu}.json")
+        with open(path + ".tmp", "w") as fh:
+            json.dump(record, fh, indent=1)
+        os.replace(path + ".tmp", path)
 
 
 def long_context(c: Checks, info: dict) -> None:
@@ -704,7 +755,7 @@ def _bench_table(text: str) -> str:
 # is that row's status) and saved at once, so a timeout keeps what was measured.
 
 ONLY_KEYS = ("cuda", "schemas", "kernels", "rehearsal", "nccl", "offload", "long", "throughput",
-             "documents", "moe", "sharded")
+             "documents", "moe", "sharded", "fp8")
 # key: (item name, needs CUDA, time limit s)
 ATTENTION_ITEMS = {
     "schemas": ("aten attention schemas", False, 60),
@@ -1319,6 +1370,8 @@ def main(argv=None) -> int:
             moe_layer(c, info)
         if "sharded" in only:
             nccl_and_sharded(c, info, first=False)
+        if "fp8" in only:
+            fp8_rows(c, info)
         pretrain_results(c, info)
     copy_results(c)
     c.extra["seconds"] = round(time.time() - start, 1)
