@@ -16,6 +16,10 @@ torch.nn.attention.sdpa_kernel, in priority order:
 
 The math kernel is never chosen silently at long context (LONG_CONTEXT tokens and up): the caller
 warns once, naming why (dropout, a mask, a dtype).
+
+The kernel a plan assumes, for the memory planner and its printed plans (`attention_kernel_name`,
+`attention_kernel`): SDPA's choice without a ring or packed documents, else the fused block kernel
+of attention/block_kernels.py that runs the ring's blocks and the documents' segments.
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ import functools
 
 import torch
 from torch.nn.attention import SDPBackend
+
+from megatron_sp.attention.block_kernels import KERNEL_DESCRIPTIONS, block_kernel
 
 LONG_CONTEXT = 2048          # tokens from which falling back to the math kernel is warned about
 
@@ -105,7 +111,6 @@ def describe_attention(backend: str, *, requested: str, device: torch.device, dt
         text = f"SDPA {'on ' + torch.cuda.get_device_name(device) if cuda else 'on CPU'}: {reason}"
         if packed:
             from megatron_sp.attention.flex import flex_available
-            from megatron_sp.attention.block_kernels import KERNEL_DESCRIPTIONS, block_kernel
             kernel = KERNEL_DESCRIPTIONS[block_kernel(device, dtype, 128)]
             flex = cuda and requested == "auto" and flex_available()
             text += (f"; packed documents: each document's causal square through {kernel} "
@@ -123,7 +128,6 @@ def describe_attention(backend: str, *, requested: str, device: torch.device, dt
     if backend == "unfused":
         return "Megatron's unfused attention ([b, h, s, s] scores kept: short sequences)"
     if backend.startswith("ring"):   # GPTModel's name under --context-parallel-size (cp > 1)
-        from megatron_sp.attention.block_kernels import KERNEL_DESCRIPTIONS, block_kernel
         return ("key/value blocks travel the ring, the next hop sent while this block is "
                 "computed; blocks merged in fp32 by their log-sum-exp; block kernel: "
                 + KERNEL_DESCRIPTIONS[block_kernel(device, dtype, 128)]
@@ -131,3 +135,69 @@ def describe_attention(backend: str, *, requested: str, device: torch.device, dt
                    "or nothing per chunk pair, causal squares on the diagonal; no mask)"
                    if packed else ""))
     return backend
+
+
+# The kernel a plan assumes (the memory planner's naming: megatron_sp/memory/planner) -------------
+
+DEVICES = ("cuda", "cpu")    # the devices whose kernels are named (and the planner's memory counts)
+
+
+def check_device(device: str) -> None:
+    """ValueError unless `device` is one of DEVICES."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}.")
+
+
+_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16",
+                "float": "float32"}
+
+
+_SDPA_CAPABILITY = (9, 0)   # the GPU the planner's defaults describe (H100/H200: 989 TFLOP/s)
+
+
+def _torch_dtype(dtype):
+    """A torch dtype from one (returned as is), a name ("bf16", "bfloat16", "fp32", ...) or the
+    planner's element size (2: bf16, its --bf16; 4: fp32)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, int) and not isinstance(dtype, bool):
+        if dtype not in (2, 4):
+            raise ValueError(f"an element size of 2 (bf16) or 4 (fp32) bytes, got {dtype}.")
+        return torch.bfloat16 if dtype == 2 else torch.float32
+    name = _DTYPE_NAMES.get(str(dtype), str(dtype).replace("torch.", ""))
+    found = getattr(torch, name, None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"not a dtype: {dtype!r}.")
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def attention_kernel_name(device: str = "cuda", dtype=2, head_dim: int = 128, cp: int = 1,
+                          documents: bool = False) -> str:
+    """The attention kernel one layer runs (memory/planner/peak.py's docstring): "sdpa" (SDPA's
+    own choice, cp = 1 without documents), else the block kernel of the ring's blocks and the
+    documents' segments, attention/block_kernels.block_kernel's "flash" (FlashAttention-2 varlen),
+    "efficient" or "cpu" ("math" for a dtype no fused kernel takes). dtype: a torch dtype, a name
+    or the element size (2: bf16, 4: fp32)."""
+    check_device(device)
+    if cp == 1 and not documents:
+        return "sdpa"
+    return block_kernel(torch.device(device), _torch_dtype(dtype), head_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def attention_kernel(device: str = "cuda", dtype=2, head_dim: int = 128, cp: int = 1,
+                     documents: bool = False) -> str:
+    """A short description of the attention kernel the plan assumes on `device` (pure: the same
+    choice as attention_kernel_name, in block_kernels.KERNEL_DESCRIPTIONS' words), e.g. on CUDA
+    in bf16 with a ring "FlashAttention-2 varlen (aten._flash_attention_forward/_backward), ring
+    blocks as segments"."""
+    kernel = attention_kernel_name(device, dtype, head_dim, cp, documents)
+    if kernel == "sdpa":
+        capability = _SDPA_CAPABILITY if device == "cuda" else None
+        reason = sdpa_kernel_plan(capability, _torch_dtype(dtype), False, 0.0, 0)[1]
+        return f"SDPA without a ring or documents: {reason}"
+    name = KERNEL_DESCRIPTIONS[kernel].split(", one call")[0]
+    what = ("ring blocks and packed documents" if cp > 1 and documents
+            else "ring blocks" if cp > 1 else "packed documents")
+    return f"{name}, {what} as segments"
