@@ -464,7 +464,9 @@ def main(argv=None):
                                                 else cfg.num_active_parameters()),
                           "seq_length": seq,
                           "num_gpus": args.num_gpus,
-                          "plans": [plan_dict(p, model) for p in plans[:args.top]]}, indent=1))
+                          "plans": [plan_dict(p, model) for p in plans[:args.top]],
+                          **({} if plans else {"no_layout": no_layout_sentence(cfg, args, seq)})},
+                         indent=1))
         return 0 if plans else 1
     print(*describe(cfg, args, seq), sep="\n")
     if not plans:

@@ -5,6 +5,8 @@ GPUs..." (--num-gpus -8, --gpu-memory-gb 0 / nan). Each is now one sentence nami
 global batch no layout can split says so instead of asking for more GPUs."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from megatron_sp.testing import load_script
@@ -70,6 +72,10 @@ def test_the_global_batch_is_named_when_it_is_the_cause(capsys):
         "no feasible layout for --global-batch-size 1: the layouts that fit 3 GPUs have a "
         "data-parallel size (dp 3) that does not divide its 1 micro-batch(es) of 1; give "
         "--global-batch-size 3 (a multiple of --micro-batch-size x dp).")
+    assert plan_parallel.main(BASE + ["--num-gpus", "3", "--json"]) == 1
+    said = json.loads(capsys.readouterr().out)
+    assert said["plans"] == [] and said["no_layout"].startswith(
+        "no feasible layout for --global-batch-size 1: "), said
     assert plan_parallel.main(BASE + ["--num-gpus", "3", "--global-batch-size", "3"]) == 0
     capsys.readouterr()
     # Memory, not the batch: the usual advice.
