@@ -6,6 +6,9 @@ import torch
 # Dense bf16 peak TFLOP/s per device, used for MFU (state the peak in the log).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
                "L40S": 362.0, "B200": 2250.0, "GH200": 989.0}
+# Dense FP8 peak TFLOP/s, for MFU under --fp8-format (devices without FP8 use the bf16 peak).
+FP8_PEAK_TFLOPS = {"H200": 1979.0, "H100": 1979.0, "H800": 1979.0, "L40S": 733.0, "B200": 4500.0,
+                   "GH200": 1979.0}
 
 
 def num_floating_point_operations(batch: int, seq: int, num_layers: int, hidden: int, heads: int,
@@ -42,14 +45,21 @@ def active_ffn_hidden_size(config) -> float:
     return sum(widths) / len(widths)
 
 
-def device_peak_tflops(override: float | None = None) -> float | None:
-    """Peak bf16 TFLOP/s of this device (None when unknown, e.g. CPU)."""
+def device_peak_tflops(override: float | None = None, fp8: bool = False) -> float | None:
+    """Peak bf16 TFLOP/s of this device (None when unknown, e.g. CPU); with `fp8` its FP8 peak
+    where it has one (MFU under --fp8-format: a conservative figure, as only the projections and
+    MLP matmuls run in FP8)."""
     if override:
         return override
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    for key, value in PEAK_TFLOPS.items():
-        if key in name:
-            return value
+    return peak_of(torch.cuda.get_device_name(), fp8)
+
+
+def peak_of(name: str, fp8: bool = False) -> float | None:
+    """The dense peak TFLOP/s of the device called `name` (FP8's with `fp8` where it has one)."""
+    for table in ((FP8_PEAK_TFLOPS, PEAK_TFLOPS) if fp8 else (PEAK_TFLOPS,)):
+        for key, value in table.items():
+            if key in name:
+                return value
     return None

@@ -109,7 +109,8 @@ class Trainer:
         self.sharding = sharding or Replicated(self.chunks, mesh, bucket_mb=par.grad_bucket_size_mb)
         self.device = self.sharding.device
         peak = job.logging.peak_tflops
-        self.peak_tflops = device_peak_tflops(peak) if self.device.type == "cuda" else peak
+        fp8 = job.precision.fp8_format is not None        # MFU against the FP8 peak
+        self.peak_tflops = device_peak_tflops(peak, fp8) if self.device.type == "cuda" else peak
         self.grad_sync = self.sharding          # what the schedules call start_last_backward() on
         self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
         self.state = TrainState()

@@ -10,6 +10,7 @@
 - FP8 reaches qkv, out-proj, fc1 and fc2 only (never the embedding, output layer, norms).
 - A checkpoint saved with FP8 holds no FP8 tensor, resumes without FP8 and, saved without it,
   resumes with FP8; FP8 resumed from its own checkpoint equals the uninterrupted FP8 run (1e-6).
+- MFU under FP8 takes the device's FP8 peak (the bf16 one where it has none).
 - Refusals in one sentence: an unknown recipe, a recipe torchao does not run, and --fp8-format
   with neither Transformer Engine nor torchao (naming both).
 """
@@ -111,6 +112,13 @@ def test_fp8_reaches_the_four_linears_only():
     assert on == sorted(f"layers.{i}.{part}" for i in range(2) for part in
                         ("attention.qkv", "attention.proj", "mlp.fc1", "mlp.fc2"))
     assert model.output_layer.fp8 is None
+
+
+def test_mfu_takes_the_fp8_peak_under_fp8():
+    from megatron_sp.training.flops import peak_of
+    assert peak_of("NVIDIA H100 80GB HBM3") == 989.0
+    assert peak_of("NVIDIA H100 80GB HBM3", fp8=True) == 1979.0
+    assert peak_of("NVIDIA A100-SXM4-80GB", fp8=True) == 312.0      # no FP8: the bf16 peak
 
 
 def _dtypes(ckpt_dir):
