@@ -30,16 +30,15 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.nn.attention import sdpa_kernel
 
 from megatron_sp.attention import kernels
-from megatron_sp.attention.documents import cu_seqlens_from_document_ids, document_causal_mask
+from megatron_sp.attention.base import (BACKEND_NAMES, MASK_TOKENS, AttentionBackend, DocumentCache,
+                                        check_shapes)
+from megatron_sp.attention.documents import document_causal_mask
 from megatron_sp.attention.blockwise import DEFAULT_BLOCK, blockwise_attention, blockwise_plan
 from megatron_sp.errors import ConfigError
 
-BACKEND_NAMES = ("auto", "te", "flash", "sdpa", "unfused", "flex")
-MASK_TOKENS = 4096   # packed documents with dropout: an s x s mask up to this length; flex beyond
 
 _INSTALL_HINTS = {
     "transformer_engine.pytorch": (
@@ -54,7 +53,7 @@ class AttentionBackendUnavailable(ImportError, ConfigError):
     pretrain_gpt.py says it in one line)."""
 
 
-def _import_optional(module_name: str, backend: str):
+def import_optional(module_name: str, backend: str):
     """Import an optional backend package, or raise AttentionBackendUnavailable saying how to get it."""
     try:
         return importlib.import_module(module_name)
@@ -65,48 +64,6 @@ def _import_optional(module_name: str, backend: str):
             f"attention backend '{backend}' (--attention-backend {flag}) needs the {package} "
             f"package ({module_name}), which cannot be imported here ({err}); install it with: "
             f"{hint}, or choose --attention-backend sdpa.") from err
-
-
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids):
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
-        raise ValueError(f"attention expects q [b, s, h, d] and k, v [b, s, g, d]; got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}.")
-    (b, s, h, d), g = q.shape, k.shape[2]
-    if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
-        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} differ in batch, sequence "
-                         f"or head size.")
-    if h % g != 0:
-        raise ValueError(f"{h} query heads are not a multiple of {g} key/value heads (GQA needs "
-                         f"h % g == 0).")
-    if document_ids is not None and tuple(document_ids.shape) != (b, s):
-        raise ValueError(f"document_ids must be [b, s] = [{b}, {s}], got "
-                         f"{tuple(document_ids.shape)}.")
-
-
-class _DocumentCache:
-    """Remembers what `build` made of the last document_ids tensor (cu_seqlens by default): every
-    layer of a step passes the same tensor, so the boundaries (and their host syncs) are computed
-    once per step. `extra`: further arguments of build, part of the key."""
-
-    def __init__(self, build=cu_seqlens_from_document_ids):
-        self._build = build
-        self._key = None
-        self._value = None
-
-    def __call__(self, document_ids: torch.Tensor, *extra):
-        key = (document_ids, document_ids._version, extra)
-        if self._key is None or self._key[0] is not key[0] or self._key[1:] != key[1:]:
-            self._key, self._value = key, self._build(document_ids, *extra)
-        return self._value
-
-
-class AttentionBackend(nn.Module):
-    """Base class: `name` is what the start-up log prints."""
-
-    name = "base"
-
-    def extra_repr(self) -> str:
-        return f"name={self.name}"
 
 
 def long_documents_error(s: int) -> ConfigError:
@@ -137,13 +94,13 @@ class SDPAAttention(AttentionBackend):
                              f"{long_documents!r}.")
         self.long_documents = long_documents
         self._warned = set()
-        self._blockwise = _DocumentCache(blockwise_plan)       # its segments, once per step
+        self._blockwise = DocumentCache(blockwise_plan)       # its segments, once per step
         if long_documents == "flex":
             from megatron_sp.attention.flex import FlexAttention
             self._flex = FlexAttention()
 
     def forward(self, q, k, v, *, causal=True, softmax_scale=None, document_ids=None, dropout_p=0.0):
-        _check_shapes(q, k, v, document_ids)
+        check_shapes(q, k, v, document_ids)
         if document_ids is not None and (not dropout_p or q.shape[1] > MASK_TOKENS):
             return self._documents(q, k, v, causal, softmax_scale, document_ids, dropout_p)
         h, g = q.shape[2], k.shape[2]
@@ -225,7 +182,7 @@ class UnfusedAttention(AttentionBackend):
     name = "unfused"
 
     def forward(self, q, k, v, *, causal=True, softmax_scale=None, document_ids=None, dropout_p=0.0):
-        _check_shapes(q, k, v, document_ids)
+        check_shapes(q, k, v, document_ids)
         (b, s, h, d), g = q.shape, k.shape[2]
         r = h // g                                      # query heads per key/value head
         scale = softmax_scale if softmax_scale is not None else d ** -0.5
@@ -270,12 +227,12 @@ class FlashAttention(AttentionBackend):
 
     def __init__(self):
         super().__init__()
-        self._flash_attn = _import_optional("flash_attn", self.name)
-        self._documents = _DocumentCache()
+        self._flash_attn = import_optional("flash_attn", self.name)
+        self._documents = DocumentCache()
         self._sdpa = SDPAAttention()
 
     def forward(self, q, k, v, *, causal=True, softmax_scale=None, document_ids=None, dropout_p=0.0):
-        _check_shapes(q, k, v, document_ids)
+        check_shapes(q, k, v, document_ids)
         if q.dtype not in FUSED_DTYPES:   # flash-attn has fp16/bf16 kernels only: fp32 runs use SDPA
             return self._sdpa(q, k, v, causal=causal, softmax_scale=softmax_scale,
                               document_ids=document_ids, dropout_p=dropout_p)
@@ -303,8 +260,8 @@ class TEAttention(AttentionBackend):
 
     def __init__(self):
         super().__init__()
-        self._te = _import_optional("transformer_engine.pytorch", self.name)
-        self._documents = _DocumentCache()
+        self._te = import_optional("transformer_engine.pytorch", self.name)
+        self._documents = DocumentCache()
         self._cache = {}
         self._sdpa = SDPAAttention()
 
@@ -320,7 +277,7 @@ class TEAttention(AttentionBackend):
         return module
 
     def forward(self, q, k, v, *, causal=True, softmax_scale=None, document_ids=None, dropout_p=0.0):
-        _check_shapes(q, k, v, document_ids)
+        check_shapes(q, k, v, document_ids)
         if q.dtype not in FUSED_DTYPES:   # TE's fused kernels are fp16/bf16: fp32 runs use SDPA
             return self._sdpa(q, k, v, causal=causal, softmax_scale=softmax_scale,
                               document_ids=document_ids, dropout_p=dropout_p)

@@ -15,7 +15,7 @@ the blockwise path (attention/lse.py). Masks here:
 
 The block mask depends only on the step's document_ids (and the shapes), so it is built once per
 step and shared by every layer: `_BlockMaskCache`, keyed on the document_ids tensor's identity,
-version and shape, as backends._DocumentCache keys cu_seqlens.
+version and shape, as base.DocumentCache keys cu_seqlens.
 
 Kernels: on CUDA torch.compile(flex_attention) (a Triton kernel with its backward) and
 torch.compile(create_block_mask) (no dense mask while building); on CPU (torch 2.13) flex_attention
@@ -31,7 +31,7 @@ import warnings
 
 import torch
 
-from megatron_sp.attention.backends import AttentionBackend, _check_shapes
+from megatron_sp.attention.base import AttentionBackend, check_shapes
 from megatron_sp.attention.lse import document_index
 from megatron_sp.errors import ConfigError
 
@@ -206,7 +206,7 @@ class FlexAttention(AttentionBackend):
 
     def forward(self, q, k, v, *, causal=True, softmax_scale=None, document_ids=None, dropout_p=0.0,
                 window=None):
-        _check_shapes(q, k, v, document_ids)
+        check_shapes(q, k, v, document_ids)
         if dropout_p:
             raise ConfigError(NO_DROPOUT)
         if not q.is_cuda and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):

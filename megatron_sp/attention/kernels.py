@@ -28,6 +28,7 @@ import functools
 import torch
 from torch.nn.attention import SDPBackend
 
+from megatron_sp.attention.base import MASK_TOKENS
 from megatron_sp.attention.block_kernels import KERNEL_DESCRIPTIONS, block_kernel
 
 LONG_CONTEXT = 2048          # tokens from which falling back to the math kernel is warned about
@@ -101,7 +102,6 @@ def describe_attention(backend: str, *, requested: str, device: torch.device, dt
                        seq_len: int | None, packed: bool, dropout: float) -> str:
     """What attention runs, for the start-up log: the backend, the SDPA kernel and how packed
     documents are attended. backend: the model's backend name; requested: --attention-backend."""
-    from megatron_sp.attention.backends import MASK_TOKENS
     s = seq_len or 0
     cuda = device.type == "cuda"
     if backend == "sdpa":

@@ -55,8 +55,8 @@ import math
 import torch
 from torch import nn
 
-from megatron_sp.attention.backends import (FUSED_DTYPES, TEAttention, _check_shapes,
-                                            _import_optional)
+from megatron_sp.attention.backends import FUSED_DTYPES, TEAttention, import_optional
+from megatron_sp.attention.base import check_shapes
 from megatron_sp.context_parallel.attention import RingLocalAttention
 from megatron_sp.context_parallel.comm import group_global_ranks
 from megatron_sp.errors import ConfigError
@@ -162,7 +162,7 @@ class TEContextParallelAttention(nn.Module):
     def __init__(self, cp_group, cp_comm_type: str = "p2p", hierarchical_groups=None):
         super().__init__()
         kind = te_comm_type(cp_comm_type)
-        self._te = _import_optional("transformer_engine.pytorch", "te")
+        self._te = import_optional("transformer_engine.pytorch", "te")
         self.cp_group, self.cp_comm_type = cp_group, kind
         self.cp_size = group_size(cp_group)
         self.hierarchical_sizes = None
@@ -224,7 +224,7 @@ class TEContextParallelAttention(nn.Module):
         the FULL rows' int64 [b, s] segment ids: with 16-bit inputs refused when cp > 1 (module
         docstring; with cp = 1 TE's thd attention takes them), with fp32 ones attended by our
         ring. Returns out [b, n, h, d] in q's dtype."""
-        _check_shapes(q, k, v, None)
+        check_shapes(q, k, v, None)
         (b, n, h, d), g = q.shape, k.shape[2]
         if document_ids is not None and tuple(document_ids.shape) != (b, n * self.cp_size):
             raise ValueError(f"document_ids must be the full rows [b, s] = [{b}, "
