@@ -5,7 +5,8 @@ The one-rank reference trains the same model with the same FP8 recipe on the who
 one micro-batch; each layout has micro-batch x dp = the global batch, so the amaxes reduced over tp
 and over dp x cp x sp give the reference's scales exactly: losses 1e-5 relative, full gradients
 1e-4 (layout_utils), three optimizer steps, tp 2 with --sequence-parallel, sp 2, cp 2 (ring), pp 2,
-dp 4, tp 2 x sp 2 (rowwise, e4m3), FSDP2 and the distributed optimizer (losses and gradient norms).
+dp 4, tp 2 x sp 2 (rowwise, e4m3; and under full recompute: the recomputed casts equal the first
+ones), FSDP2 and the distributed optimizer (losses and gradient norms).
 The same tp 2 layout with each rank's own amax (reduce_amax=False) must NOT match: the reduction
 is what makes the layouts equal.
 
@@ -21,6 +22,7 @@ from megatron_sp.testing import run_distributed
 
 pytest.importorskip("torchao.float8")
 
+from megatron_sp.memory import MemoryOptions   # noqa: E402
 from megatron_sp.tensor_parallel.fp8 import Fp8Recipe   # noqa: E402
 
 from layout_utils import check_layouts   # noqa: E402
@@ -39,6 +41,9 @@ CASES = [
     dict(COMMON, name="fp8 dp4", micro_batch=1),
     dict(COMMON, name="fp8 rowwise e4m3 tp2 x sp2 sequence-parallel", tp=2, sp=2, micro_batch=4,
          sequence_parallel=True, fp8=Fp8Recipe(format="e4m3", recipe="rowwise", emulate=True)),
+    dict(COMMON, name="fp8 tp2 x sp2 sequence-parallel, full recompute", tp=2, sp=2,
+         micro_batch=4, sequence_parallel=True,
+         model_kwargs={"memory": MemoryOptions(recompute_granularity="full")}),
     dict(COMMON, name="fp8 FSDP2 sp2 (x dp2)", sp=2, micro_batch=2, sharding="fsdp2"),
     dict(COMMON, name="fp8 distributed optimizer tp2 (x dp2)", tp=2, micro_batch=2,
          sharding="distopt"),
