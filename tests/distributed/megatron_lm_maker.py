@@ -172,16 +172,20 @@ def save(model, root: str, ckpt_format: str, args):
     dist.barrier()
 
 
-def load_strict(model, folder: str, ckpt_format: str):
+def load_strict(model, folder: str, ckpt_format: str, te_extra_state: bool = False):
     """Load an iteration folder into `model` as Megatron-LM does, strictly: torch_dist through
     dist_checkpointing.load with StrictHandling.RAISE_ALL (a missing or unexpected key raises),
-    then load_state_dict(strict=True); torch: this rank's mp_rank file, strict=True."""
+    then load_state_dict(strict=True); torch: this rank's mp_rank file, strict=True.
+    `te_extra_state`: a checkpoint written for Transformer Engine's spec (core_attention's extra
+    state too) into this local-spec model, under Megatron-LM's default strictness
+    (ASSUME_OK_UNEXPECTED: a missing key still raises)."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.validation import StrictHandling
     if ckpt_format == "torch_dist":
+        strict = StrictHandling.ASSUME_OK_UNEXPECTED if te_extra_state else StrictHandling.RAISE_ALL
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, folder,
-                                        strict=StrictHandling.RAISE_ALL)
+                                        strict=strict)
         model.load_state_dict(state.pop("model"), strict=True)
         return state
     tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
@@ -204,6 +208,9 @@ def _rank_main(rank, fn, world, init_file, out_dir, args):
         torch.save(result, os.path.join(out_dir, f"result_{rank}.pt"))
     finally:
         dist.destroy_process_group()
+        import multiprocessing
+        for child in multiprocessing.active_children():   # the torch_dist writer's Manager: a
+            child.terminate()                              # failed rank must not leave it behind
 
 
 def spawn(fn, world: int, out_dir: str, *args) -> list:
