@@ -89,7 +89,8 @@ def locate(path: str) -> Located:
     """The iteration folder `path` names (a save folder through its tracker, or the iteration
     folder itself), checked complete enough to read; CheckpointError otherwise."""
     if not os.path.exists(path):
-        raise CheckpointError(f"{path} does not exist.")
+        raise CheckpointError(f"{path} does not exist; pass a Megatron-LM save folder or one of "
+                              f"its iteration folders.")
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is a file; a Megatron-LM checkpoint is a save folder (with "
                               f"{TRACKER_FILENAME}) or one of its iteration folders.")
