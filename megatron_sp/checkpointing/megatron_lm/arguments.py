@@ -28,6 +28,10 @@ UNSUPPORTED = (
     ("moe_latent_size", "latent MoE (--moe-latent-size)"),
     ("qk_l2_norm", "L2 qk-norm (--qk-l2-norm)"),
     ("window_size", "sliding-window attention (--window-size)"),
+    ("rotary_interleaved", "interleaved rotary embeddings (--rotary-interleaved)"),
+    ("quick_geglu", "the quick-GeGLU activation (--quick-geglu)"),
+    ("glu_linear_offset", "an offset in the GLU's linear half (--glu-linear-offset)"),
+    ("activation_func_clamp_value", "a clamped activation (--activation-func-clamp-value)"),
 )
 
 
@@ -47,6 +51,11 @@ def as_dict(args) -> dict:
 
 def refuse_unsupported(args: dict, where: str) -> None:
     """One sentence naming the first stored feature we cannot represent."""
+    if args.get("num_experts"):
+        raise CheckpointError(f"checkpoint {where} is a mixture-of-experts model (num_experts="
+                              f"{args['num_experts']}); reading Megatron-LM's expert tensors is not "
+                              f"implemented yet: export it to Hugging Face with Megatron-LM's "
+                              f"tools, then use --loader hf.")
     for name, feature in UNSUPPORTED:
         value = args.get(name)
         if feature and value not in (None, False, 0, "", [], "none"):
@@ -64,13 +73,6 @@ def refuse_unsupported(args: dict, where: str) -> None:
                               f"(virtual_pipeline_model_parallel_size="
                               f"{args['virtual_pipeline_model_parallel_size']}); convert it with "
                               f"--ckpt-format torch_dist in Megatron-LM first.")
-    if args.get("num_experts") and args.get("moe_shared_expert_intermediate_size"):
-        raise CheckpointError(f"checkpoint {where} has a shared expert beside its routed experts, "
-                              f"which this reader does not map yet.")
-    if args.get("num_experts") and _get(args, "moe_router_score_function", "softmax") != "softmax":
-        raise CheckpointError(f"checkpoint {where} routes with "
-                              f"{args['moe_router_score_function']!r} scores; only softmax "
-                              f"routing is mapped.")
 
 
 def _activation(args: dict, where: str) -> str:
@@ -111,6 +113,11 @@ def model_fields(args: dict, vocab_rows: int, where: str) -> dict:
         hidden_dropout=float(_get(args, "hidden_dropout", 0.1)),
         init_method_std=float(_get(args, "init_method_std", 0.02)),
         make_vocab_size_divisible_by=int(_get(args, "make_vocab_size_divisible_by", 128)))
+    if fields["position_embedding_type"] == "yarn":
+        for name in ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings",
+                     "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"):
+            if args.get(name) is not None:
+                fields[name] = args[name]
     if args.get("use_rope_scaling"):
         fields.update(use_rope_scaling=True,
                       rope_scaling_factor=float(_get(args, "rope_scaling_factor", 8.0)))
