@@ -32,6 +32,7 @@ import torch
 
 from megatron_sp.checkpointing.comm import _rank
 from megatron_sp.errors import UserError
+from megatron_sp.sharding.fsdp import FSDPLayoutError, fsdp_rows, is_sharded
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 META_FILENAME = "megatron_sp.json"
@@ -88,10 +89,9 @@ def param_shard(param: torch.Tensor, tensor: torch.Tensor, tp_rank: int, tp_size
 
     None when this rank holds none of the stored rows (vocabulary padding only).
     """
-    from megatron_sp.sharding import fsdp
-    if fsdp.is_sharded(tensor):   # FSDP2: its dp x sp rows narrow the (tp, pp) slice's rectangle
-        return fsdp.checkpoint_rectangle(
-            param, tensor, lambda slice_: param_shard(param, slice_, tp_rank, tp_size), Shard)
+    if is_sharded(tensor):   # FSDP2: its dp x sp rows narrow the (tp, pp) slice's rectangle
+        return _fsdp_rectangle(param, tensor,
+                               lambda slice_: param_shard(param, slice_, tp_rank, tp_size))
     if tuple(tensor.shape) != tuple(param.shape):
         raise CheckpointError(f"state of shape {tuple(tensor.shape)} does not match its parameter "
                               f"{tuple(param.shape)}.")
@@ -136,6 +136,48 @@ def stored_parts(param: torch.Tensor) -> tuple[int | None, int]:
         return 1, param.stored_parts
     chunks = getattr(param, "tp_chunks", 1)
     return (param.tp_partition_dim, chunks) if chunks > 1 else (None, 1)
+
+
+def _fsdp_rectangle(param, tensor, slice_rectangle) -> Shard | None:
+    """The stored rectangle of FSDP2's local shard of `tensor` (None if it holds no stored row).
+
+    slice_rectangle(t): the checkpoint's rectangle of a whole (tp, pp) slice t (the unsharded
+    geometry: tp offsets, fused parts [c, n/c, ...], unpadded vocabulary rows); FSDP2's dim-0 rows
+    [row0, row0 + r) of the slice (sharding/fsdp.py fsdp_rows) then narrow it.
+    """
+    with torch.no_grad():
+        local = tensor.detach().to_local()
+        mesh = tensor.device_mesh
+        num_rows = tensor.shape[0]
+        row0, stop = fsdp_rows(num_rows, mesh.size(), mesh.get_local_rank())
+        if stop - row0 != local.shape[0]:
+            raise ValueError(f"FSDP2 shard of {tuple(tensor.shape)} holds {local.shape[0]} rows, "
+                             f"expected [{row0}, {stop}).")
+        base = slice_rectangle(torch.empty(tensor.shape, dtype=local.dtype, device="meta"))
+        if base is None or local.shape[0] == 0:
+            return None
+        offsets = list(base.offsets)
+        dim, parts = stored_parts(param)
+        if base.local.dim() == local.dim():           # rows map to stored rows (+ tp offset)
+            keep = min(local.shape[0], base.local.shape[0] - row0)   # unpadded vocabulary rows
+            if keep <= 0:
+                return None
+            offsets[0] += row0
+            return Shard(local[:keep], base.global_shape, torch.Size(offsets))
+        part = tensor.shape[dim] // parts
+        if dim != 0:                                  # [R, .., c, n/c, ..]: rows unaffected
+            offsets[0] += row0
+            return Shard(local.unflatten(dim, (parts, part)), base.global_shape,
+                             torch.Size(offsets))
+        first, last = row0 // part, (stop - 1) // part
+        if first == last:                             # inside one part: [1, r, ...]
+            offsets[0], offsets[1] = first, offsets[1] + row0 - first * part
+            return Shard(local.unsqueeze(0), base.global_shape, torch.Size(offsets))
+        if row0 % part or (stop - row0) % part:
+            raise FSDPLayoutError(f"FSDP2 rows [{row0}, {stop}) straddle fused parts of {part}.")
+        offsets[0] = first                            # whole parts: [k, n/(c tp), ...]
+        return Shard(local.unflatten(0, ((stop - row0) // part, part)), base.global_shape,
+                         torch.Size(offsets))
 
 
 def _expert_shard(param: torch.Tensor, local: torch.Tensor, tp_rank: int, tp_size: int) -> Shard:

@@ -264,48 +264,6 @@ def is_sharded(tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def checkpoint_rectangle(param, tensor, slice_rectangle, shard_cls):
-    """The stored rectangle of FSDP2's local shard of `tensor` (None if it holds no stored row).
-
-    slice_rectangle(t): the checkpoint's rectangle of a whole (tp, pp) slice t (the unsharded
-    geometry: tp offsets, fused parts [c, n/c, ...], unpadded vocabulary rows); FSDP2's dim-0 rows
-    [row0, row0 + r) of the slice then narrow it.
-    """
-    from megatron_sp.checkpointing.format import stored_parts
-    with torch.no_grad():
-        local = tensor.detach().to_local()
-        mesh = tensor.device_mesh
-        num_rows = tensor.shape[0]
-        row0, stop = fsdp_rows(num_rows, mesh.size(), mesh.get_local_rank())
-        if stop - row0 != local.shape[0]:
-            raise ValueError(f"FSDP2 shard of {tuple(tensor.shape)} holds {local.shape[0]} rows, "
-                             f"expected [{row0}, {stop}).")
-        base = slice_rectangle(torch.empty(tensor.shape, dtype=local.dtype, device="meta"))
-        if base is None or local.shape[0] == 0:
-            return None
-        offsets = list(base.offsets)
-        dim, parts = stored_parts(param)
-        if base.local.dim() == local.dim():           # rows map to stored rows (+ tp offset)
-            keep = min(local.shape[0], base.local.shape[0] - row0)   # unpadded vocabulary rows
-            if keep <= 0:
-                return None
-            offsets[0] += row0
-            return shard_cls(local[:keep], base.global_shape, torch.Size(offsets))
-        part = tensor.shape[dim] // parts
-        if dim != 0:                                  # [R, .., c, n/c, ..]: rows unaffected
-            offsets[0] += row0
-            return shard_cls(local.unflatten(dim, (parts, part)), base.global_shape,
-                             torch.Size(offsets))
-        first, last = row0 // part, (stop - 1) // part
-        if first == last:                             # inside one part: [1, r, ...]
-            offsets[0], offsets[1] = first, offsets[1] + row0 - first * part
-            return shard_cls(local.unsqueeze(0), base.global_shape, torch.Size(offsets))
-        if row0 % part or (stop - row0) % part:
-            raise FSDPLayoutError(f"FSDP2 rows [{row0}, {stop}) straddle fused parts of {part}.")
-        offsets[0] = first                            # whole parts: [k, n/(c tp), ...]
-        return shard_cls(local.unflatten(0, ((stop - row0) // part, part)), base.global_shape,
-                         torch.Size(offsets))
-
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole (tp, pp) slice of an FSDP2 DTensor (all-gather over dp x sp), else a copy."""
