@@ -208,6 +208,17 @@ def torchao_recipe(precision, device):
                      margin=precision.fp8_margin, emulate=getattr(device, "type", device) != "cuda")
 
 
+def check_layers_enabled(precision, chunks) -> None:
+    """--fp8-format through torchao on a model none of whose linears runs in FP8 (built without
+    enable_from_config): a ConfigError rather than a silent run in high precision."""
+    if precision.fp8_format is None or backend_of(precision) != "torchao":
+        return
+    if not any(getattr(m, "fp8", None) is not None for c in chunks for m in c.modules()):
+        raise ConfigError("--fp8-format through torchao: no linear layer of this model runs in "
+                          "FP8; build it with megatron_sp.training.fp8.enable_from_config (as "
+                          "pretrain_gpt.py does) or leave the flag out.")
+
+
 def enable_from_config(chunks, precision, mesh, device) -> int:
     """--fp8-format through torchao: the FP8_LINEARS of the chunks in FP8 (enable_fp8); 0 (nothing
     done) without --fp8-format or under Transformer Engine."""

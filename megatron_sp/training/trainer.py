@@ -136,6 +136,7 @@ class Trainer:
         from megatron_sp.training import fp8
         self.loss_scaler = LossScaler.from_config(precision)
         self.fp8_autocast = fp8.fp8_autocast_factory(precision, self.mesh)
+        fp8.check_layers_enabled(precision, self.chunks)    # torchao: no silent bf16 run
         if grad_reduce_in_bf16:      # the replicated all-reduce or the distributed optimizer's
             if not hasattr(self.sharding, "reduce_dtype") and not isinstance(self.sharding, Replicated):
                 raise ConfigError("--grad-reduce-in-bf16 with --use-torch-fsdp2: FSDP2 reduces "

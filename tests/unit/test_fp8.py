@@ -7,7 +7,8 @@
   fails.
 - torch._scaled_mm (CPU) against torchao's fp32 emulation on one layer: forward and both
   gradients within 1% of their norm (the same FP8 operands; only the accumulation differs).
-- FP8 reaches qkv, out-proj, fc1 and fc2 only (never the embedding, output layer, norms).
+- FP8 reaches qkv, out-proj, fc1 and fc2 only (never the embedding, output layer, norms); a model
+  with no FP8 layer under --fp8-format through torchao is refused (no silent high-precision run).
 - A checkpoint saved with FP8 holds no FP8 tensor, resumes without FP8 and, saved without it,
   resumes with FP8; FP8 resumed from its own checkpoint equals the uninterrupted FP8 run (1e-6).
 - MFU under FP8 takes the device's FP8 peak (the bf16 one where it has none).
@@ -107,7 +108,13 @@ def test_fp8_reaches_the_four_linears_only():
     cfg = preset("llama-tiny", num_layers=2, hidden_size=64, num_attention_heads=4,
                  num_query_groups=2, ffn_hidden_size=128, vocab_size=256)
     model = GPTModel(cfg)
+    from megatron_sp.config import PrecisionConfig
+    from megatron_sp.training.fp8 import check_layers_enabled
+    precision = PrecisionConfig(fp8_format="hybrid", fp8_backend="torchao")
+    with pytest.raises(ConfigError, match="no linear layer of this model runs in FP8"):
+        check_layers_enabled(precision, [model])      # the Trainer's check: no silent bf16 run
     assert enable_fp8([model], Fp8Recipe(emulate=True), ParallelMesh.single()) == 8
+    check_layers_enabled(precision, [model])
     on = sorted(name for name, m in model.named_modules() if getattr(m, "fp8", None) is not None)
     assert on == sorted(f"layers.{i}.{part}" for i in range(2) for part in
                         ("attention.qkv", "attention.proj", "mlp.fc1", "mlp.fc2"))
