@@ -6,7 +6,8 @@ one micro-batch; each layout has micro-batch x dp = the global batch, so the ama
 and over dp x cp x sp give the reference's scales exactly: losses 1e-5 relative, full gradients
 1e-4 (layout_utils), three optimizer steps, tp 2 with --sequence-parallel, sp 2, cp 2 (ring), pp 2,
 dp 4, tp 2 x sp 2 (rowwise, e4m3; and under full recompute: the recomputed casts equal the first
-ones), FSDP2 and the distributed optimizer (losses and gradient norms).
+ones), FSDP2 and the distributed optimizer (losses and gradient norms); rowwise also at cp 2 x dp 2
+(its per-feature scales of the weight gradient reduced over the tokens' ranks).
 The same tp 2 layout with each rank's own amax (reduce_amax=False) must NOT match: the reduction
 is what makes the layouts equal.
 
@@ -41,6 +42,8 @@ CASES = [
     dict(COMMON, name="fp8 dp4", micro_batch=1),
     dict(COMMON, name="fp8 rowwise e4m3 tp2 x sp2 sequence-parallel", tp=2, sp=2, micro_batch=4,
          sequence_parallel=True, fp8=Fp8Recipe(format="e4m3", recipe="rowwise", emulate=True)),
+    dict(COMMON, name="fp8 rowwise cp2 (x dp2)", cp=2, micro_batch=2,
+         fp8=Fp8Recipe(format="hybrid", recipe="rowwise", emulate=True)),
     dict(COMMON, name="fp8 tp2 x sp2 sequence-parallel, full recompute", tp=2, sp=2,
          micro_batch=4, sequence_parallel=True,
          model_kwargs={"memory": MemoryOptions(recompute_granularity="full")}),
