@@ -29,8 +29,8 @@ GEMM rate of the row's dtype: a CPU "MFU".
     python bench/train_step.py --profile                      # + top ops of one step, ours and HF
     python bench/train_step.py --fp8 --models llama --dtype bf16  # ours with FP8 linears vs without
 
---fp8: our model with its qkv, out-proj, fc1 and fc2 in FP8 (torchao, megatron_sp.tensor_parallel.fp8;
-hybrid tensorwise) against the same model without, same initial weights, interleaved steps. On CPU
+--fp8: our model with its qkv, out-proj, fc1 and fc2 in FP8 (torchao,
+megatron_sp.tensor_parallel.fp8; hybrid tensorwise) against the same model without, same initial weights, interleaved steps. On CPU
 the FP8 matmuls are emulated in fp32 (CPU torch._scaled_mm is slower still): the row measures the
 casts' overhead and the first-step loss difference, not FP8's speed (a GPU row: tests/gpu).
 
@@ -400,7 +400,8 @@ def fp8_row(family, dtype, args) -> dict:
         model = GPTModel(cfg, attention_backend=args.attention)
         init_parameters(model, seed=args.seed)
         if name == "fp8":
-            enable_fp8([model], Fp8Recipe("hybrid", "tensorwise", emulate=True), ParallelMesh.single())
+            recipe = Fp8Recipe("hybrid", "tensorwise", emulate=True)
+            enable_fp8([model], recipe, ParallelMesh.single())
         models[name] = (model.train(), build_optimizer([model], lr=1e-4, weight_decay=0.01))
     times, first = {"plain": [], "fp8": []}, {}
     for step in range(args.warmup + args.steps):
@@ -413,7 +414,8 @@ def fp8_row(family, dtype, args) -> dict:
             if step >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
     tokens = args.batch * args.seq
-    row = {"model": family, "dtype": dtype, "params": sum(p.numel() for p in models["plain"][0].parameters())}
+    params = sum(p.numel() for p in models["plain"][0].parameters())
+    row = {"model": family, "dtype": dtype, "params": params}
     for name in ("plain", "fp8"):
         row[f"ms_{name}"] = 1000 * statistics.median(times[name])
         row[f"tps_{name}"] = tokens / statistics.median(times[name])
@@ -423,13 +425,15 @@ def fp8_row(family, dtype, args) -> dict:
 
 FP8_COLUMNS = [("model", "model"), ("dtype", "dtype"), ("layers", "layers"), ("hidden", "hidden"),
                ("seq", "seq"), ("batch", "batch"), ("impl", "linears"), ("ms", "ms/step"),
-               ("tokens_per_s", "tokens/s"), ("vs_plain", "vs no FP8"), ("first_loss", "first-step loss")]
+               ("tokens_per_s", "tokens/s"), ("vs_plain", "vs no FP8"),
+               ("first_loss", "first-step loss")]
 
 
 def fp8_main(args) -> int:
-    """--fp8: the table of fp8_row per (model, dtype), and bench/results/train_step_fp8_<device>.json."""
+    """--fp8: the table of fp8_row per (model, dtype); bench/results/train_step_fp8_<device>.json."""
     rows, out = [fp8_row(f, d, args) for f in args.models for d in args.dtype], []
-    header = f"{'model':6s} {'dtype':5s} {'no FP8 ms':>10s} {'FP8 ms':>8s} {'FP8/no':>7s} {'loss no FP8':>12s} {'loss FP8':>10s}"
+    header = (f"{'model':6s} {'dtype':5s} {'no FP8 ms':>10s} {'FP8 ms':>8s} {'FP8/no':>7s} "
+              f"{'loss no FP8':>12s} {'loss FP8':>10s}")
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
         print(f"{r['model']:6s} {r['dtype']:5s} {r['ms_plain']:10.0f} {r['ms_fp8']:8.0f} "
@@ -451,7 +455,8 @@ def fp8_main(args) -> int:
             notes=[f"{args.warmup} warm-up + {args.steps} timed steps, interleaved; "
                    f"{torch.get_num_threads()} threads",
                    "CPU: the FP8 matmuls are torchao's fp32 emulation, so this measures the casts' "
-                   "and amax reductions' overhead, not FP8 speed (the GPU row: tests/gpu/gpu_checks.py)"]))
+                   "and amax reductions' overhead, not FP8 speed (the GPU row: "
+                   "tests/gpu/gpu_checks.py)"]))
     return 0
 
 

@@ -1,4 +1,5 @@
-"""FP8 matmuls for the tensor-parallel linears through torchao's float8 primitives (docs/design.md §17).
+"""FP8 matmuls for the tensor-parallel linears through torchao's float8 primitives
+(docs/design.md §17).
 
 Current (dynamic) scaling as torchao's Float8Linear does it, for our column / row parallel layers:
 each operand of the three matmuls of a linear layer (forward y = x W^T, input gradient

@@ -3,8 +3,8 @@
 A scale is fp8_max / amax. For the scales of a sharded tensor to be those one rank would compute on
 the whole tensor, each rank's amax is reduced with MAX over the ranks that hold the other pieces
 (docs/design.md §17): the tp group for a dimension split over tp, the dp x cp x sp group for the
-tokens of a micro-batch split over data, context and Ulysses ranks. Every call records the bytes this
-rank sends under "fp8/amax" in `megatron_sp.comm_stats`.
+tokens of a micro-batch split over data, context and Ulysses ranks. Every call records the bytes
+this rank sends under "fp8/amax" in `megatron_sp.comm_stats`.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ def max_over_groups_(amax: torch.Tensor, groups) -> torch.Tensor:
         p = group_size(group)
         if p == 1:
             continue
-        comm_stats.record("fp8/amax", comm_stats.all_reduce_bytes(amax.numel(), amax.element_size(), p))
+        comm_stats.record("fp8/amax",
+                          comm_stats.all_reduce_bytes(amax.numel(), amax.element_size(), p))
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax

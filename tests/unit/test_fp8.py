@@ -141,7 +141,8 @@ def _dtypes(ckpt_dir):
 def test_checkpoints_stay_high_precision_and_resume_across_fp8(tmp_path):
     fp8 = ["--fp8-format", "hybrid"]
     straight = _run(tmp_path, "straight", fp8, iters=4, decay=6)
-    _run(tmp_path, "first", fp8 + ["--save", str(tmp_path / "a"), "--save-interval", "2"], iters=2, decay=6)
+    _run(tmp_path, "first", fp8 + ["--save", str(tmp_path / "a"), "--save-interval", "2"],
+         iters=2, decay=6)
     assert not any("float8" in d for d in _dtypes(tmp_path / "a")), _dtypes(tmp_path / "a")
     again = _run(tmp_path, "again", fp8 + ["--load", str(tmp_path / "a")], iters=4, decay=6)
     for i in (3, 4):                       # no FP8 state: the resumed run is the straight one
