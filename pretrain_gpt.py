@@ -25,11 +25,11 @@ from megatron_sp.cli import build as cli
 from megatron_sp.cli import progress, startup_checks
 from megatron_sp.cli.arguments import parse_args
 from megatron_sp.config import JobConfig
-from megatron_sp.errors import (ConfigError, DataError, NonFiniteLossError, Terminated, reraise_as,
-                                run_main)
+from megatron_sp.errors import ConfigError, DataError, NonFiniteLossError, Terminated, reraise_as
 from megatron_sp.memory import MemoryOptions
 from megatron_sp.memory.cpu_allocator import keep_freed_memory
 from megatron_sp.mesh import ParallelMesh, barrier, init_distributed, shutdown
+from megatron_sp.reporting import run_main
 from megatron_sp.models import GPTConfig, GPTModel, preset
 from megatron_sp.models.init import init_parameters
 from megatron_sp.tensor_parallel import RNGTracker
@@ -477,7 +477,7 @@ def check_rampup(job: JobConfig, mesh, num_chunks: int) -> None:
 
 def load_checkpoint(job: JobConfig, checkpoints: CheckpointManager) -> None:
     """--load and --exit-on-missing-checkpoint. A CheckpointError is raised on every rank (they
-    agreed on it in load_checkpoint) and said once (errors.report)."""
+    agreed on it in load_checkpoint) and said once (reporting.report)."""
     loaded = checkpoints.load()
     if job.checkpoint.exit_on_missing_checkpoint and job.checkpoint.load and loaded is None:
         raise ConfigError(f"--exit-on-missing-checkpoint: no checkpoint under --load "
@@ -642,4 +642,4 @@ def wandb_options(job: JobConfig) -> dict | None:
 
 
 if __name__ == "__main__":
-    run_main(main)   # user errors in one sentence, said once; exit 0 when main returned (errors.py)
+    run_main(main)   # user errors in one sentence, said once; exit 0 when main returned (reporting.py)

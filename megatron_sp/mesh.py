@@ -588,7 +588,7 @@ def barrier_device() -> dict:
 def shutdown() -> None:
     """Barrier, then destroy every group: no rank tears down the store while another
     still uses it (a rank leaving first can crash a slower rank's gloo teardown). The process
-    should then leave through megatron_sp.errors.exit_process (pretrain_gpt does): the
+    should then leave through megatron_sp.reporting.exit_process (pretrain_gpt does): the
     interpreter's finalization can still race with gloo's threads and abort a finished run."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier(**barrier_device())

@@ -15,11 +15,13 @@ import sys
 
 try:
     from megatron_sp.data.preprocess import MAX_LINE_BYTES, preprocess
-    from megatron_sp.errors import DataError, run_main
+    from megatron_sp.errors import DataError
+    from megatron_sp.reporting import run_main
 except ImportError:  # running from a checkout that is not installed
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from data.preprocess import MAX_LINE_BYTES, preprocess
-    from megatron_sp.errors import DataError, run_main
+    from megatron_sp.errors import DataError
+    from megatron_sp.reporting import run_main
 
 
 def get_args(argv=None):

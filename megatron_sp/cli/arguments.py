@@ -322,7 +322,7 @@ class MegatronArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         """One short usage line and one `error:` line; an unknown flag names its nearest match.
-        Launched on several ranks, said once (megatron_sp.errors.report)."""
+        Launched on several ranks, said once (megatron_sp.reporting.report)."""
         from megatron_sp.cli.startup_checks import launcher_world_size
         if launcher_world_size() > 1:
             raise UsageError(self._explain(message), usage=self.format_usage())

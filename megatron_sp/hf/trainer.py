@@ -51,7 +51,7 @@ stay the Trainer's):
   batch with the same per_device_train_batch_size; the run goes on (layouts may change) after one
   note on stderr naming the old and new sp x dp and global batch, and the per-replica batch that
   keeps the old one.
-Refused in one sentence (no traceback: megatron_sp.errors.say_user_errors; the DeepSpeed config
+Refused in one sentence (no traceback: megatron_sp.reporting.say_user_errors; the DeepSpeed config
 and accelerate's sp/cp parallelism_config before accelerate sees them, naming the two lines to
 change): DeepSpeed (use DDP or FSDP2), accelerate's own sp/cp parallelism_config,
 train_sampling_strategy="batch_rebalance", dispatch_batches, torch_compile=True with sp or cp,
@@ -67,7 +67,8 @@ import sys
 import torch
 from transformers import Trainer
 
-from megatron_sp.errors import ConfigError, say_user_errors
+from megatron_sp.errors import ConfigError
+from megatron_sp.reporting import say_user_errors
 from megatron_sp.hf.attention import layout_of, sequence_parallel
 from megatron_sp.hf.batch import (IGNORE_INDEX, batch_checksum, check_same_batch, has_documents,
                                   prepare_shard)

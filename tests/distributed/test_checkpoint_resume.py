@@ -163,5 +163,5 @@ if __name__ == "__main__":   # torchrun entry: one rank of pretrain_gpt, then a 
     if markers:
         os.makedirs(markers, exist_ok=True)
         open(os.path.join(markers, f"rank{os.environ.get('RANK', '0')}.exit0"), "w").close()
-    from megatron_sp.errors import exit_process
+    from megatron_sp.reporting import exit_process
     exit_process(0)      # as pretrain_gpt's entry: no interpreter finalization to race with gloo

@@ -4,7 +4,7 @@ SequenceParallelTrainer meets, before transformers.Trainer builds its Accelerato
 `parallelism_config` with sp_size / cp_size (accelerate itself refuses it on CPU, "only
 compatible DistributedType.FSDP ...", as a traceback on every rank), a DeepSpeed config and
 `torch_compile=True` under sp / cp. The sentence names what to change; under torchrun the user's
-script ends with one `error:` line (megatron_sp.errors.say_user_errors: an uncaught UserError is
+script ends with one `error:` line (megatron_sp.reporting.say_user_errors: an uncaught UserError is
 reported once across the ranks) and no traceback. The pure check (`_check_arguments`) is tested on
 every case; one 2-rank torchrun launch shows the whole path of the parallelism_config case.
 """

@@ -185,7 +185,7 @@ def _torchrun_main(out_path: str, out_dir: str):
     os.replace(f"{out_path}.{rank}.tmp", f"{out_path}.{rank}.json")
     # Leave as pretrain_gpt does (barrier, groups destroyed, no interpreter finalization to race
     # with gloo's worker threads: test_readme_hf.py's SIGABRT on a loaded CI machine).
-    from megatron_sp.errors import exit_process
+    from megatron_sp.reporting import exit_process
     from megatron_sp.mesh import shutdown
     shutdown()
     exit_process(0)

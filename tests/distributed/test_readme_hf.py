@@ -89,7 +89,7 @@ def _fragment_job(out_path: str, out_dir: str, fragments: list[str], scripts: li
     # Leave as pretrain_gpt does: barrier, destroy the groups, no interpreter finalization (a gloo
     # worker thread taking the GIL during it can abort a finished process: SIGABRT on a loaded CI
     # machine). The README's own script ends where its code ends; this job's process is ours.
-    from megatron_sp.errors import exit_process
+    from megatron_sp.reporting import exit_process
     from megatron_sp.mesh import shutdown
     shutdown()
     exit_process(0)

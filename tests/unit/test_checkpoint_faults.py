@@ -323,7 +323,7 @@ def test_save_faults_and_start_up_checks_end_in_one_sentence(tmp_path):
     runs["async"] = _start(["--train-iters", "12", "--save-interval", "4", "--async-save",
                             "--save", str(tmp_path / "async")], torchrun=True,
                            FAULT_WRITE_MATCH="iter_0000004.tmp/__1_", FAULT_WRITE_AFTER="200000")
-    # Alone: its two ranks say one sentence only if rank 0 agrees within errors.GRACE_S, which a
+    # Alone: its two ranks say one sentence only if rank 0 agrees within reporting.GRACE_S, which a
     # machine starved by the seven runs below cannot promise (seen under load).
     async_result = finish_process(runs.pop("async"))
     # Synchronous, 1 rank: iteration 2 saved, iteration 4's save fails.

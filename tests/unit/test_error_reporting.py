@@ -1,4 +1,4 @@
-"""Who says a user error under a launcher (megatron_sp.errors.Notes, report), with an in-memory
+"""Who says a user error under a launcher (megatron_sp.reporting.Notes, report), with an in-memory
 store standing in for the rendezvous store, ranks as threads; and which exceptions are user errors."""
 import os
 import signal
@@ -7,8 +7,10 @@ import time
 
 import pytest
 
-from megatron_sp import errors
-from megatron_sp.errors import CollectiveFailure, ConfigError, Notes, UserError, as_user_error
+from megatron_sp import reporting
+from megatron_sp.errors import (CollectiveFailure, ConfigError, Terminated, UsageError, UserError,
+                                reraise_as)
+from megatron_sp.reporting import Notes, as_user_error
 
 
 class FakeStore:
@@ -36,7 +38,7 @@ class FakeStore:
 
 @pytest.fixture(autouse=True)
 def short_grace(monkeypatch):
-    monkeypatch.setattr(errors, "GRACE_S", 0.3)
+    monkeypatch.setattr(reporting, "GRACE_S", 0.3)
 
 
 def line_of(error, rank, world, store):
@@ -62,13 +64,13 @@ def in_parallel(*calls):
 
 
 def test_one_rank_and_without_a_store():
-    assert errors._line_without_store(ConfigError("x."), 0, 1) == "x."
-    assert errors._line_without_store(ConfigError("x."), 0, 4) == "x."   # the same everywhere
-    assert errors._line_without_store(ConfigError("x."), 3, 4) is None   # rank 0 says it
+    assert reporting._line_without_store(ConfigError("x."), 0, 1) == "x."
+    assert reporting._line_without_store(ConfigError("x."), 0, 4) == "x."   # the same everywhere
+    assert reporting._line_without_store(ConfigError("x."), 3, 4) is None   # rank 0 says it
 
     class Unreachable(UserError):
         same_on_every_rank = False
-    assert errors._line_without_store(Unreachable("could not reach."), 3, 4) == \
+    assert reporting._line_without_store(Unreachable("could not reach."), 3, 4) == \
         "rank 3: could not reach."
 
 
@@ -90,7 +92,7 @@ def test_a_quiet_rank_waits_until_the_sentence_was_said():
     notes._count(f"claims/{slot_of('late.')}", 1)
     t0 = time.monotonic()
     assert line_of(ConfigError("late."), 1, 2, store) is None
-    assert time.monotonic() - t0 >= 2 * errors.GRACE_S - 0.05   # waited (bounded) for it
+    assert time.monotonic() - t0 >= 2 * reporting.GRACE_S - 0.05   # waited (bounded) for it
 
 
 def slot_of(message):
@@ -115,7 +117,7 @@ def test_an_error_found_together_is_said_at_once_without_a_rank():
     store = FakeStore()
     t0 = time.monotonic()
     assert line_of(NonFiniteLossError("iteration 2: nan."), 1, 2, store) == "iteration 2: nan."
-    assert time.monotonic() - t0 < errors.GRACE_S                  # no wait for agreement
+    assert time.monotonic() - t0 < reporting.GRACE_S                  # no wait for agreement
     assert line_of(NonFiniteLossError("iteration 2: nan."), 0, 2, store) is None
 
 
@@ -129,7 +131,7 @@ def test_checkpoint_refusals_agreed_by_a_collective_are_found_together():
     store = FakeStore()
     t0 = time.monotonic()
     assert line_of(AgreedCheckpointError(message), 0, 2, store) == message
-    assert time.monotonic() - t0 < errors.GRACE_S
+    assert time.monotonic() - t0 < reporting.GRACE_S
     assert line_of(AgreedCheckpointError(message), 1, 2, store) is None
 
 
@@ -148,39 +150,39 @@ def test_consequences_are_quiet_after_a_cause_and_said_once_otherwise():
 def test_report_prints_once_and_fills_the_launchers_error_file(tmp_path, monkeypatch, capsys):
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
     store = FakeStore()
-    monkeypatch.setattr(errors, "_reporting", False)     # report() sets it: restored after
+    monkeypatch.setattr(reporting, "_reporting", False)     # report() sets it: restored after
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    monkeypatch.setattr(errors, "_store", lambda error=None: store)
-    monkeypatch.setattr(errors, "_rank_and_world", lambda: (1, 2))
-    errors.report(ConfigError("--split 0,0,0 leaves no training data."))
+    monkeypatch.setattr(reporting, "_store", lambda error=None: store)
+    monkeypatch.setattr(reporting, "_rank_and_world", lambda: (1, 2))
+    reporting.report(ConfigError("--split 0,0,0 leaves no training data."))
     assert capsys.readouterr().err == "error: rank 1: --split 0,0,0 leaves no training data.\n"
     failure = ProcessFailure(local_rank=1, pid=1, exitcode=1, error_file=str(error_file))
     assert failure.message["extraInfo"]["py_callstack"] == \
         "rank 1: --split 0,0,0 leaves no training data."    # torchrun's report shows it
-    usage = errors.UsageError("unrecognized argument --seq-len; did you mean --seq-length?",
+    usage = UsageError("unrecognized argument --seq-len; did you mean --seq-length?",
                               usage="usage: pretrain_gpt.py [flags]\n")
-    monkeypatch.setattr(errors, "_rank_and_world", lambda: (0, 2))
-    errors.report(usage)
+    monkeypatch.setattr(reporting, "_rank_and_world", lambda: (0, 2))
+    reporting.report(usage)
     assert capsys.readouterr().err.startswith("usage: pretrain_gpt.py [flags]\nerror: rank 0: ")
     assert usage.exit_code == 2
 
 
 def test_sigterm_raises_terminated_except_while_reporting(monkeypatch):
     previous = signal.getsignal(signal.SIGTERM)
-    monkeypatch.setattr(errors, "_reporting", False)
+    monkeypatch.setattr(reporting, "_reporting", False)
     try:
-        errors.hold_sigterm()
-        with pytest.raises(errors.Terminated):
+        reporting.hold_sigterm()
+        with pytest.raises(Terminated):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(1)
-        monkeypatch.setattr(errors, "_reporting", True)
+        monkeypatch.setattr(reporting, "_reporting", True)
         os.kill(os.getpid(), signal.SIGTERM)             # held off: the report goes on
         time.sleep(0.05)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    stopped = errors.Terminated("after iteration 2; nothing was saved (no --save).",
+    stopped = Terminated("after iteration 2; nothing was saved (no --save).",
                                 where="iteration 3")
     assert stopped.sentence(0).startswith("rank 0: stopped by SIGTERM at iteration 3 (")
     assert stopped.sentence(0).endswith("; after iteration 2; nothing was saved (no --save).")
@@ -194,14 +196,14 @@ def test_what_counts_as_a_user_error(monkeypatch):
     assert as_user_error(ZeroDivisionError("a bug")) is None     # bugs keep their traceback
     gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer")
     assert as_user_error(gloo) is None          # no process group here: not a peer's death
-    monkeypatch.setattr(errors, "_initialized", lambda: True)
-    monkeypatch.setattr(errors, "_rank_and_world", lambda: (1, 2))
+    monkeypatch.setattr(reporting, "_initialized", lambda: True)
+    monkeypatch.setattr(reporting, "_rank_and_world", lambda: (1, 2))
     raw = as_user_error(gloo)
     assert isinstance(raw, CollectiveFailure) and raw.consequence
     assert str(raw).startswith("rank 1: a collective failed outside a training step")
     with pytest.raises(ConfigError, match="^where: bad value$"):
-        with errors.reraise_as(ConfigError, ValueError, prefix="where: "):
+        with reraise_as(ConfigError, ValueError, prefix="where: "):
             raise ValueError("bad value")
     with pytest.raises(KeyError):                                # other types pass through
-        with errors.reraise_as(ConfigError, ValueError):
+        with reraise_as(ConfigError, ValueError):
             raise KeyError("x")

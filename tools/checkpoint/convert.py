@@ -44,7 +44,7 @@ import sys
 import traceback
 
 from megatron_sp.checkpointing.lock import conversion_target
-from megatron_sp.errors import debug_requested
+from megatron_sp.reporting import debug_requested
 
 from megatron_sp.models.families import (ConversionError, FAMILIES, full_tensors,  # noqa: F401
                                         family_flags, hf_to_megatron_sp, megatron_sp_to_hf,
