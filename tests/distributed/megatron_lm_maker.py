@@ -29,6 +29,9 @@ GQA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, group_query_atte
            norm_epsilon=1e-6, swiglu=True, position_embedding_type="rope", rotary_base=10000,
            add_bias_linear=False, untie_embeddings_and_output_weights=True, qk_layernorm=True,
            vocab_size=90, make_vocab_size_divisible_by=16, max_position_embeddings=16)
+MOE = dict(GQA, qk_layernorm=False, num_experts=4, moe_ffn_hidden_size=24, moe_router_topk=2,
+           moe_layer_freq=1, moe_router_pre_softmax=False, moe_router_load_balancing_type="aux_loss",
+           moe_aux_loss_coeff=0.01, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather")
 GPT = dict(num_layers=4, hidden_size=32, num_attention_heads=4, group_query_attention=False,
            num_query_groups=None, ffn_hidden_size=64, kv_channels=8, normalization="LayerNorm",
            norm_epsilon=1e-5, swiglu=False, position_embedding_type="learned_absolute",
@@ -40,6 +43,8 @@ def patch_cpu():
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *a, **k: None
     torch.Tensor.cuda = lambda self, *a, **k: self   # the tied embedding's copy on the last stage
+    from megatron.core.transformer.moe import moe_utils
+    moe_utils.te_general_gemm = None                  # MoE without Transformer Engine
 
 
 def init_parallel(tp: int, pp: int, seed: int):
@@ -79,8 +84,10 @@ def build(spec: dict, tp: int, pp: int):
         hidden_dropout=0.0,
         attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        init_method_std=0.2)   # a larger std than 0.02: logits far from zero
-    layer_spec = get_gpt_layer_local_spec(normalization=s["normalization"],
+        init_method_std=0.2,   # a larger std than 0.02: logits far from zero
+        **_moe_config(s))
+    layer_spec = get_gpt_layer_local_spec(num_experts=s.get("num_experts"),
+                                          normalization=s["normalization"],
                                           qk_layernorm=s["qk_layernorm"])
     return GPTModel(config, layer_spec, vocab_size=padded_vocab(s, tp),
                     max_sequence_length=s["max_position_embeddings"],
@@ -88,6 +95,18 @@ def build(spec: dict, tp: int, pp: int):
                     share_embeddings_and_output_weights=not s["untie_embeddings_and_output_weights"],
                     position_embedding_type=s["position_embedding_type"],
                     rotary_base=s.get("rotary_base", 10000), parallel_output=False).eval()
+
+
+def _moe_config(spec: dict) -> dict:
+    """TransformerConfig's MoE fields (the allgather dispatcher: no CUDA streams)."""
+    if not spec.get("num_experts"):
+        return {}
+    return dict(num_moe_experts=spec["num_experts"], moe_ffn_hidden_size=spec["moe_ffn_hidden_size"],
+                moe_router_topk=spec["moe_router_topk"],
+                moe_router_pre_softmax=spec["moe_router_pre_softmax"],
+                moe_router_load_balancing_type=spec["moe_router_load_balancing_type"],
+                moe_aux_loss_coeff=spec["moe_aux_loss_coeff"],
+                moe_token_dispatcher_type=spec["moe_token_dispatcher_type"])
 
 
 def tokens(seed: int, vocab: int) -> torch.Tensor:
@@ -158,7 +177,7 @@ def save(model, root: str, ckpt_format: str, args):
     dist.barrier()
     if ckpt_format == "torch_dist":
         dist_checkpointing.save(dict(common, model=model.sharded_state_dict()), folder)
-    else:
+    elif ps.get_data_parallel_rank() == 0:          # one writer per (tp, pp) rank
         tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         name = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if ps.get_pipeline_model_parallel_world_size() > 1 else "")
         os.makedirs(os.path.join(folder, name), exist_ok=True)

@@ -3,16 +3,18 @@ megatron-core 0.16.1 makes on CPU in one 2-rank spawn (megatron_lm_maker.py):
 
 - GQA: tp 2, GQA 4 heads / 2 groups, RMSNorm, SwiGLU, RoPE, qk-norm, untied, no biases;
 - GPT: pp 2 (2 layers per stage), MHA, LayerNorm, exact GELU, learned positions, tied, biases;
+- MoE: Mixtral-shaped (4 SwiGLU experts in every layer, top-2, GQA, RoPE), tp 1 x dp 2;
   each saved as Megatron-LM saves it, in torch_dist and in torch format (iteration 3, 24 samples).
 
 Checked (fp32, logits within 1e-5 of megatron-core's forward on the same tokens):
 - in: convert.py's reader on each of the four folders (save folder and iteration folder), our
   one-rank model; also loaded into our tp 2 and sp 2 layouts by the training loader;
 - round trip: Megatron -> convert.py --saver megatron_sp -> --saver megatron at another layout
-  (GQA tp 2 -> tp 1 x pp 2, GPT pp 2 -> tp 2 x pp 1, both formats) loads in megatron-core strictly
+  (GQA tp 2 -> tp 1 x pp 2, GPT pp 2 -> tp 2 x pp 1, MoE -> pp 2, both formats) loads in
+  megatron-core strictly
   (StrictHandling.RAISE_ALL and load_state_dict(strict=True)), and with --transformer-impl
   transformer_engine under Megatron-LM's default strictness (unexpected keys allowed);
-- one step to Hugging Face (--loader megatron --saver hf): transformers' logits;
+- one step to Hugging Face (--loader megatron --saver hf): transformers' logits (qwen3, mixtral);
 - pretrain_gpt.py --load <Megatron folder> --use-checkpoint-args trains on: iteration, consumed
   samples and schedule position continued, weights one Adam step away from the checkpoint's;
 - the refusals: one sentence each, nothing written.
@@ -36,7 +38,8 @@ convert = load_script("tools/checkpoint/convert.py")
 ATOL = 1e-5
 FORMATS = ("torch_dist", "torch")
 # name: (spec, the layout it is made at, the layout the round trip writes)
-MODELS = {"gqa": (mk.GQA, (2, 1), (1, 2)), "gpt": (mk.GPT, (1, 2), (2, 1))}
+MODELS = {"gqa": (mk.GQA, (2, 1), (1, 2)), "gpt": (mk.GPT, (1, 2), (2, 1)),
+          "moe": (mk.MOE, (1, 1), (1, 2))}
 TOKEN_SEED = 11
 
 
@@ -104,11 +107,12 @@ def _make_and_check(rank, world, out):
         runs += [("torch_dist", f"{out}/rt_gqa_te", "te")] if name == "gqa" else []
         for fmt, root, kind in runs:
             model = mk.build(spec, tp, pp)
+            ids = mk.tokens(TOKEN_SEED, spec["vocab_size"])
+            before = mk.forward(model, ids)                      # its own random weights
             folder = os.path.join(root, open(f"{root}/latest_checkpointed_iteration.txt").read())
             folder = folder if os.path.isdir(folder) else os.path.join(root, "iter_0000003")
             common = mk.load_strict(model, folder, fmt, te_extra_state=kind == "te")
-            loaded[(name, fmt, kind)] = (mk.forward(model, mk.tokens(TOKEN_SEED, spec["vocab_size"])),
-                                         common["iteration"])
+            loaded[(name, fmt, kind)] = (mk.forward(model, ids), common["iteration"], before)
     everywhere = [None, None]
     dist.all_gather_object(everywhere, {k: v for k, v in logits.items() if v is not None})
     refs = {k: v for part in everywhere for k, v in part.items()}
@@ -156,7 +160,7 @@ def test_loaded_into_our_tp2_and_sp2_layouts(made):
 def test_round_trip_loads_strictly_in_megatron_core(made):
     seen = set()
     for r in made["results"]:
-        for (name, fmt, kind), (logits, iteration) in r["loaded"].items():
+        for (name, fmt, kind), (logits, iteration, before) in r["loaded"].items():
             # through ours a converted (release) checkpoint, iteration 0; Megatron -> Megatron
             # keeps the source's iteration
             assert iteration == (3 if kind == "te" else 0), (name, fmt, kind, iteration)
@@ -164,21 +168,26 @@ def test_round_trip_loads_strictly_in_megatron_core(made):
                 continue
             diff = (logits - made["refs"][name]).abs().max().item()
             print(f"{name} {fmt} ({kind}) round trip: max |logit diff| {diff:.2e}")
+            assert (before - made["refs"][name]).abs().max() > 0.1   # the load changed them
             assert diff <= ATOL, (name, fmt, kind, diff)
             seen.add((name, fmt, kind))
-    assert len(seen) == 5, seen
+    assert len(seen) == 7, seen
 
 
-def test_one_step_to_hugging_face(made, tmp_path):
+@pytest.mark.parametrize("name, family", [("gqa", "qwen3"), ("moe", "mixtral")])
+def test_one_step_to_hugging_face(made, tmp_path, name, family):
+    import json
     from transformers import AutoModelForCausalLM
     hf = str(tmp_path / "hf")
     convert.main(["--loader", "megatron", "--saver", "hf", "--load-dir",
-                  f"{made['out']}/gqa_torch_dist", "--save-dir", hf])
+                  f"{made['out']}/{name}_torch_dist", "--save-dir", hf])
+    with open(os.path.join(hf, "config.json")) as f:
+        assert json.load(f)["model_type"] == family
     model = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = model(mk.tokens(TOKEN_SEED, mk.GQA["vocab_size"])).logits
-    diff = (logits - made["refs"]["gqa"]).abs().max().item()
-    print(f"gqa torch_dist -> HF qwen3: max |logit diff| {diff:.2e}")
+        logits = model(mk.tokens(TOKEN_SEED, MODELS[name][0]["vocab_size"])).logits
+    diff = (logits - made["refs"][name]).abs().max().item()
+    print(f"{name} torch_dist -> HF {family}: max |logit diff| {diff:.2e}")
     assert diff <= ATOL, diff
 
 

@@ -52,10 +52,7 @@ def as_dict(args) -> dict:
 def refuse_unsupported(args: dict, where: str) -> None:
     """One sentence naming the first stored feature we cannot represent."""
     if args.get("num_experts"):
-        raise CheckpointError(f"checkpoint {where} is a mixture-of-experts model (num_experts="
-                              f"{args['num_experts']}); reading Megatron-LM's expert tensors is not "
-                              f"implemented yet: export it to Hugging Face with Megatron-LM's "
-                              f"tools, then use --loader hf.")
+        _refuse_unsupported_moe(args, where)
     for name, feature in UNSUPPORTED:
         value = args.get(name)
         if feature and value not in (None, False, 0, "", [], "none"):
@@ -73,6 +70,28 @@ def refuse_unsupported(args: dict, where: str) -> None:
                               f"(virtual_pipeline_model_parallel_size="
                               f"{args['virtual_pipeline_model_parallel_size']}); convert it with "
                               f"--ckpt-format torch_dist in Megatron-LM first.")
+
+
+def _refuse_unsupported_moe(args: dict, where: str) -> None:
+    """The mixture-of-experts features this reader does not map (Mixtral / Qwen3-MoE-shaped
+    models are: softmax routing, top-k, SwiGLU experts, no shared expert, no expert biases)."""
+    checks = (
+        ((args.get("moe_shared_expert_intermediate_size") or 0) > 0, "a shared expert"),
+        (_get(args, "moe_router_score_function", "softmax") != "softmax",
+         f"{args.get('moe_router_score_function')!r} router scores"),
+        (bool(args.get("moe_router_enable_expert_bias")), "an expert bias in the router"),
+        ((args.get("moe_router_num_groups") or 0) > 1, "group-limited routing"),
+        (bool(args.get("moe_router_group_topk")), "group-limited routing"),
+        (not args.get("swiglu"), "experts without SwiGLU"),
+        (_get(args, "add_bias_linear", True), "expert biases (no --disable-bias-linear)"),
+        ((args.get("expert_model_parallel_size") or 1) > 1 and args.get("ckpt_format") == "torch",
+         "expert parallelism in the torch format (save it as torch_dist)"),
+    )
+    for bad, feature in checks:
+        if bad:
+            raise CheckpointError(f"checkpoint {where} is a mixture-of-experts model with "
+                                  f"{feature}, which this reader does not map; it cannot be "
+                                  f"converted.")
 
 
 def _activation(args: dict, where: str) -> str:
@@ -165,9 +184,5 @@ def args_for(config, *, tp: int, pp: int, padded_vocab_size: int, iteration: int
         expert_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
         num_experts=c.num_experts, iteration=iteration, use_legacy_models=False,
         consumed_train_samples=0, consumed_valid_samples=0)
-    if c.num_experts is not None:
-        ns.update(moe_ffn_hidden_size=c.moe_ffn_hidden_size, moe_router_topk=c.moe_router_topk,
-                  moe_layer_freq=c.moe_layer_freq, moe_router_pre_softmax=c.moe_router_pre_softmax,
-                  moe_grouped_gemm=False)
-    ns.update(extra or {})
+    ns.update(extra or {})          # the MoE arguments: write.moe_args
     return argparse.Namespace(**ns)

@@ -36,6 +36,8 @@ LAYER = {   # Megatron-LM (local spec) suffix of decoder.layers.{i}. -> ours of 
     "mlp.linear_fc2.weight": "mlp.fc2.weight",
     "mlp.linear_fc2.bias": "mlp.fc2.bias",
     "mlp.router.weight": "mlp.router.weight",
+    "mlp.experts.experts.linear_fc1.weight": "mlp.experts.w1",   # torch_dist: [E, 2F, H] a layer
+    "mlp.experts.experts.linear_fc2.weight": "mlp.experts.w2",   # [E, H, F]
 }
 TE_FUSED = {   # Transformer Engine's (and torch_dist's) names of the norms
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -126,8 +128,30 @@ def split_tp(ours: str, full: torch.Tensor, tp: int, rank: int, swiglu: bool) ->
     return full.chunk(tp, dim=0)[rank]
 
 
+def join_experts(state: dict, where: str) -> dict:
+    """One stage's per-expert tensors of the torch format (decoder.layers.{i}.mlp.experts.
+    local_experts.{j}.linear_fc{1,2}.weight, already joined over tp) stacked as the torch_dist
+    names' [E, ...] tensors of each layer; other keys as they are."""
+    out, experts = {}, {}
+    for key, t in state.items():
+        m = LAYER_KEY.match(key)
+        e = EXPERT_KEY.match(m.group(2)) if m else None
+        if e is None:
+            if m and re.match(r"mlp\.experts\.linear_fc[12]\.weight\d+$", m.group(2)):
+                raise CheckpointError(f"checkpoint {where} holds grouped-GEMM experts ({key}), "
+                                      f"which this reader does not join; save it as torch_dist.")
+            out[key] = t
+            continue
+        experts.setdefault((int(m.group(1)), e.group(2)), {})[int(e.group(1))] = t
+    for (i, fc), by_index in experts.items():
+        stack = [by_index[j] for j in sorted(by_index)]
+        out[f"decoder.layers.{i}.mlp.experts.experts.linear_fc{fc}.weight"] = torch.stack(stack)
+    return out
+
+
 def expected_names(fields: dict) -> list[str]:
-    """Our tensor names of a model with GPTConfig `fields` (dense)."""
+    """Our tensor names of a model with GPTConfig `fields` (dense, or MoE in every layer's MLP
+    where moe_layer_freq says)."""
     f = fields
     layer_norm = f.get("normalization", "LayerNorm") == "LayerNorm"
     bias = f.get("add_bias_linear", True)
@@ -143,8 +167,12 @@ def expected_names(fields: dict) -> list[str]:
     if f.get("qk_layernorm"):
         per += ["attention.q_layernorm.weight", "attention.k_layernorm.weight"]
         per += ["attention.q_layernorm.bias", "attention.k_layernorm.bias"] if layer_norm else []
+    moe = [n for n in per if not n.startswith("mlp.")] + [
+        "mlp.router.weight", "mlp.experts.w1", "mlp.experts.w2"]
+    freq = f.get("moe_layer_freq", 1)
     for i in range(f["num_layers"]):
-        names += [f"layers.{i}.{n}" for n in per]
+        is_moe = f.get("num_experts") and (freq[i] if isinstance(freq, list) else i % freq == 0)
+        names += [f"layers.{i}.{n}" for n in (moe if is_moe else per)]
     names += ["final_norm.weight"] + (["final_norm.bias"] if layer_norm else [])
     if not f.get("tie_embeddings", True):
         names.append("output_layer.weight")

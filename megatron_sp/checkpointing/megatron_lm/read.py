@@ -171,10 +171,12 @@ def _read_torch(folder: str):
             if key.endswith("_extra_state") or models[0][key] is None:
                 continue
             m = names.LAYER_KEY.match(key)
+            expert = names.EXPERT_KEY.match(m.group(2)) if m else None
             if m:
                 i, suffix = int(m.group(1)), m.group(2)
                 count = max(count, i + 1)
-                ours = "layers.0." + names.our_layer_suffix(suffix, folder)
+                ours = "layers.0." + (f"mlp.fc{expert.group(2)}.weight" if expert else  # its cut
+                                      names.our_layer_suffix(suffix, folder))
                 glob = f"decoder.layers.{offset + i}.{suffix}"
             else:
                 ours, glob = names.our_global(key, folder), key
@@ -186,7 +188,7 @@ def _read_torch(folder: str):
                 shards.append(model[key])
             out[glob] = names.merge_tp(ours, shards, swiglu)
         offset += count
-    return head, out, has_optim
+    return head, names.join_experts(out, folder), has_optim
 
 
 def _model_of(state: dict, path: str) -> dict:

@@ -36,17 +36,18 @@ LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linea
            "mlp.linear_fc2")
 
 
-def _modules_with_extra_state(impl: str) -> tuple[str, ...]:
-    """The per-layer modules whose `_extra_state` megatron-core's spec expects."""
-    return LINEARS + (("self_attention.core_attention",) if impl == "transformer_engine" else ())
+def _modules_with_extra_state(impl: str, moe: bool = False) -> tuple[str, ...]:
+    """The per-layer modules whose `_extra_state` megatron-core's spec expects (a MoE layer's
+    experts have theirs per expert: `_expert_extra_state`)."""
+    linears = LINEARS[:2] if moe else LINEARS
+    return linears + (("self_attention.core_attention",) if impl == "transformer_engine" else ())
 
 
 def check_layout(config, tp: int, pp: int) -> None:
     """Refuse (one sentence) a target layout megatron-core cannot build for `config`."""
     c = config
     if c.num_experts is not None:
-        raise CheckpointError("writing a mixture-of-experts model in Megatron-LM's format is not "
-                              "implemented yet; export it with --saver hf instead.")
+        _check_moe(c)
     problems = [(c.num_attention_heads, "num_attention_heads"),
                 (c.num_query_groups, "num_query_groups"), (c.ffn_hidden_size, "ffn_hidden_size")]
     for value, name in problems:
@@ -56,6 +57,38 @@ def check_layout(config, tp: int, pp: int) -> None:
     if c.num_layers % pp:
         raise CheckpointError(f"--target-pipeline-parallel-size {pp} does not divide num_layers="
                               f"{c.num_layers} (Megatron-LM's even split); choose a pp that does.")
+
+
+def _check_moe(c) -> None:
+    """The mixture-of-experts models written: experts in every layer (Mixtral / Qwen3-MoE
+    shaped), softmax routing over the top-k, no shared expert."""
+    if not all(c.is_moe_layer(i) for i in range(c.num_layers)):
+        raise CheckpointError(f"this model mixes dense and mixture-of-experts layers "
+                              f"(moe_layer_freq={c.moe_layer_freq}), which is not written in "
+                              f"Megatron-LM's format yet; export it with --saver hf.")
+    if c.moe_shared_expert_intermediate_size or c.moe_router_score_function != "softmax":
+        raise CheckpointError("a shared expert or non-softmax routing is not written in "
+                              "Megatron-LM's format yet; export it with --saver hf.")
+    if c.moe_router_pre_softmax and not c.moe_norm_topk_prob and c.moe_router_topk > 1 \
+            and c.moe_router_topk_scaling_factor is not None:
+        raise CheckpointError("a router top-k scaling factor with pre-softmax routing is not "
+                              "written in Megatron-LM's format yet.")
+
+
+def moe_args(c) -> dict:
+    """Megatron-LM's MoE arguments of GPTConfig `c` (a Qwen3-MoE-style renormalised pre-softmax
+    routing is Megatron-LM's default softmax over the top-k logits: the same weights)."""
+    if c.num_experts is None:
+        return {}
+    return dict(num_experts=c.num_experts, moe_ffn_hidden_size=c.moe_ffn_hidden_size,
+                moe_router_topk=c.moe_router_topk, moe_layer_freq=c.moe_layer_freq,
+                moe_router_pre_softmax=bool(c.moe_router_pre_softmax and not c.moe_norm_topk_prob),
+                moe_router_score_function="softmax",
+                moe_router_topk_scaling_factor=c.moe_router_topk_scaling_factor,
+                moe_router_load_balancing_type=c.moe_router_load_balancing_type,
+                moe_aux_loss_coeff=c.moe_aux_loss_coeff, moe_z_loss_coeff=c.moe_z_loss_coeff,
+                moe_expert_capacity_factor=c.moe_expert_capacity_factor, moe_grouped_gemm=False,
+                moe_shared_expert_intermediate_size=None)
 
 
 def padded_rows(config, tp: int) -> int:
@@ -109,7 +142,7 @@ def write_checkpoint(root: str, config, tensors: dict[str, torch.Tensor], *, ckp
     args = args_for(config, tp=tp, pp=pp, padded_vocab_size=rows,
                     iteration=0 if iteration == RELEASE else int(iteration),
                     extra=dict(extra_args or {}, ckpt_format=ckpt_format,
-                               transformer_impl=transformer_impl))
+                               transformer_impl=transformer_impl, **moe_args(config)))
     common = {"args": args, "checkpoint_version": 3.0,
               "iteration": 0 if iteration == RELEASE else int(iteration),
               "num_floating_point_operations_so_far": 0}
@@ -143,7 +176,7 @@ def _write_tracker(root: str, iteration) -> None:
 
 def _write_torch_dist(folder: str, config, full: dict, common: dict, impl: str) -> None:
     import torch.distributed.checkpoint as dcp
-    L = config.num_layers
+    L, moe = config.num_layers, config.num_experts is not None
     state: dict = {}
     for name, t in full.items():
         if not name.startswith("layers."):
@@ -156,13 +189,21 @@ def _write_torch_dist(folder: str, config, full: dict, common: dict, impl: str) 
             continue
         key = names.megatron_name(name, te_names=True).replace("decoder.layers.0.",
                                                                "decoder.layers.")
+        if moe and impl == "transformer_engine" and ours.startswith("post_attention_norm."):
+            key = "decoder.layers.pre_mlp_layernorm." + ours.split(".")[-1]   # not fused: experts
         state[key] = torch.stack([full[f"layers.{j}.{ours}"] for j in range(L)])   # [L, ...]
     empty = io.BytesIO()
     torch.save([None], empty)
-    for module in _modules_with_extra_state(impl):
+    for module in _modules_with_extra_state(impl, moe):
         for i in range(L):
             state[f"decoder.layers.{module}._extra_state/shard_{i}_{L}"] = io.BytesIO(
                 empty.getvalue())
+    E = config.num_experts if moe else 0
+    for fc in (1, 2) if moe else ():       # one entry per layer and expert: shard_{i}.{j}_{L}.{E}
+        for i in range(L):
+            for j in range(E):
+                state[f"decoder.layers.mlp.experts.experts.linear_fc{fc}._extra_state/"
+                      f"shard_{i}.{j}_{L}.{E}"] = io.BytesIO(empty.getvalue())
     with warnings.catch_warnings():       # "assuming the intent is to save in a single process"
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, single_file_per_rank=True),
@@ -192,6 +233,7 @@ def _write_torch(folder: str, config, full: dict, common: dict, tp: int, pp: int
     per_stage = config.num_layers // pp
     swiglu = config.activation == "swiglu"
     te = impl == "transformer_engine"
+    moe = config.num_experts is not None
     for p in range(pp):
         first, last = p == 0, p == pp - 1
         for r in range(tp):
@@ -200,20 +242,39 @@ def _write_torch(folder: str, config, full: dict, common: dict, tp: int, pp: int
                 local = _local_name(name, p, per_stage, first, last, pp, config.tie_embeddings)
                 if local is None:
                     continue
-                model[names.megatron_name(local, te_names=te)] = \
-                    names.split_tp(name, t, tp, r, swiglu).clone()
+                if moe and local.endswith((".mlp.experts.w1", ".mlp.experts.w2")):
+                    model.update(_local_experts(local, t, tp, r))
+                    continue
+                key = names.megatron_name(local, te_names=te)
+                if moe and ".post_attention_norm." in local:   # not fused into the experts
+                    key = names.megatron_name(local)
+                model[key] = names.split_tp(name, t, tp, r, swiglu).clone()
             if last and pp > 1 and config.tie_embeddings:   # the output layer's copy
                 model["output_layer.weight"] = names.split_tp(
                     "output_layer.weight", full["embedding.word_embeddings.weight"], tp, r,
                     swiglu).clone()
             for i in range(per_stage):
-                for module in _modules_with_extra_state(impl):
+                for module in _modules_with_extra_state(impl, moe):
                     model[f"decoder.layers.{i}.{module}._extra_state"] = None
             if last:
                 model["output_layer._extra_state"] = None
             name = f"mp_rank_{r:02d}" + (f"_{p:03d}" if pp > 1 else "")
             os.makedirs(os.path.join(folder, name))
             torch.save(dict(common, model=model), os.path.join(folder, name, "model_optim_rng.pt"))
+
+
+def _local_experts(local: str, stack: torch.Tensor, tp: int, rank: int) -> dict:
+    """Stage-local layer's experts in the torch format: local_experts.{j}.linear_fc{1,2} (each
+    cut over tp like the dense SwiGLU MLP: expert tensor parallelism = tp), and their
+    `_extra_state`."""
+    prefix = "decoder." + local.rsplit(".mlp.experts.", 1)[0] + ".mlp.experts.local_experts"
+    fc = 1 if local.endswith("w1") else 2
+    out = {}
+    for j in range(stack.shape[0]):                     # [E, 2F, H] or [E, H, F]
+        out[f"{prefix}.{j}.linear_fc{fc}.weight"] = names.split_tp(
+            f"layers.0.mlp.fc{fc}.weight", stack[j], tp, rank, swiglu=True).clone()
+        out[f"{prefix}.{j}.linear_fc{fc}._extra_state"] = None
+    return out
 
 
 def _local_name(name: str, stage: int, per_stage: int, first: bool, last: bool, pp: int,
