@@ -310,3 +310,28 @@ def test_a_layout_megatron_cannot_build_is_refused(made, tmp_path):
                         f"{made['out']}/gqa_torch", "--save-dir", out,
                         "--target-tensor-parallel-size", "4"], out)
     assert "does not divide num_query_groups=2" in message
+
+
+@pytest.mark.parametrize("style", ["cosine", "linear", "constant", "inverse-square-root"])
+def test_schedule_position_equals_megatron_cores(style):
+    """The stored scheduler (samples) read as ours (iterations): the learning rate at every later
+    iteration equals megatron-core's OptimizerParamScheduler at iteration x global batch."""
+    from types import SimpleNamespace
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron_sp.checkpointing.megatron_lm.resume import our_scheduler
+    from megatron_sp.training.optimizer import LRScheduler
+    gbs, warmup, decay, at = 8, 3, 17, 5
+    group = {"lr": 0.0, "max_lr": 3e-3, "min_lr": 3e-4, "wd_mult": 1.0, "lr_mult": 1.0,
+             "weight_decay": 0.0}
+    theirs = OptimizerParamScheduler(SimpleNamespace(param_groups=[group]), 0.0, 3e-3, 3e-4,
+                                     warmup * gbs, decay * gbs, style, 0.0, 0.0, decay * gbs,
+                                     "constant")
+    theirs.step(at * gbs)
+    ckpt = SimpleNamespace(scheduler=theirs.state_dict(), args={"global_batch_size": gbs})
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    ours = LRScheduler(opt, 1.0, 0.0, 0, 0, "constant")
+    ours.load_state_dict(our_scheduler(ckpt))
+    for _ in range(decay + 3 - at):
+        assert abs(ours.lr - theirs.get_lr(group)) <= 1e-12, (ours.num_steps, ours.lr)
+        ours.step()
+        theirs.step(gbs)
