@@ -161,7 +161,7 @@ def apply_checkpoint_args(args, argv=None) -> int | None:
         return None
     from megatron_sp.checkpointing import read_meta, resolve_checkpoint
     from megatron_sp.cli.arguments import build_parser
-    from megatron_sp.models.config import config_to_flags
+    from megatron_sp.cli.model_flags import config_to_flags
     if not args.load:
         raise ConfigError("--use-checkpoint-args reads the model from a checkpoint: pass it "
                           "with --load DIR.")
@@ -218,7 +218,7 @@ def model_config(job: JobConfig, vocab_size: int) -> GPTConfig:
         rotary_percent=m.rotary_percent if m.rotary_percent != 1.0 else None)
     fields.update(families.family_fields(m))
     fields.update(cli.moe_fields(m))              # --num-experts, --moe-*
-    families.check_sliding_window(job.checkpoint.load, job.training.seq_length)
+    startup_checks.check_sliding_window(job.checkpoint.load, job.training.seq_length)
     fields = {k: v for k, v in fields.items() if v is not None}
     fields["vocab_size"] = families.model_vocab_size(job.data, vocab_size)
     fields["make_vocab_size_divisible_by"] = m.make_vocab_size_divisible_by

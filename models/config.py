@@ -317,7 +317,7 @@ PRESETS.update({
     # Qwen3-30B-A3B: every layer has experts (decoder_sparse_step 1, no mlp_only_layers), so
     # intermediate_size 6144 (ffn_hidden_size) is unused. Its routing, norm_topk_prob true (softmax
     # over the 128, top-8, renormalised), is Megatron's default softmax over the top-8 logits (the
-    # same weights, and the flags printed by config_to_flags rebuild it; a converted checkpoint
+    # same weights, and the flags printed by cli/model_flags.config_to_flags rebuild it; a converted checkpoint
     # says it as moe_router_pre_softmax + moe_norm_topk_prob instead).
     "qwen3-30b-a3b": dict(_qwen(48, 2048, 32, 4, 6144, tied=False), num_experts=128,
                           moe_ffn_hidden_size=768, moe_router_topk=8, moe_layer_freq=1),
@@ -342,37 +342,3 @@ def preset(name: str, **overrides) -> GPTConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}.")
     return GPTConfig(**{**PRESETS[name], **overrides})
-
-
-def config_to_flags(config: GPTConfig) -> list[str]:
-    """The pretrain_gpt.py / Megatron-LM flags that rebuild `config` (the vocabulary comes from the
-    tokenizer). `convert.py` prints them; `--use-checkpoint-args` applies them from a checkpoint."""
-    c = config
-    flags = ["--num-layers", str(c.num_layers), "--hidden-size", str(c.hidden_size),
-             "--num-attention-heads", str(c.num_attention_heads),
-             "--ffn-hidden-size", str(c.ffn_hidden_size)]
-    if c.num_query_groups != c.num_attention_heads:
-        flags += ["--group-query-attention", "--num-query-groups", str(c.num_query_groups)]
-    if c.kv_channels * c.num_attention_heads != c.hidden_size:
-        flags += ["--kv-channels", str(c.kv_channels)]
-    flags += ["--max-position-embeddings", str(c.max_position_embeddings),
-              "--position-embedding-type", c.position_embedding_type]
-    if c.position_embedding_type != "learned_absolute":
-        flags += ["--rotary-base", f"{c.rotary_base:g}"]
-    flags += ["--normalization", c.normalization, "--norm-epsilon", f"{c.norm_epsilon:g}"]
-    flags += {"swiglu": ["--swiglu"], "gelu_tanh": ["--openai-gelu"]}.get(c.activation, [])
-    if not c.add_bias_linear:
-        flags.append("--disable-bias-linear")
-        if c.add_qkv_bias:
-            flags.append("--add-qkv-bias")
-    if not c.tie_embeddings:
-        flags.append("--untie-embeddings-and-output-weights")
-    flags += ["--make-vocab-size-divisible-by", str(c.make_vocab_size_divisible_by),
-              "--attention-dropout", f"{c.attention_dropout:g}",
-              "--hidden-dropout", f"{c.hidden_dropout:g}", "--init-method-std", f"{c.init_method_std:g}"]
-    if c.apply_layernorm_1p:
-        flags.append("--apply-layernorm-1p")
-    if c.rotary_percent != 1.0:
-        flags += ["--rotary-percent", f"{c.rotary_percent:g}"]
-    from .families import family_flags   # --qk-layernorm, --use-rope-scaling, --yarn-*
-    return flags + family_flags(c)

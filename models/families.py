@@ -111,7 +111,7 @@ def read_hf_folder(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     if not any(os.path.isfile(os.path.join(path, n)) for n in
                ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")):
         raise ConversionError(f"{path} has neither model.safetensors(.index.json) nor pytorch_model.bin.")
-    from megatron_sp.checkpointing.pretrained import read_hf_weights   # each file's failure named
+    from megatron_sp.checkpointing.hf_weights import read_hf_weights   # each file's failure named
     return config, read_hf_weights(path)
 
 
@@ -736,49 +736,6 @@ def load_hf_folder(path: str, attention_backend="sdpa"):
     return model_from_full(config, full, attention_backend).eval()
 
 
-def family_flags(config: GPTConfig) -> list[str]:
-    """The flags of the families' features (--qk-layernorm, --use-rope-scaling, --yarn-*, and the
-    --num-experts / --moe-* of the MoE families) that rebuild `config` on top of its shape flags
-    (models.config's flags of the plain model)."""
-    c, flags = config, []
-    if c.qk_layernorm:
-        flags.append("--qk-layernorm")
-    if c.use_rope_scaling:
-        flags += ["--use-rope-scaling", "--rope-scaling-factor", f"{c.rope_scaling_factor:g}"]
-    if c.position_embedding_type == "yarn":
-        for name in ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings",
-                     "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"):
-            if getattr(c, name) is not None:
-                flags += ["--" + name.replace("_", "-"), f"{getattr(c, name):g}"]
-    if c.num_experts is not None:   # the converted families' MoE fields (moe_norm_topk_prob has no
-        freq = c.moe_layer_freq     # flag: a preset carries it)
-        flags += ["--num-experts", str(c.num_experts), "--moe-ffn-hidden-size",
-                  str(c.moe_ffn_hidden_size), "--moe-router-topk", str(c.moe_router_topk),
-                  "--moe-layer-freq", str(freq) if isinstance(freq, int)
-                  else "[" + ",".join(str(v) for v in freq) + "]"]
-        if c.moe_router_pre_softmax:
-            flags.append("--moe-router-pre-softmax")
-        if c.moe_pad_expert_input_to_capacity:
-            flags.append("--moe-pad-expert-input-to-capacity")
-        if c.moe_shared_expert_gate:
-            flags.append("--moe-shared-expert-gate")
-        if c.moe_shared_expert_intermediate_size:
-            flags += ["--moe-shared-expert-intermediate-size",
-                      str(c.moe_shared_expert_intermediate_size)]
-        # the router and its losses (a resumed run keeps them under --use-checkpoint-args)
-        if c.moe_router_score_function != "softmax":
-            flags += ["--moe-router-score-function", c.moe_router_score_function]
-        if c.moe_router_load_balancing_type != "aux_loss":
-            flags += ["--moe-router-load-balancing-type", c.moe_router_load_balancing_type]
-        for name in ("moe_router_topk_scaling_factor", "moe_z_loss_coeff",
-                     "moe_expert_capacity_factor"):
-            if getattr(c, name) is not None:
-                flags += ["--" + name.replace("_", "-"), f"{getattr(c, name):g}"]
-        if c.moe_aux_loss_coeff:
-            flags += ["--moe-aux-loss-coeff", f"{c.moe_aux_loss_coeff:g}"]
-    return flags
-
-
 def token_ids_of(tokenizer) -> dict:
     """bos/eos/pad ids of a transformers tokenizer (None where it has none)."""
     return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
@@ -812,20 +769,3 @@ def model_vocab_size(data, vocab_size: int) -> int:
                           f"{data.tokenizer_type}'s {vocab_size} ids; leave it out or pass "
                           f"the checkpoint's vocabulary size.")
     return data.vocab_size
-
-
-def check_sliding_window(load: str | None, seq_length: int | None) -> None:
-    """Refuse a --seq-length beyond the sliding window recorded in the --load checkpoint (a
-    converted Mistral v0.1): attention here is full, so only shorter sequences are the same model."""
-    if not load or not os.path.exists(load) or not seq_length:
-        return
-    from megatron_sp.checkpointing import CheckpointError, read_meta, resolve_checkpoint
-    try:
-        folder = resolve_checkpoint(load)
-        window = ((read_meta(folder) if folder else {}).get("config") or {}).get("sliding_window")
-    except (CheckpointError, OSError, ValueError):   # said in one sentence by the load itself
-        return
-    if window and seq_length > window:
-        raise ConfigError(f"--seq-length {seq_length} exceeds the sliding window {window} "
-                          f"of the checkpoint in --load {load}; sliding-window attention is not "
-                          f"implemented, so use --seq-length <= {window}.")

@@ -91,3 +91,20 @@ def check_world_size(parallel, argv=None) -> None:
             command = f"torchrun --nproc-per-node {needed} pretrain_gpt.py ..."
         raise ConfigError(f"{str(err).rstrip('.')}; this is one process: run it with "
                           f"`{command}`.") from None
+
+
+def check_sliding_window(load: str | None, seq_length: int | None) -> None:
+    """Refuse a --seq-length beyond the sliding window recorded in the --load checkpoint (a
+    converted Mistral v0.1): attention here is full, so only shorter sequences are the same model."""
+    if not load or not os.path.exists(load) or not seq_length:
+        return
+    from megatron_sp.checkpointing import CheckpointError, read_meta, resolve_checkpoint
+    try:
+        folder = resolve_checkpoint(load)
+        window = ((read_meta(folder) if folder else {}).get("config") or {}).get("sliding_window")
+    except (CheckpointError, OSError, ValueError):   # said in one sentence by the load itself
+        return
+    if window and seq_length > window:
+        raise ConfigError(f"--seq-length {seq_length} exceeds the sliding window {window} "
+                          f"of the checkpoint in --load {load}; sliding-window attention is not "
+                          f"implemented, so use --seq-length <= {window}.")

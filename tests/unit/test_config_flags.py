@@ -4,7 +4,8 @@
 import pytest
 
 from megatron_sp.cli.build import parse_job
-from megatron_sp.models.config import PRESETS, GPTConfig, config_to_flags, preset
+from megatron_sp.cli.model_flags import config_to_flags
+from megatron_sp.models.config import PRESETS, GPTConfig, preset
 
 from megatron_sp.testing import load_script  # noqa: E402
 pretrain_gpt = load_script("pretrain_gpt.py")

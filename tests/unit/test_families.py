@@ -274,6 +274,7 @@ def test_family_flags_rebuild_the_config(name):
     sys.path.insert(0, ROOT)
     import pretrain_gpt
     from megatron_sp.cli.build import parse_job
+    from megatron_sp.cli.model_flags import family_flags
     cfg = preset(name, position_embedding_type="yarn", use_rope_scaling=False,
                  yarn_rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=32768,
                  yarn_beta_fast=16.0) if name == "qwen3-4b" else preset(name)
@@ -286,7 +287,7 @@ def test_family_flags_rebuild_the_config(name):
              f"--hidden-dropout 0 --seq-length 128").split()
     shape += ["--add-qkv-bias"] if cfg.add_qkv_bias else []
     shape += [] if cfg.tie_embeddings else ["--untie-embeddings-and-output-weights"]
-    job = parse_job(shape + families.family_flags(cfg))
+    job = parse_job(shape + family_flags(cfg))
     assert pretrain_gpt.model_config(job, cfg.vocab_size) == cfg
 
 

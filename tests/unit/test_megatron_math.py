@@ -86,7 +86,7 @@ def test_rotary_percent_and_1p_flags_reach_the_config_and_back():
     """config_to_flags -> the parser -> pretrain_gpt.model_config rebuilds both fields, and both
     flags sit in the model group that --use-checkpoint-args copies from a checkpoint."""
     from megatron_sp.cli.arguments import build_parser
-    from megatron_sp.models.config import config_to_flags
+    from megatron_sp.cli.model_flags import config_to_flags
     from megatron_sp.testing import load_script
     pretrain_gpt = load_script("pretrain_gpt.py")
     cfg = tiny(rotary_percent=0.25, apply_layernorm_1p=True)

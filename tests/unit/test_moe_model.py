@@ -119,7 +119,7 @@ def test_bench_moe_runs_and_agrees_with_hf():
 def test_printed_flags_rebuild_the_moe_config(monkeypatch):
     """config_to_flags (what convert.py prints, what --use-checkpoint-args applies) read back by
     pretrain_gpt.py give the same GPTConfig, router and router-loss fields included."""
-    from megatron_sp.models.config import config_to_flags
+    from megatron_sp.cli.model_flags import config_to_flags
     from megatron_sp.testing import load_script
     pretrain_gpt = load_script("pretrain_gpt.py")
     cfg = preset("llama-tiny", **{**MOE, "moe_layer_freq": [1, 0, 1, 1], "moe_router_topk": 3,

@@ -47,7 +47,7 @@ from megatron_sp.checkpointing.lock import conversion_target
 from megatron_sp.reporting import debug_requested
 
 from megatron_sp.models.families import (ConversionError, FAMILIES, full_tensors,  # noqa: F401
-                                        family_flags, hf_to_megatron_sp, megatron_sp_to_hf,
+                                        hf_to_megatron_sp, megatron_sp_to_hf,
                                         model_from_full,
                                         read_hf_folder, token_ids_of, write_hf_folder)
 
@@ -232,7 +232,7 @@ def main(argv=None):
         return
     print(f"> converted {a.load_dir} ({a.loader}) -> {a.save_dir} ({a.saver})")
     if config is not None:
-        from megatron_sp.models.config import config_to_flags
+        from megatron_sp.cli.model_flags import config_to_flags
         print(f"> fine-tune it with: --load {a.save_dir} --finetune --use-checkpoint-args "
               f"(model flags, stored in the checkpoint: {' '.join(config_to_flags(config))})")
 
