@@ -38,7 +38,6 @@ from megatron_sp.training import MetricsWriter, Trainer, print_rank0, rampup
 from megatron_sp.training.flops import flops_for_config
 from megatron_sp.training.loop import fit
 from megatron_sp.training.optimizer import LRScheduler, build_optimizer
-from megatron_sp.ulysses import head_chunk_problem
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron_sp")
 
@@ -59,7 +58,7 @@ def main(argv=None):
         config = model_config(job, job.model.checkpoint_vocab_size or tokenizer.vocab_size)
         config.check_parallel(mesh.tp_size, mesh.sp_size, mesh.pp_size,
                               sequence_parallel=job.parallel.sequence_parallel)
-    check_model_fits(job, config, tokenizer, mesh)
+    startup_checks.check_model_fits(job, config, tokenizer, mesh)
     with progress.phase(mesh, "model built"):
         chunks = build_model(config, mesh, job, device)
         sharding = build_sharding(chunks, mesh, job, device)
@@ -237,92 +236,6 @@ def model_config(job: JobConfig, vocab_size: int) -> GPTConfig:
         config = GPTConfig(**fields)
     cli.check_moe_model(m, config)
     return config
-
-
-def check_model_fits(job: JobConfig, config: GPTConfig, tokenizer, mesh) -> None:
-    """The rules between the model, the tokenizer, the sequence and the mesh (one sentence each)."""
-    seq = job.training.seq_length
-    if not job.model.add_position_embedding and not config.uses_rope:   # Megatron refuses it too
-        raise ConfigError(f"--no-position-embedding with --position-embedding-type "
-                          f"{config.position_embedding_type}: the flag is deprecated in Megatron-LM; "
-                          f"use --position-embedding-type rope (which has no learned embedding).")
-    if tokenizer.vocab_size > config.padded_vocab_size(mesh.tp_size):
-        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint's "
-                          f"model only {config.padded_vocab_size(mesh.tp_size)} embeddings; use the "
-                          f"tokenizer the checkpoint was trained with.")
-    if seq > config.max_position_embeddings and config.position_embedding_type == "learned_absolute":
-        raise ConfigError(f"--seq-length {seq} exceeds --max-position-embeddings "
-                          f"{config.max_position_embeddings} of learned position embeddings.")
-    mesh.dims.check_sequence(seq, job.parallel.sequence_parallel)
-    problem = head_chunk_problem(config.num_attention_heads // mesh.tp_size,
-                                 config.num_query_groups // mesh.tp_size, mesh.sp_size,
-                                 job.memory.ulysses_head_chunks)
-    if problem:
-        raise ConfigError(problem)
-    if mesh.cp_size > 1 and config.attention_dropout:
-        raise ConfigError(f"--attention-dropout {config.attention_dropout} with ring attention "
-                          f"(--context-parallel-size {job.parallel.context_parallel_size}, "
-                          f"--cp-comm-type {job.parallel.cp_comm_type}): dropout on the attention "
-                          f"probabilities is not implemented in the ring; pass --attention-dropout 0 "
-                          f"or --cp-comm-type a2a.")
-    if mesh.cp_size > 1 and _ring_is_transformer_engine(job):
-        check_te_context_parallel(job, config, mesh)
-    elif torch.cuda.is_available() and (mesh.cp_size > 1 or _documents_run_blockwise(job)):
-        problem = block_kernel_problem(config, mesh)
-        if problem:
-            raise ConfigError(problem)
-
-
-def _documents_run_blockwise(job: JobConfig) -> bool:
-    """Packed documents through SDPA's blockwise attention (the block kernels): SDPA asked for,
-    or auto where neither Transformer Engine nor flash-attn is installed (they take cu_seqlens)."""
-    import importlib.util
-    from megatron_sp.training import fp8
-    backend = fp8.attention_backend(job.model)
-    fused = any(importlib.util.find_spec(m) is not None for m in ("transformer_engine",
-                                                                   "flash_attn"))
-    return job.data.reset_attention_mask and (backend == "sdpa" or (backend == "auto"
-                                                                     and not fused))
-
-
-def block_kernel_problem(config, mesh) -> str | None:
-    """Why the fused block kernels (the ring's, and blockwise attention's for packed documents;
-    megatron_sp/attention/block_kernels.py) cannot take this run on CUDA, in one sentence: a head
-    size FlashAttention-2 and the memory-efficient kernel refuse (not a multiple of 8); None when
-    they can."""
-    d = config.kv_channels
-    where = (f"ring attention (--context-parallel-size {mesh.cp_size})" if mesh.cp_size > 1
-             else "packed documents (--reset-attention-mask)")
-    if d % 8:
-        return (f"{where} runs the fused block kernels (FlashAttention-2 varlen, the "
-                f"memory-efficient kernel), which need a head size that is a multiple of 8, got "
-                f"{d}: use --kv-channels {8 * math.ceil(d / 8)}"
-                + ("." if mesh.cp_size > 1 else ", or --attention-backend te / flash-attn."))
-    return None
-
-
-def _ring_is_transformer_engine(job: JobConfig) -> bool:
-    """Whether the model's ring will be TE's context parallelism (models.gpt.ring_attention_for):
-    Transformer Engine asked for, or picked by auto on a GPU where it is installed."""
-    import importlib.util
-    from megatron_sp.training import fp8
-    backend = fp8.attention_backend(job.model)
-    return backend == "te" or (backend == "auto" and torch.cuda.is_available()
-                               and importlib.util.find_spec("transformer_engine") is not None)
-
-
-def check_te_context_parallel(job: JobConfig, config, mesh) -> None:
-    """A ring layout Transformer Engine's context parallelism refuses, in one sentence at
-    start-up (heads per rank after our Ulysses exchange, the head size, packed documents)."""
-    from megatron_sp.context_parallel.te import te_cp_problem
-    tp, sp = mesh.tp_size, mesh.sp_size
-    dtype = (torch.bfloat16 if job.precision.bf16 else torch.float16 if job.precision.fp16
-             else torch.float32)
-    problem = te_cp_problem("p2p", mesh.cp_size, config.num_attention_heads // (tp * sp),
-                            max(config.num_query_groups // tp, sp) // sp, None,
-                            job.data.reset_attention_mask, dtype, head_dim=config.kv_channels)
-    if problem:
-        raise ConfigError(problem)
 
 
 # Processes, model, optimizer, trainer -----------------------------------------------------------
@@ -507,24 +420,6 @@ def build_tokenizer(job: JobConfig, mesh):
                                       trust_remote_code=d.trust_remote_code)
 
 
-class MockDataset:
-    """Random tokens, the same sample i in every layout (seeded by the sample index)."""
-
-    def __init__(self, vocab_size: int, seq_length: int, seed: int, num_samples: int):
-        self.vocab, self.seq, self.seed, self.n = vocab_size, seq_length, seed, num_samples
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        import numpy as np
-        rng = np.random.default_rng([self.seed, i])
-        text = rng.integers(0, self.vocab, self.seq + 1, dtype=np.int64)
-        return {"tokens": text[:-1], "labels": text[1:],
-                "loss_mask": np.ones(self.seq, dtype=np.float32),
-                "position_ids": np.arange(self.seq, dtype=np.int64)}
-
-
 def build_datasets(job: JobConfig, tokenizer, mesh, state, train_iters: int):
     """(train, valid) datasets; sample counts as Megatron-LM computes them, raised when a resumed
     run (with another global batch size) needs more than that."""
@@ -539,6 +434,7 @@ def build_datasets(job: JobConfig, tokenizer, mesh, state, train_iters: int):
     eval_samples = max(eval_runs * t.eval_iters * gbs,
                        state.consumed_valid_samples + runs_left * t.eval_iters * gbs)
     if d.mock_data:
+        from megatron_sp.data.mock_dataset import MockDataset
         return (MockDataset(tokenizer.vocab_size, t.seq_length, t.seed, train_samples),
                 MockDataset(tokenizer.vocab_size, t.seq_length, t.seed + 1, eval_samples))
     data_path = list(d.data_path)

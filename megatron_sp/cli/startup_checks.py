@@ -1,16 +1,25 @@
 """The checks pretrain_gpt.py makes before any expensive work (no process group, no model, no data
 read yet), each one sentence: the model preset (with the nearest name), the data files, the
 tokenizer files and the layout against the number of processes (with the torchrun command that
-runs it). They read the parsed namespace, so they stay at the command-line edge.
+runs it); then, once the model config and the mesh exist, the model against the run (vocabulary,
+positions, heads, the ring and the fused kernels: check_model_fits). They read the parsed
+namespace or the JobConfig, so they stay at the command-line edge, where pretrain_gpt.py, tools/
+and megatron_sp.hf can all call them.
 """
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import shlex
 import sys
+from typing import TYPE_CHECKING
 
 from megatron_sp.errors import ConfigError, DataError
+
+if TYPE_CHECKING:   # annotations only: the checks import what they use when called
+    from megatron_sp.config import JobConfig
+    from megatron_sp.models.config import GPTConfig
 
 
 def check_preset(model: str | None) -> None:
@@ -108,3 +117,100 @@ def check_sliding_window(load: str | None, seq_length: int | None) -> None:
         raise ConfigError(f"--seq-length {seq_length} exceeds the sliding window {window} "
                           f"of the checkpoint in --load {load}; sliding-window attention is not "
                           f"implemented, so use --seq-length <= {window}.")
+
+
+# The model against the run (after the model config and the mesh exist) ------------------------
+
+def installed(module: str) -> bool:
+    """Whether an optional package (transformer_engine, flash_attn) can be imported here, asked
+    without importing it."""
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
+def check_model_fits(job: JobConfig, config: GPTConfig, tokenizer, mesh) -> None:
+    """The rules between the model, the tokenizer, the sequence and the mesh (one sentence each).
+    `tokenizer`: anything with a vocab_size."""
+    import torch
+    from megatron_sp.ulysses import head_chunk_problem
+    seq = job.training.seq_length
+    if not job.model.add_position_embedding and not config.uses_rope:   # Megatron refuses it too
+        raise ConfigError(f"--no-position-embedding with --position-embedding-type "
+                          f"{config.position_embedding_type}: the flag is deprecated in Megatron-LM; "
+                          f"use --position-embedding-type rope (which has no learned embedding).")
+    if tokenizer.vocab_size > config.padded_vocab_size(mesh.tp_size):
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint's "
+                          f"model only {config.padded_vocab_size(mesh.tp_size)} embeddings; use the "
+                          f"tokenizer the checkpoint was trained with.")
+    if seq > config.max_position_embeddings and config.position_embedding_type == "learned_absolute":
+        raise ConfigError(f"--seq-length {seq} exceeds --max-position-embeddings "
+                          f"{config.max_position_embeddings} of learned position embeddings.")
+    mesh.dims.check_sequence(seq, job.parallel.sequence_parallel)
+    problem = head_chunk_problem(config.num_attention_heads // mesh.tp_size,
+                                 config.num_query_groups // mesh.tp_size, mesh.sp_size,
+                                 job.memory.ulysses_head_chunks)
+    if problem:
+        raise ConfigError(problem)
+    if mesh.cp_size > 1 and config.attention_dropout:
+        raise ConfigError(f"--attention-dropout {config.attention_dropout} with ring attention "
+                          f"(--context-parallel-size {job.parallel.context_parallel_size}, "
+                          f"--cp-comm-type {job.parallel.cp_comm_type}): dropout on the attention "
+                          f"probabilities is not implemented in the ring; pass --attention-dropout 0 "
+                          f"or --cp-comm-type a2a.")
+    if mesh.cp_size > 1 and ring_is_transformer_engine(job):
+        check_te_context_parallel(job, config, mesh)
+    elif torch.cuda.is_available() and (mesh.cp_size > 1 or documents_run_blockwise(job)):
+        problem = block_kernel_problem(config, mesh)
+        if problem:
+            raise ConfigError(problem)
+
+
+def documents_run_blockwise(job: JobConfig) -> bool:
+    """Packed documents through SDPA's blockwise attention (the block kernels): SDPA asked for,
+    or auto where neither Transformer Engine nor flash-attn is installed (they take cu_seqlens)."""
+    from megatron_sp.training import fp8
+    backend = fp8.attention_backend(job.model)
+    fused = installed("transformer_engine") or installed("flash_attn")
+    return job.data.reset_attention_mask and (backend == "sdpa" or (backend == "auto"
+                                                                     and not fused))
+
+
+def block_kernel_problem(config, mesh) -> str | None:
+    """Why the fused block kernels (the ring's, and blockwise attention's for packed documents;
+    megatron_sp/attention/block_kernels.py) cannot take this run on CUDA, in one sentence: a head
+    size FlashAttention-2 and the memory-efficient kernel refuse (not a multiple of 8); None when
+    they can."""
+    d = config.kv_channels
+    where = (f"ring attention (--context-parallel-size {mesh.cp_size})" if mesh.cp_size > 1
+             else "packed documents (--reset-attention-mask)")
+    if d % 8:
+        return (f"{where} runs the fused block kernels (FlashAttention-2 varlen, the "
+                f"memory-efficient kernel), which need a head size that is a multiple of 8, got "
+                f"{d}: use --kv-channels {8 * math.ceil(d / 8)}"
+                + ("." if mesh.cp_size > 1 else ", or --attention-backend te / flash-attn."))
+    return None
+
+
+def ring_is_transformer_engine(job: JobConfig) -> bool:
+    """Whether the model's ring will be TE's context parallelism (models.gpt.ring_attention_for):
+    Transformer Engine asked for, or picked by auto on a GPU where it is installed."""
+    import torch
+    from megatron_sp.training import fp8
+    backend = fp8.attention_backend(job.model)
+    return backend == "te" or (backend == "auto" and torch.cuda.is_available()
+                               and installed("transformer_engine"))
+
+
+def check_te_context_parallel(job: JobConfig, config, mesh) -> None:
+    """A ring layout Transformer Engine's context parallelism refuses, in one sentence at
+    start-up (heads per rank after our Ulysses exchange, the head size, packed documents)."""
+    import torch
+    from megatron_sp.context_parallel.te import te_cp_problem
+    tp, sp = mesh.tp_size, mesh.sp_size
+    dtype = (torch.bfloat16 if job.precision.bf16 else torch.float16 if job.precision.fp16
+             else torch.float32)
+    problem = te_cp_problem("p2p", mesh.cp_size, config.num_attention_heads // (tp * sp),
+                            max(config.num_query_groups // tp, sp) // sp, None,
+                            job.data.reset_attention_mask, dtype, head_dim=config.kv_channels)
+    if problem:
+        raise ConfigError(problem)

@@ -294,20 +294,17 @@ def test_block_kernel_choice_per_device_and_dtype():
 def test_pretrain_refuses_a_head_size_the_cuda_block_kernels_cannot_take():
     """pretrain_gpt's start-up check on CUDA: the ring (or SDPA's packed documents) with a head
     size that is not a multiple of 8 is one sentence naming the --kv-channels that works."""
-    import os
-    import sys
     from types import SimpleNamespace
 
     from megatron_sp.models import GPTConfig
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    import pretrain_gpt
+    from megatron_sp.cli import startup_checks
     odd = GPTConfig(num_layers=1, hidden_size=48, num_attention_heads=4, vocab_size=64)   # d 12
     ring = SimpleNamespace(cp_size=2)
-    assert pretrain_gpt.block_kernel_problem(odd, ring) == (
+    assert startup_checks.block_kernel_problem(odd, ring) == (
         "ring attention (--context-parallel-size 2) runs the fused block kernels "
         "(FlashAttention-2 varlen, the memory-efficient kernel), which need a head size that is a "
         "multiple of 8, got 12: use --kv-channels 16.")
-    assert "--attention-backend te / flash-attn" in pretrain_gpt.block_kernel_problem(
+    assert "--attention-backend te / flash-attn" in startup_checks.block_kernel_problem(
         odd, SimpleNamespace(cp_size=1))
     even = GPTConfig(num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=64)  # d 16
-    assert pretrain_gpt.block_kernel_problem(even, ring) is None
+    assert startup_checks.block_kernel_problem(even, ring) is None

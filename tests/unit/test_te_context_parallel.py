@@ -396,22 +396,19 @@ def test_the_model_picks_tes_context_parallelism_for_the_te_backend(te_stub):
 def test_pretrain_refuses_documents_under_tes_ring_at_start_up(monkeypatch):
     """pretrain_gpt's start-up check: --attention-backend te with a ring and packed documents is
     one sentence naming what works; without documents the layout passes."""
-    import os
-    import sys
     from types import SimpleNamespace
 
     from megatron_sp.cli.build import parse_job
     from megatron_sp.errors import ConfigError
     from megatron_sp.models import GPTConfig
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    import pretrain_gpt
+    from megatron_sp.cli import startup_checks
     config = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512)
     mesh = SimpleNamespace(cp_size=2, tp_size=1, sp_size=1)
     flags = ["--mock-data", "--seq-length", "64", "--context-parallel-size", "2", "--bf16",
              "--attention-backend", "te"]
-    assert pretrain_gpt._ring_is_transformer_engine(parse_job(flags))
-    pretrain_gpt.check_te_context_parallel(parse_job(flags), config, mesh)       # passes
+    assert startup_checks.ring_is_transformer_engine(parse_job(flags))
+    startup_checks.check_te_context_parallel(parse_job(flags), config, mesh)       # passes
     with pytest.raises(ConfigError, match=r"^packed documents .* Transformer Engine's context "
                                           r"parallelism .* use --attention-backend sdpa"):
-        pretrain_gpt.check_te_context_parallel(parse_job(flags + ["--reset-attention-mask"]),
-                                               config, mesh)
+        startup_checks.check_te_context_parallel(parse_job(flags + ["--reset-attention-mask"]),
+                                                 config, mesh)
