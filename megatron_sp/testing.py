@@ -151,6 +151,65 @@ def load_script(relative_path: str):
     return module
 
 
+
+def _script_rank(rank, world, port, path, argv, environ, log):
+    """One rank of run_script: the launcher's environment by hand (RANK/WORLD_SIZE, as srun's
+    tasks see it), output to `log`, the script's main under run_main (it leaves via exit_process)."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))  # read at import by a fresh interpreter
+    if world > 1:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.chdir(root)
+    sys.argv = [os.path.join(root, path), *argv]
+    from megatron_sp.reporting import run_main
+    run_main(load_script(path).main, argv)
+
+
+def run_script(path: str, argv: list[str], world: int = 1, timeout_s: float = 240.0,
+               **env) -> tuple[list[int], str]:
+    """(each rank's exit status, their output in rank order) of a repository script (e.g.
+    "pretrain_gpt.py") run as `world` processes forked from run_distributed's forkserver, the
+    environment set by hand as srun sets it for its tasks (no torchrun): what the script computes
+    is what it computes under a launcher, without ~3.5 s of imports per rank. Tests of the
+    launchers themselves (torchrun's SIGTERM, its exit codes) start real launchers instead.
+    `env`: more environment variables (OMP_NUM_THREADS=1 by default)."""
+    ctx = _context()
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+               and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
+    environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{k: str(v) for k, v in env.items()})
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world)]
+        procs = [ctx.Process(target=_script_rank, daemon=True,
+                             args=(r, world, port, path, list(argv), environ, logs[r]))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        out = "".join(open(log).read() for log in logs if os.path.exists(log))
+    if hung:
+        raise AssertionError(f"{path}: ranks {hung} still running after {timeout_s} s (a hang?):"
+                             f"\n{out[-4000:]}")
+    return [p.exitcode for p in procs], out
+
+
 # Fault injection (a Trainer step hook) ----------------------------------------------------------
 
 class FaultInjection:
