@@ -250,6 +250,7 @@ def test_refusals_of_what_is_no_whole_checkpoint(made, tmp_path):
     out = str(tmp_path / "out")
     (tmp_path / "empty").mkdir()
     assert "is not a Megatron-LM checkpoint" in _refused(_to_ours(str(tmp_path / "empty"), out), out)
+    assert "--loader megatron_sp" in _refused(_to_ours(f"{made['out']}/ours_gqa_torch", out), out)
     torch_copy = _copy(made, "gqa_torch", tmp_path)
     shard = os.path.join(torch_copy, "iter_0000003", "mp_rank_01", "model_optim_rng.pt")
     os.remove(shard)

@@ -95,6 +95,11 @@ def locate(path: str) -> Located:
         raise CheckpointError(f"{path} is a file; a Megatron-LM checkpoint is a save folder (with "
                               f"{TRACKER_FILENAME}) or one of its iteration folders.")
     fmt = _format_of(path)
+    ours = [p for p in (path, os.path.join(path, RELEASE)) if os.path.isfile(
+        os.path.join(p, META_FILENAME))]
+    if fmt is None and (ours or _ours_by_tracker(path)):
+        raise CheckpointError(f"{path} is a megatron_sp checkpoint, not a Megatron-LM one: read it "
+                              f"with --loader megatron_sp (or load it with --load as it is).")
     if fmt is not None:
         folder = path
     else:
@@ -123,6 +128,17 @@ def locate(path: str) -> Located:
     if fmt == TORCH_DIST:
         _check_torch_dist(folder)
     return Located(folder, _iteration_of(folder), fmt)
+
+
+def _ours_by_tracker(path: str) -> bool:
+    """Whether the tracker in `path` names one of our iteration folders (megatron_sp.json)."""
+    try:
+        iteration = _read_tracker(path) if os.path.isfile(os.path.join(path, TRACKER_FILENAME)) \
+            else None
+    except CheckpointError:
+        return False
+    return iteration is not None and os.path.isfile(
+        os.path.join(path, iteration_dirname(iteration), META_FILENAME))
 
 
 def _check_torch_dist(folder: str) -> None:
