@@ -31,11 +31,12 @@ def _launch(nproc, extra, metrics):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _run(nproc, extra, metrics, name):
-    """A run's ranks forked (run_script); every rank must exit 0."""
+def _run(nproc, extra, metrics, name) -> str:
+    """A run's ranks forked (run_script); every rank must exit 0. Returns their output."""
     rcs, out = run_script("pretrain_gpt.py", COMMON + extra + ["--metrics-jsonl", str(metrics)],
                           world=nproc, timeout_s=300)
     assert rcs == [0] * nproc, f"{name}: exit {rcs}\n{out[-4000:]}"
+    return out
 
 
 def test_tp2_tp2_sequence_parallel_and_sp4_match_one_rank(tmp_path):
