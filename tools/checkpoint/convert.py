@@ -8,10 +8,10 @@
     python tools/checkpoint/convert.py --loader megatron_sp --saver safetensors \
         --load-dir ./ckpt/run1 --save-dir ./export                    # one model.safetensors, our names
     python tools/checkpoint/convert.py --loader megatron --saver hf \
-        --load-dir ./megatron-run --save-dir ./hf-export              # Megatron-LM torch_dist / torch
-    python tools/checkpoint/convert.py --loader megatron_sp --saver megatron --ckpt-format torch_dist \
-        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1 \
-        --load-dir ./ckpt/run1 --save-dir ./back-to-megatron         # megatron-core loads it strictly
+        --load-dir ./megatron-run --save-dir ./hf-export    # Megatron-LM torch_dist / torch
+    python tools/checkpoint/convert.py --loader megatron_sp --saver megatron \
+        --ckpt-format torch_dist --target-tensor-parallel-size 2 \
+        --load-dir ./ckpt/run1 --save-dir ./back-to-megatron  # megatron-core loads it strictly
 
 Megatron-LM checkpoints (--loader megatron, also core / legacy) are read without Megatron-LM
 installed, at whatever tp x pp they were saved with, their sizes from the stored arguments; the
@@ -260,7 +260,8 @@ def _convert(a):
 
 
 def _convert_megatron_lm(a):
-    """--loader megatron (core, legacy) and --saver megatron (megatron_sp/cli/megatron_checkpoints.py)."""
+    """--loader megatron (core, legacy) and --saver megatron (in
+    megatron_sp/cli/megatron_checkpoints.py)."""
     from megatron_sp.cli import megatron_checkpoints as mlm
     if a.saver == "megatron":
         if a.loader not in ("megatron_sp",) + MEGATRON_LOADERS:
@@ -277,7 +278,8 @@ def _convert_megatron_lm(a):
     if a.saver == "megatron_sp":
         return mlm.megatron_to_megatron_sp(a.load_dir, a.save_dir)
     if a.saver == "safetensors":
-        print(f"> wrote {mlm.megatron_to_safetensors(a.load_dir, os.path.join(a.save_dir, 'model.safetensors'))}")
+        out = os.path.join(a.save_dir, "model.safetensors")
+        print(f"> wrote {mlm.megatron_to_safetensors(a.load_dir, out)}")
         return False
     tokenizer = None
     if a.tokenizer_model is not None:

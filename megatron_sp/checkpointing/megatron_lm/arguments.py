@@ -17,7 +17,8 @@ UNSUPPORTED = (
     ("mtp_num_layers", "multi-token prediction layers (--mtp-num-layers)"),
     ("hybrid_override_pattern", "hybrid Mamba layers (--hybrid-override-pattern)"),
     ("is_hybrid_model", "hybrid Mamba layers"),
-    ("heterogeneous_layers_config_path", "heterogeneous layers (--heterogeneous-layers-config-path)"),
+    ("heterogeneous_layers_config_path",
+     "heterogeneous layers (--heterogeneous-layers-config-path)"),
     ("heterogeneous_layers_config_encoded_json", "heterogeneous layers"),
     ("num_layers_per_virtual_pipeline_stage", None),   # handled: model0.. chunks (torch format)
     ("squared_relu", "the squared-ReLU activation (--squared-relu)"),
@@ -143,7 +144,8 @@ def model_fields(args: dict, vocab_rows: int, where: str) -> dict:
     if args.get("num_experts"):
         freq = _get(args, "moe_layer_freq", 1)
         fields.update(num_experts=args["num_experts"],
-                      moe_ffn_hidden_size=_get(args, "moe_ffn_hidden_size", args.get("ffn_hidden_size")),
+                      moe_ffn_hidden_size=_get(args, "moe_ffn_hidden_size",
+                                               args.get("ffn_hidden_size")),
                       moe_router_topk=_get(args, "moe_router_topk", 2),
                       moe_layer_freq=list(freq) if isinstance(freq, (list, tuple)) else int(freq),
                       moe_router_pre_softmax=bool(args.get("moe_router_pre_softmax")),

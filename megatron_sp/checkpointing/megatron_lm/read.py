@@ -95,9 +95,9 @@ def _read_torch_dist(folder: str):
     files = sorted({info.relative_path for info in md.storage_data.values()})
     missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]
     if missing:
+        more = f" and {len(missing) - 1} more file(s)" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint {folder} is missing {os.path.join(folder, missing[0])}"
-                              f"{f' and {len(missing) - 1} more file(s)' if len(missing) > 1 else ''}"
-                              f" named by its .metadata; copy the whole folder again.")
+                              f"{more} named by its .metadata; copy the whole folder again.")
     model, has_optim = {}, False
     for key, meta in md.state_dict_metadata.items():
         if key.startswith("optimizer."):
@@ -201,7 +201,7 @@ def _model_of(state: dict, path: str) -> dict:
                           f"training checkpoint.")
 
 
-# Names ---------------------------------------------------------------------------------------------
+# Names -------------------------------------------------------------------------------------------
 
 def _by_our_names(tensors: dict, args: dict, where: str) -> dict:
     """{our name: tensor} from Megatron-LM keys: per-layer (decoder.layers.{i}.x), stacked
@@ -233,12 +233,12 @@ def _check_names(tensors: dict, fields: dict, where: str) -> None:
     missing = sorted(expected - set(tensors), key=_natural)
     extra = sorted(set(tensors) - expected, key=_natural)
     if missing:
-        raise CheckpointError(f"checkpoint {where} has no {names.megatron_name(missing[0])}"
-                              f"{f' (and {len(missing) - 1} more tensors)' if len(missing) > 1 else ''}"
+        more = f" (and {len(missing) - 1} more tensors)" if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint {where} has no {names.megatron_name(missing[0])}{more}"
                               f", which its arguments call for; a damaged save?")
     if extra:
-        raise CheckpointError(f"checkpoint {where} holds {names.megatron_name(extra[0])}, which its "
-                              f"arguments do not call for; it cannot be converted faithfully.")
+        raise CheckpointError(f"checkpoint {where} holds {names.megatron_name(extra[0])}, which "
+                              f"its arguments do not call for; it cannot be converted faithfully.")
 
 
 def _natural(name: str):

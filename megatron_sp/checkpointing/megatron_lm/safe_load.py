@@ -61,12 +61,14 @@ def _stand_in(name: str, base: type) -> tuple[type, str]:
 
 MEGATRON_TYPES = [_stand_in(n, MegatronValue) for n in (
     "megatron.core.enums.ModelType", "megatron.core.transformer.enums.AttnBackend",
-    "megatron.core.transformer.enums.AttnMaskType", "megatron.core.transformer.enums.CudaGraphScope",
+    "megatron.core.transformer.enums.AttnMaskType",
+    "megatron.core.transformer.enums.CudaGraphScope",
     "megatron.core.rerun_state_machine.RerunMode",
     "megatron.core.rerun_state_machine.RerunDiagnostic")] + [
     _stand_in(n, MegatronRecord) for n in ("megatron.core.rerun_state_machine.RerunState",
                                            "megatron.core.optimizer.OptimizerConfig",
-                                           "megatron.core.optimizer.optimizer_config.OptimizerConfig")]
+                                           "megatron.core.optimizer.optimizer_config."
+                                           "OptimizerConfig")]
 
 
 def _numpy_types() -> list:
@@ -122,7 +124,7 @@ def safe_load(source, what: str):
             from None
 
 
-# DCP's .metadata (torch_dist) ----------------------------------------------------------------------
+# DCP's .metadata (torch_dist) --------------------------------------------------------------------
 
 _DCP_MODULE = "torch.distributed.checkpoint."
 
