@@ -83,3 +83,27 @@ def test_the_global_batch_is_named_when_it_is_the_cause(capsys):
                                "1", "--gpu-memory-gb", "5", "--reserve-gb", "1"]) == 1
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
         "no feasible layout: more GPUs, more memory, a sharding mode, or a shorter sequence.")
+
+
+@pytest.mark.parametrize("build, sentence", [
+    (lambda H, W: H(0), "Hardware.num_gpus (--num-gpus) must be an integer >= 1, got 0."),
+    (lambda H, W: H(-8), "Hardware.num_gpus (--num-gpus) must be an integer >= 1, got -8."),
+    (lambda H, W: H(4, mfu=0.0), "Hardware.mfu is a fraction in (0, 1], got 0.0."),
+    (lambda H, W: H(4, gpu_mem_gb=float("nan")),
+     "Hardware.gpu_mem_gb must be a positive finite number, got nan."),
+    (lambda H, W: H(4, peak_tflops=0.0),
+     "Hardware.peak_tflops must be a positive finite number, got 0.0."),
+    (lambda H, W: H(4, reserve_gb=-1.0), "Hardware.reserve_gb must be a finite number >= 0, got -1.0."),
+    (lambda H, W: W(4096, global_batch=0),
+     "Workload.global_batch (--global-batch-size) must be an integer >= 1, got 0."),
+    (lambda H, W: W(-5), "Workload.seq (--seq-length) must be an integer >= 0, got -5."),
+    (lambda H, W: W(4096, global_batch=3, micro_batch=2),
+     "Workload.global_batch 3 (--global-batch-size) is not a multiple of micro_batch 2 "
+     "(--micro-batch-size): no layout can split it into micro-batches."),
+])
+def test_the_planner_library_edge_refuses_the_same(build, sentence):
+    """megatron_sp.memory.planner's Hardware and Workload (the library's entry, without the tool)."""
+    from megatron_sp.memory.planner import Hardware, Workload
+    with pytest.raises(ValueError) as err:
+        build(Hardware, Workload)
+    assert str(err.value) == sentence

@@ -3,6 +3,7 @@ and `Hardware` (GPUs, nodes, bandwidths), and the small helpers every room share
 (docs/design.md §9, §11)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from megatron_sp.attention.kernels import DEVICES, check_device
@@ -12,6 +13,12 @@ from megatron_sp.mesh import ParallelDims
 __all__ = ["DEVICES", "GiB", "Hardware", "Workload", "check_device", "divisors"]
 
 GiB = 2 ** 30
+
+
+def _check_int(value, what: str, low: int) -> None:
+    """ValueError (one sentence) unless `value` is an integer >= low."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{what} must be an integer >= {low}, got {value!r}.")
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,15 @@ class Workload:
     documents: bool = False
     head_chunks: int | str = "auto"
     expert_parallel_size: int | None = None
+
+    def __post_init__(self):
+        for name, flag, low in (("seq", "--seq-length", 0), ("global_batch", "--global-batch-size", 1),
+                                ("micro_batch", "--micro-batch-size", 1)):
+            _check_int(getattr(self, name), f"Workload.{name} ({flag})", low)
+        if self.global_batch % self.micro_batch:
+            raise ValueError(f"Workload.global_batch {self.global_batch} (--global-batch-size) is "
+                             f"not a multiple of micro_batch {self.micro_batch} "
+                             f"(--micro-batch-size): no layout can split it into micro-batches.")
 
     def tokens_per_rank(self, sp: int) -> float:
         """T = b*s/sp: the tokens of one micro-batch each rank holds outside attention, sp the
@@ -73,6 +89,24 @@ class Hardware:
 
     def __post_init__(self):
         check_device(self.device)
+        _check_int(self.num_gpus, "Hardware.num_gpus (--num-gpus)", 1)
+        _check_int(self.gpus_per_node, "Hardware.gpus_per_node (--gpus-per-node)", 1)
+        for name in ("gpu_mem_gb", "host_memory_gb", "intra_node_gbps", "inter_node_gbps",
+                     "pcie_gbps", "peak_tflops"):
+            value = getattr(self, name)
+            ample = name == "host_memory_gb" and value == math.inf   # binding_limit's "ample"
+            if not (0 < value < math.inf or ample):
+                raise ValueError(f"Hardware.{name} must be a positive finite number, got "
+                                 f"{value!r}.")
+        for name, low_open in (("mfu", True), ("fragmentation", False),
+                               ("host_reserve_fraction", False)):
+            value = getattr(self, name)
+            if not ((0 < value <= 1) if low_open else (0 <= value < 1)):
+                raise ValueError(f"Hardware.{name} is a fraction in "
+                                 f"{'(0, 1]' if low_open else '[0, 1)'}, got {value!r}.")
+        if not 0 <= self.reserve_gb < math.inf:
+            raise ValueError(f"Hardware.reserve_gb must be a finite number >= 0, got "
+                             f"{self.reserve_gb!r}.")
 
     @property
     def ranks_per_node(self) -> int:
