@@ -26,13 +26,13 @@ import torch.distributed as dist
 from megatron_sp import comm_stats
 
 
-def _active(group) -> bool:
+def group_active(group) -> bool:
     return group is not None and dist.get_world_size(group) > 1
 
 
 def all_reduce_sum(tensor: torch.Tensor, group, kind: str = "dp/all_reduce") -> torch.Tensor:
     """In-place sum over `group` (identity for None / size 1); returns the tensor."""
-    if _active(group):
+    if group_active(group):
         comm_stats.record(kind, comm_stats.all_reduce_bytes(tensor.numel(), tensor.element_size(),
                                                             dist.get_world_size(group)))
         dist.all_reduce(tensor, group=group)
@@ -93,7 +93,7 @@ class GradientSync:
 
     def __init__(self, modules, mesh, bucket_mb: float = 25.0, overlap: bool = True):
         self.mesh = mesh
-        self.group = mesh.dp_sp_group if _active(mesh.dp_sp_group) else None
+        self.group = mesh.dp_sp_group if group_active(mesh.dp_sp_group) else None
         params = [p for m in modules for p in m.parameters() if p.requires_grad]
         self.params = params
         self.sp_params = [p for p in params if getattr(p, "sequence_parallel", False)]
@@ -111,7 +111,7 @@ class GradientSync:
             if is_expert_parallel(p):
                 key = ("edp",) + expert_key(p)
                 group = expert_groups_of(mesh, p).edp_group
-                group = group if _active(group) else None
+                group = group if group_active(group) else None
             else:
                 key, group = ("dp_sp",), self.group
             if group is not None:
@@ -156,9 +156,9 @@ class GradientSync:
                 bucket.launch(self.reduce_dtype)
         for bucket in self.buckets:
             bucket.finish()
-        if self.sp_params and _active(self.mesh.tp_group):
+        if self.sp_params and group_active(self.mesh.tp_group):
             self._all_reduce_flat([p.grad for p in self.sp_params], self.mesh.tp_group, "tp/all_reduce")
-        if self.embedding_params and _active(self.mesh.embedding_group):
+        if self.embedding_params and group_active(self.mesh.embedding_group):
             self._all_reduce_flat([p.grad for p in self.embedding_params], self.mesh.embedding_group,
                                   "pp/embedding_all_reduce")
 
@@ -202,12 +202,12 @@ def global_grad_norm(params, mesh, grads=None, shard_group=None,
     # etp 1: the ep group already spans the tp ranks (experts folded over the stage); etp = tp:
     # the ep sum is followed by one over tp. Either way every rank of the stage then holds the
     # experts' whole square, added once, after the tp sum.
-    total = total.sum() + _sum_over_ep(experts, mesh, experts_sharded)
+    total = total.sum() + sum_over_ep(experts, mesh, experts_sharded)
     all_reduce_sum(total, mesh.pp_group, "pp/all_reduce")
     return math.sqrt(total.item())
 
 
-def _sum_over_ep(experts: dict, mesh, sharded_over_edp: bool = False):
+def sum_over_ep(experts: dict, mesh, sharded_over_edp: bool = False):
     """The per-(ep, etp) sums of expert-parallel parameters (each ep rank holds different experts),
     each summed over its ep group (first over its edp group when each edp rank holds other rows:
     `sharded_over_edp`; then over tp when etp = tp, each tp rank holding other ffn slices); 0
@@ -246,7 +246,7 @@ def model_parallel_sum(params, per_param, mesh) -> float:
             replicated += value
     total = torch.stack([sharded, replicated / mesh.tp_size])
     all_reduce_sum(total, mesh.tp_group, "tp/all_reduce")
-    total = total.sum() + _sum_over_ep(experts, mesh)     # the ep group spans tp (as above)
+    total = total.sum() + sum_over_ep(experts, mesh)     # the ep group spans tp (as above)
     all_reduce_sum(total, mesh.pp_group, "pp/all_reduce")
     return total.item()
 

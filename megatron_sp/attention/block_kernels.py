@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_sp.attention.lse import (_FUSED_CPU_DTYPES, _backward_fused_cpu, _backward_math,
-                                       _forward_fused_cpu, _forward_math, _safe)
+from megatron_sp.attention.lse import (FUSED_CPU_DTYPES, backward_fused_cpu, backward_math,
+                                       finite_lse, forward_fused_cpu, forward_math)
 from megatron_sp.errors import ConfigError
 
 MATH_LIMIT = 2048 * 2048      # query x key elements of a block the math path may take on CUDA
@@ -43,7 +43,7 @@ def block_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str
     """"cpu", "flash", "efficient" or "math": the kernel a block of this device, dtype and head
     dimension runs (the table in the module docstring)."""
     if device.type == "cpu":
-        return "cpu" if dtype in _FUSED_CPU_DTYPES else "math"
+        return "cpu" if dtype in FUSED_CPU_DTYPES else "math"
     if device.type == "cuda":
         if dtype in _HALF and head_dim % 8 == 0 and head_dim <= 256:
             return "flash"
@@ -88,9 +88,9 @@ def _merge_into(out, lse, o, l) -> None:
     leading shape, fp32, updated in place): lse' = log(e^lse + e^l), out' = out e^(lse - lse')
     + o e^(l - lse') (docs/design.md §14), -inf rows guarded."""
     hi, lo = torch.maximum(lse, l), torch.minimum(lse, l)
-    new = hi + torch.log1p(torch.exp(lo - _safe(hi)))
-    out.mul_(torch.exp(lse - _safe(new)).unsqueeze(-1))
-    out.addcmul_(o, torch.exp(l - _safe(new)).unsqueeze(-1))        # no fp32 copy of o
+    new = hi + torch.log1p(torch.exp(lo - finite_lse(hi)))
+    out.mul_(torch.exp(lse - finite_lse(new)).unsqueeze(-1))
+    out.addcmul_(o, torch.exp(l - finite_lse(new)).unsqueeze(-1))        # no fp32 copy of o
     lse.copy_(new)
 
 
@@ -108,11 +108,11 @@ def _forward_efficient(q, k, v, causal, scale):
 def _segment_forward(kernel, q, k, v, causal, scale, mask):
     """One segment: (o [b', sq, h, d], lse [b', h, sq] fp32)."""
     if kernel == "cpu":
-        return _forward_fused_cpu(q, k, v, causal, scale, mask)
+        return forward_fused_cpu(q, k, v, causal, scale, mask)
     if kernel == "efficient" and mask is None:
         return _forward_efficient(q, k, v, causal, scale)
     _check_math(q, k)
-    return _forward_math(q, k, v, causal, scale, mask)
+    return forward_math(q, k, v, causal, scale, mask)
 
 
 def _flash_forward(q, k, v, batch, scale, out, lse) -> None:
@@ -175,11 +175,11 @@ def _backward_efficient(q, k, v, out, dout, lse, causal, scale):
 def _segment_backward(kernel, q, k, v, out, dout, lse, causal, scale, mask):
     """One segment's (dq, dk, dv) from the given global out and lse [b', h, sq]."""
     if kernel == "cpu":
-        return _backward_fused_cpu(q, k, v, out, dout, lse, causal, scale, mask)
+        return backward_fused_cpu(q, k, v, out, dout, lse, causal, scale, mask)
     if kernel == "efficient" and mask is None:
         return _backward_efficient(q, k, v, out, dout, lse, causal, scale)
     _check_math(q, k)
-    return _backward_math(q, k, v, out, dout, lse, causal, scale, mask)
+    return backward_math(q, k, v, out, dout, lse, causal, scale, mask)
 
 
 def _flash_backward(q, k, v, out, dout, lse, batch, scale, dq, dk, dv) -> None:

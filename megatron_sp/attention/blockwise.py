@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_sp.attention.block_kernels import backward_batch, forward_batch
-from megatron_sp.attention.lse import _heads
+from megatron_sp.attention.lse import heads_of
 from megatron_sp.attention.segments import document_bounds, ranges_batches
 
 DEFAULT_BLOCK = 512        # the window's block pairs when no block is given (tokens)
@@ -116,7 +116,7 @@ def blockwise_attention(q, k, v, *, causal: bool, scale: float | None = None,
     through block pairs of `block` tokens (default min(s, DEFAULT_BLOCK)). plan: the
     blockwise_plan of these document_ids, shape, block, causal and window, when the caller has it.
     """
-    _heads(q, k, v)
+    heads_of(q, k, v)
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"blockwise attention is self-attention: {q.shape[1]} queries, "
                          f"{k.shape[1]} keys.")

@@ -36,12 +36,12 @@ import torch
 
 from megatron_sp.attention.documents import document_index   # also imported from here (flex, tests)
 
-_FUSED_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+FUSED_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 # Shapes and masks -------------------------------------------------------------------------------
 
-def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
+def heads_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
     """(h, g) of q [b, sq, h, d], k, v [b, sk, g, d]; refuses shapes GQA cannot take."""
     h, g = q.shape[2], k.shape[2]
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
@@ -69,7 +69,7 @@ def _allowed(causal: bool, mask, sq: int, sk: int, device) -> torch.Tensor | Non
     return mask
 
 
-def _safe(lse: torch.Tensor) -> torch.Tensor:
+def finite_lse(lse: torch.Tensor) -> torch.Tensor:
     """lse with -inf rows (no key seen) replaced by 0, so that exp(s - lse) is 0 there, not NaN."""
     return lse.masked_fill(lse == float("-inf"), 0.0)
 
@@ -87,12 +87,12 @@ def _scores(q, k, scale, allowed):
     return s
 
 
-def _forward_math(q, k, v, causal, scale, mask):
+def forward_math(q, k, v, causal, scale, mask):
     """The fp32 reference: (out [b, sq, h, d] in q's dtype, lse [b, h, sq] fp32)."""
     b, sq, h, d = q.shape
     s = _scores(q, k, scale, _allowed(causal, mask, sq, k.shape[1], q.device))
     lse = torch.logsumexp(s, dim=-1)                                     # [b, g, h/g, sq]
-    p = torch.exp(s - _safe(lse).unsqueeze(-1))                          # [b, g, h/g, sq, sk]
+    p = torch.exp(s - finite_lse(lse).unsqueeze(-1))                          # [b, g, h/g, sq, sk]
     out = torch.einsum("bgrqk,bkgd->bqgrd", p, v.to(p.dtype))            # [b, sq, g, h/g, d]
     return out.reshape(b, sq, h, d).to(q.dtype), lse.reshape(b, h, sq).float()  # (g, h/g) -> h
 
@@ -104,7 +104,7 @@ def _additive(allowed, dtype):
     return bias.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
 
 
-def _forward_fused_cpu(q, k, v, causal, scale, mask=None):
+def forward_fused_cpu(q, k, v, causal, scale, mask=None):
     """aten's CPU flash kernel: takes [b, heads, s, d] (GQA as is), returns out, lse [b, h, sq].
 
     With a mask (causal folded into it) the kernel gives a row that sees no key out = 0 but
@@ -142,7 +142,7 @@ def _forward_fused_cuda(q, k, v, causal, scale):
 
 def _use_fused_cpu(q, k, mask) -> bool:
     # The CPU kernel dies with SIGFPE on an empty query or key block (torch 2.13): never pass one.
-    return (q.device.type == "cpu" and q.dtype in _FUSED_CPU_DTYPES
+    return (q.device.type == "cpu" and q.dtype in FUSED_CPU_DTYPES
             and q.shape[1] > 0 and k.shape[1] > 0)
 
 
@@ -154,27 +154,27 @@ def attention_with_lse(q, k, v, *, causal: bool, scale: float | None = None, mas
     mask: optional bool [sq, sk] or [b, sq, sk], True = attend (document boundaries inside a
     block), combined with causal. A row that attends no key has lse = -inf and out = 0.
     """
-    _heads(q, k, v)
+    heads_of(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if _use_fused_cpu(q, k, mask):
-        return _forward_fused_cpu(q, k, v, causal, scale, mask)
+        return forward_fused_cpu(q, k, v, causal, scale, mask)
     if q.device.type == "cuda" and mask is None and q.shape[1] > 0 and k.shape[1] > 0:
         try:
             return _forward_fused_cuda(q, k, v, causal, scale)
         except RuntimeError:     # head dim / alignment the kernel does not take: the math path
             pass
-    return _forward_math(q, k, v, causal, scale, mask)
+    return forward_math(q, k, v, causal, scale, mask)
 
 
 # Backward ---------------------------------------------------------------------------------------
 
-def _backward_math(q, k, v, out, dout, lse, causal, scale, mask):
+def backward_math(q, k, v, out, dout, lse, causal, scale, mask):
     """The block backward in fp32 from the given (global) out and lse; (dq, dk, dv) fp32."""
     b, sq, h, d = q.shape
     g = k.shape[2]
     s = _scores(q, k, scale, _allowed(causal, mask, sq, k.shape[1], q.device))
     dtype = s.dtype
-    lse = _safe(lse.to(dtype)).reshape(b, g, h // g, sq)             # [b, h, sq] -> [b, g, h/g, sq]
+    lse = finite_lse(lse.to(dtype)).reshape(b, g, h // g, sq)             # [b, h, sq] -> [b, g, h/g, sq]
     p = torch.exp(s - lse.unsqueeze(-1))                                 # [b, g, h/g, sq, sk]
     do = dout.to(dtype).unflatten(2, (g, -1))                            # [b, sq, g, h/g, d]
     delta = (do * out.to(dtype).unflatten(2, (g, -1))).sum(-1)           # [b, sq, g, h/g]
@@ -186,7 +186,7 @@ def _backward_math(q, k, v, out, dout, lse, causal, scale, mask):
     return dq.reshape(b, sq, h, d), dk, dv                               # dk, dv [b, sk, g, d]
 
 
-def _backward_fused_cpu(q, k, v, out, dout, lse, causal, scale, mask=None):
+def backward_fused_cpu(q, k, v, out, dout, lse, causal, scale, mask=None):
     """aten's CPU flash backward, run in fp32; it takes the lse it is given (GQA reduced inside)
     and recomputes p = exp(s - lse): a row with lse = -inf (no key seen anywhere) is given +inf,
     so that its p, and its gradients, are 0. A mask goes in as an additive one, causal folded in."""
@@ -210,11 +210,11 @@ def attention_backward_with_lse(q, k, v, out, dout, lse, *, causal: bool,
     dk, dv [b, sk, g, d]) in fp32 (fp64 for fp64 inputs); dk, dv are summed over the query heads
     of each group. Rows with lse = -inf (no key seen) contribute 0.
     """
-    _heads(q, k, v)
+    heads_of(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if _use_fused_cpu(q, k, mask):
-        return _backward_fused_cpu(q, k, v, out, dout, lse, causal, scale, mask)
-    return _backward_math(q, k, v, out, dout, lse, causal, scale, mask)
+        return backward_fused_cpu(q, k, v, out, dout, lse, causal, scale, mask)
+    return backward_math(q, k, v, out, dout, lse, causal, scale, mask)
 
 
 # Merge ------------------------------------------------------------------------------------------
@@ -227,7 +227,7 @@ def merge_partials(out1, lse1, out2, lse2):
     """
     lse1, lse2 = lse1.float(), lse2.float()
     hi, lo = torch.maximum(lse1, lse2), torch.minimum(lse1, lse2)
-    lse = hi + torch.log1p(torch.exp(lo - _safe(hi)))                # both -inf: -inf + log1p(0)
-    w1 = torch.exp(lse1 - _safe(lse)).transpose(1, 2).unsqueeze(-1)  # [b, h, sq] -> [b, sq, h, 1]
-    w2 = torch.exp(lse2 - _safe(lse)).transpose(1, 2).unsqueeze(-1)
+    lse = hi + torch.log1p(torch.exp(lo - finite_lse(hi)))                # both -inf: -inf + log1p(0)
+    w1 = torch.exp(lse1 - finite_lse(lse)).transpose(1, 2).unsqueeze(-1)  # [b, h, sq] -> [b, sq, h, 1]
+    w2 = torch.exp(lse2 - finite_lse(lse)).transpose(1, 2).unsqueeze(-1)
     return out1.float() * w1 + out2.float() * w2, lse

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_sp.checkpointing.comm import _rank
+from megatron_sp.checkpointing.comm import global_rank
 from megatron_sp.errors import UserError
 from megatron_sp.sharding.fsdp import FSDPLayoutError, fsdp_rows, is_sharded
 
@@ -270,7 +270,7 @@ def optimizer_state(chunks, optimizer, tp_rank: int, tp_size: int, *, create: bo
 
 # RNG (weights_only-friendly) ----------------------------------------------------------------------
 
-def _rng_to_storable(state: dict) -> dict:
+def rng_to_storable(state: dict) -> dict:
     out = dict(state)
     np_state = state.get("numpy")
     if np_state is not None:
@@ -280,7 +280,7 @@ def _rng_to_storable(state: dict) -> dict:
     return out
 
 
-def _rng_from_storable(state: dict) -> dict:
+def rng_from_storable(state: dict) -> dict:
     out = dict(state)
     if out.get("numpy") is not None:
         import numpy as np
@@ -314,11 +314,11 @@ def read_meta(folder: str, advice: str = "save it again or load another checkpoi
     return meta
 
 
-def _jsonable(value):
+def jsonable(value):
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return repr(value)
@@ -339,7 +339,7 @@ def check_config(saved: dict | None, config, where: str) -> None:
                               + " (pass the checkpoint's values, or --use-checkpoint-args).")
     changed = [f"{_flag_of(k)} {saved[k]!r} in the checkpoint but {current.get(k)!r} now"
                for k in FUNCTION_FIELDS if k in saved and saved[k] != current.get(k)]
-    if changed and _rank() == 0:
+    if changed and global_rank() == 0:
         print(f"warning: checkpoint {where} was trained with other settings: " + "; ".join(changed)
               + " (pass the checkpoint's values, or --use-checkpoint-args, unless this is intended).",
               file=sys.stderr, flush=True)
@@ -397,7 +397,7 @@ def schedule_to_load(saved: dict, scheduler, policy: str | None, where: str) -> 
              if k in saved and saved[k] != getattr(scheduler, k, None)]
     listed = "; ".join(f"{flag} {now!r} now but {then!r} in the checkpoint"
                        for _, flag, now, then in diffs)
-    if diffs and policy in ("override", "checkpoint") and _rank() == 0:
+    if diffs and policy in ("override", "checkpoint") and global_rank() == 0:
         flag, which = ((OVERRIDE_FLAG, "the command line's") if policy == "override" else
                        (USE_CHECKPOINT_FLAG, "the checkpoint's"))
         print(f"> {flag}: the learning-rate schedule differs ({listed}); {which} is used",

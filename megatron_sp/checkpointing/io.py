@@ -28,17 +28,18 @@ from typing import Any
 
 import torch
 
-from megatron_sp.checkpointing.comm import (_all_gather_object, _barrier, _dist, _rank, _world,
-                                            agree_on_error)
+from megatron_sp.checkpointing.comm import (agree_on_error, all_gather_object, global_rank,
+                                            global_world_size, is_distributed)
 from megatron_sp.checkpointing.format import (FORMAT_VERSION, META_FILENAME, RELEASE,
                                               AgreedCheckpointError,
                                               TRACKER_FILENAME, CheckpointError, Shard,
-                                              _jsonable, _rng_from_storable, _rng_to_storable,
+                                              jsonable, rng_from_storable, rng_to_storable,
                                               check_config, iteration_dirname, model_state,
                                               optimizer_state, read_meta, schedule_to_load)
 from megatron_sp.checkpointing.integrity import (algorithms_of, checksum_files, dcp_item_offsets,
                                                  files_of_rank, require_digests, verify_files)
-from megatron_sp.checkpointing.planners import _dcp_errors, _planners
+from megatron_sp.checkpointing.planners import dcp_errors, shard_planners
+from megatron_sp.mesh import barrier
 
 
 _writer_class = None
@@ -72,10 +73,10 @@ def _storage_writer(path: str):
 
 def _dcp_save(state: dict, path: str):
     import torch.distributed.checkpoint as dcp
-    save_planner, _ = _planners()
-    with _dcp_errors():
+    save_planner, _ = shard_planners()
+    with dcp_errors():
         dcp.save(state, storage_writer=_storage_writer(path), planner=save_planner(),
-                 no_dist=not _dist())
+                 no_dist=not is_distributed())
 
 
 class _CloneStager:
@@ -107,14 +108,14 @@ def _dcp_async_save(state: dict, path: str, group):
     """Write in a background thread over `group`, a dedicated gloo group (the mesh's
     background_group), so that its collectives never interleave with the training's."""
     import torch.distributed.checkpoint as dcp
-    save_planner, _ = _planners()
+    save_planner, _ = shard_planners()
     staged = _CloneStager().stage(state)
     return dcp.async_save(staged, storage_writer=_storage_writer(path),
                           planner=save_planner(), process_group=group,
                           async_stager=_CloneStager())
 
 
-def _dcp_load(state: dict, path: str, local: bool = False, verify: tuple[dict, str] | None = None,
+def dcp_load(state: dict, path: str, local: bool = False, verify: tuple[dict, str] | None = None,
               advice: str | None = None):
     """Read `state` from `path`; collective over the world unless `local` (one process reads).
 
@@ -122,14 +123,14 @@ def _dcp_load(state: dict, path: str, local: bool = False, verify: tuple[dict, s
     `advice` (what to do when a file cannot be read) turns DCP's failures into one CheckpointError.
     """
     import torch.distributed.checkpoint as dcp
-    _, load_planner = _planners()
+    _, load_planner = shard_planners()
     root_logger = logging.getLogger()     # DCP logs a traceback there per failed read: ours is
     if advice is not None:                # one sentence (raised below)
         root_logger.addFilter(_quiet_dcp)
     try:
-        with _dcp_errors(path, advice):
+        with dcp_errors(path, advice):
             dcp.load(state, storage_reader=dcp.FileSystemReader(path),
-                     planner=load_planner(path, verify), no_dist=local or not _dist())
+                     planner=load_planner(path, verify), no_dist=local or not is_distributed())
     finally:
         root_logger.removeFilter(_quiet_dcp)
     return state
@@ -311,7 +312,7 @@ _pending: _PendingSave | None = None
 
 def _own_checksums(tmp: str) -> dict:
     """The checksums of the files this rank wrote (integrity.files_of_rank)."""
-    return checksum_files(tmp, files_of_rank(tmp, _rank(), _world(), skip={META_FILENAME}),
+    return checksum_files(tmp, files_of_rank(tmp, global_rank(), global_world_size(), skip={META_FILENAME}),
                           cuts=dcp_item_offsets(tmp))
 
 
@@ -319,7 +320,7 @@ def _record_checksums(tmp: str, meta: dict, mine: dict | None = None) -> None:
     """Every rank checksums the files it wrote (unless given: `mine`), the ranks gather them
     (collective) and `meta` records them all."""
     files = {}
-    for part in _all_gather_object(_own_checksums(tmp) if mine is None else mine):
+    for part in all_gather_object(_own_checksums(tmp) if mine is None else mine):
         files.update(part)
     meta["checksums"] = {"algorithm": "+".join(algorithms_of(files)),   # one name unless the
                          "files": dict(sorted(files.items()))}           # ranks' installs differ
@@ -333,7 +334,7 @@ def _publish(root, iteration, tmp, final, meta, checksums=None, sizes=None):
     right after _agree_on_save, whose gather already held every rank at this point."""
     _record_checksums(tmp, meta, checksums)
     error = None
-    if _rank() == 0:
+    if global_rank() == 0:
         try:
             _write_text_atomic(os.path.join(tmp, META_FILENAME), json.dumps(meta, indent=1))
             if os.path.exists(final):           # saving an iteration again: move the old one away
@@ -455,17 +456,17 @@ def _agree_on_save(error, root, iteration, tmp, final, sizes: dict,
 
     if isinstance(error, KeyboardInterrupt) or (error is not None and
                                                 _save_error_kind(error)["kind"] == "interrupted"):
-        if _rank() == 0:
+        if global_rank() == 0:
             _remove_half_save(root, tmp, final, published())
         raise CheckpointError(_save_failure({"kind": "interrupted"}, root, final, tmp, 0, 0)) \
             from None
-    kinds = _all_gather_object(_save_error_kind(error) if error is not None else None)
+    kinds = all_gather_object(_save_error_kind(error) if error is not None else None)
     kind = next((k for k in kinds if k), None)
     if kind is None:                           # (the gather was the barrier)
         return
-    if _rank() == 0:
+    if global_rank() == 0:
         _remove_half_save(root, tmp, final, published())
-    parts = _all_gather_object((sizes, shutil.disk_usage(root).free if os.path.isdir(root) else 0))
+    parts = all_gather_object((sizes, shutil.disk_usage(root).free if os.path.isdir(root) else 0))
     needed = sum({k: v for part, _ in parts for k, v in part.items()}.values())
     message = _save_failure(kind, root, final, tmp, needed, parts[0][1], background)
     if error is not None and kind["kind"] == "other" and not isinstance(error, CheckpointError):
@@ -508,19 +509,19 @@ def save_checkpoint(root: str, iteration: int | str, chunks, mesh, *, optimizer=
     name = iteration_dirname(iteration)
     final = os.path.join(root, name)
     tmp = final + ".tmp"
-    if _rank() == 0:
+    if global_rank() == 0:
         os.makedirs(root, exist_ok=True)
         if os.path.islink(tmp):                  # never write through a planted link
             os.unlink(tmp)
         shutil.rmtree(tmp, ignore_errors=True)   # leftovers of a save that crashed
         os.makedirs(tmp)
-    _barrier()
+    barrier()
     state: dict[str, Any] = model_state(chunks, mesh.tp_rank, mesh.tp_size)
     if optimizer is not None:
         state.update(optimizer_state(chunks, optimizer, mesh.tp_rank, mesh.tp_size))
     if save_rng and (rng_tracker is not None or optimizer is not None):   # --no-save-rng
         from megatron_sp.tensor_parallel.random import get_rng_state
-        state[f"rng/{mesh.rank}"] = _rng_to_storable(get_rng_state(rng_tracker))
+        state[f"rng/{mesh.rank}"] = rng_to_storable(get_rng_state(rng_tracker))
     d = mesh.dims
     meta = {
         "format": "megatron_sp", "format_version": FORMAT_VERSION,
@@ -532,14 +533,14 @@ def save_checkpoint(root: str, iteration: int | str, chunks, mesh, *, optimizer=
         "train_state": dataclasses.asdict(train_state) if train_state is not None else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "config": config.to_dict() if config is not None else None,
-        "args": _jsonable(dict(args)) if args is not None else None,
+        "args": jsonable(dict(args)) if args is not None else None,
         "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     sizes = _state_sizes(state)
-    if async_save and _dist():
+    if async_save and is_distributed():
         future = _dcp_async_save(state, tmp, mesh.background_group())
         _pending = _PendingSave(future, root, iteration, tmp, final, meta, sizes)
-        if _rank() == 0:
+        if global_rank() == 0:
             print(f"> saving checkpoint {final} in the background (staged in "
                   f"{time.time() - t0:.2f} s)", flush=True)
         return final
@@ -551,7 +552,7 @@ def save_checkpoint(root: str, iteration: int | str, chunks, mesh, *, optimizer=
         error = err                                                      # one sentence below
     _agree_on_save(error, root, iteration, tmp, final, sizes)
     _publish(root, iteration, tmp, final, meta, sizes=sizes)
-    if _rank() == 0:
+    if global_rank() == 0:
         print(f"> saved checkpoint {final} in {time.time() - t0:.2f} s", flush=True)
     return final
 
@@ -580,7 +581,7 @@ def _open_checkpoint(path, step, missing_ok, verify, config, scheduler, schedule
     if checksums is not None:
         require_digests(checksums, folder, "pass --no-verify-checkpoint to load it unverified")
         verify_files(folder, [".metadata"], checksums, advice)   # before DCP unpickles it
-    elif verify and _rank() == 0:
+    elif verify and global_rank() == 0:
         print(f"> checkpoint {folder} records no checksums (saved before integrity checks): "
               f"its files are not verified", flush=True)
     weights_only = weights_only or meta.get("iteration") == RELEASE
@@ -636,7 +637,7 @@ def load_checkpoint(path: str, chunks, mesh, *, optimizer=None, scheduler=None, 
     with_rng = load_rng and not weights_only and meta.get("has_rng") and same_layout
     if with_rng:
         state[rng_key] = None
-    _dcp_load(state, folder, verify=(checksums, advice) if checksums is not None else None,
+    dcp_load(state, folder, verify=(checksums, advice) if checksums is not None else None,
               advice=advice)
     if hasattr(optimizer, "sync_master_from_params"):   # sharded master copies follow the weights
         optimizer.sync_master_from_params()
@@ -649,12 +650,12 @@ def load_checkpoint(path: str, chunks, mesh, *, optimizer=None, scheduler=None, 
                     setattr(train_state, k, v)
     if with_rng:
         from megatron_sp.tensor_parallel.random import set_rng_state
-        set_rng_state(_rng_from_storable(state[rng_key]), rng_tracker)
-    elif load_rng and not weights_only and meta.get("has_rng") and _rank() == 0:
+        set_rng_state(rng_from_storable(state[rng_key]), rng_tracker)
+    elif load_rng and not weights_only and meta.get("has_rng") and global_rank() == 0:
         print(f"> layout changed ({saved_layout} -> tp={mesh.tp_size} sp={mesh.sp_size} "
               f"dp={mesh.dp_size} pp={mesh.pp_size}): RNG states not restored (they are per rank).",
               flush=True)
-    if _rank() == 0:
+    if global_rank() == 0:
         what = "weights only" if weights_only else ("weights, optimizer" if with_optim else "weights")
         at = ("a converted checkpoint, training starts at iteration 0"
               if meta.get("iteration") == RELEASE else f"at iteration {meta.get('iteration')}")

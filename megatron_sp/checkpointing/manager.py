@@ -7,7 +7,7 @@ import sys
 import time
 
 from megatron_sp.checkpointing import megatron_lm
-from megatron_sp.checkpointing.comm import _rank, agree_on_error, any_rank_flag
+from megatron_sp.checkpointing.comm import global_rank, agree_on_error, any_rank_flag
 from megatron_sp.checkpointing.format import AgreedCheckpointError, CheckpointError
 from megatron_sp.checkpointing.io import (async_save_failed, async_save_in_flight,
                                           finalize_async_save, load_checkpoint, save_checkpoint)
@@ -29,7 +29,7 @@ class SignalHandler:
 
     def _handle(self, signum, frame):
         self.received = signum
-        print(f"> rank {_rank()}: received signal {signal.Signals(signum).name}; will save and exit "
+        print(f"> rank {global_rank()}: received signal {signal.Signals(signum).name}; will save and exit "
               f"at the end of this iteration", file=sys.stderr, flush=True)
 
     def release(self):
@@ -76,7 +76,7 @@ class CheckpointManager:
         (preflight.py). The ranks agree: all raise the same CheckpointError, none waits."""
         o, job = self.options, self.job
         problem, lock_error = None, None
-        if _rank() == 0 and o.save:
+        if global_rank() == 0 and o.save:
             try:
                 lock = SaveLock(o.save, force=o.force_unlock)
                 note = lock.acquire()
@@ -91,7 +91,7 @@ class CheckpointManager:
                               f"check the folder.")
         if problem is None:
             problems = startup_problems(
-                _rank(), o.save, self._checkpoint_size(), skip_free_space=o.skip_free_space_check,
+                global_rank(), o.save, self._checkpoint_size(), skip_free_space=o.skip_free_space_check,
                 tensorboard_dir=job.logging.tensorboard_dir, metrics_jsonl=job.logging.metrics_jsonl,
                 data_cache_path=None if job.data.mock_data else job.data.data_cache_path)
             problem = problems[0] if problems else lock_error
@@ -138,7 +138,7 @@ class CheckpointManager:
                                    load_rng=not o.no_load_rng, finetune=o.finetune,
                                    step=o.ckpt_step, verify=not o.no_verify_checkpoint,
                                    schedule=self._schedule_policy())
-        if meta is None and _rank() == 0:
+        if meta is None and global_rank() == 0:
             print(f"> no checkpoint found under --load {o.load}: starting from scratch", flush=True)
         self.last_saved = t.state.iteration if meta is not None and not o.finetune else None
         self.end_iteration = self.job.training.end_iteration(t.state.iteration,
@@ -185,7 +185,7 @@ class CheckpointManager:
             self.exit_reason = f"--exit-interval {interval}"
         if self.exit_reason or (o.save_interval and it % o.save_interval == 0):
             self.save()
-        if self.exit_reason and _rank() == 0:
+        if self.exit_reason and global_rank() == 0:
             print(f"> exiting at iteration {it} after {self.exit_reason}", flush=True)
         return self.exit_reason is not None
 

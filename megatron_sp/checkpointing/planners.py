@@ -12,7 +12,7 @@ from megatron_sp.checkpointing.integrity import verify_files
 
 # DCP planners ---------------------------------------------------------------------------------------
 
-def _planners():
+def shard_planners():
     """Save/load planners that understand `Shard` (imported lazily: DCP is a heavy import)."""
     from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
@@ -99,7 +99,7 @@ def _planners():
 
 
 @contextlib.contextmanager
-def _dcp_errors(where: str | None = None, advice: str | None = None):
+def dcp_errors(where: str | None = None, advice: str | None = None):
     """Quiet DCP's one-process warning; re-raise our own error out of DCP's per-rank wrapper.
 
     With `advice` (loading), any other failure of any rank (a file DCP could not open or decode:

@@ -10,8 +10,8 @@ import torch
 from megatron_sp.checkpointing.format import (META_FILENAME, TRACKER_FILENAME, CheckpointError, Shard,
                                               model_state, read_meta)
 from megatron_sp.checkpointing.integrity import require_digests, verify_files
-from megatron_sp.checkpointing.io import _dcp_load, fallback_advice, resolve_checkpoint
-from megatron_sp.checkpointing.planners import _dcp_errors
+from megatron_sp.checkpointing.io import dcp_load, fallback_advice, resolve_checkpoint
+from megatron_sp.checkpointing.planners import dcp_errors
 
 
 def _open_local(folder: str, verify: bool = True):
@@ -36,7 +36,7 @@ def _read_dcp_metadata(folder: str, advice: str):
     from torch.distributed.checkpoint import FileSystemReader
     path = os.path.join(folder, ".metadata")
     try:
-        with _dcp_errors(folder, advice):
+        with dcp_errors(folder, advice):
             return FileSystemReader(folder).read_metadata()
     except CheckpointError:
         raise
@@ -64,7 +64,7 @@ def read_full_tensors(path: str, prefix: str = "model/",
                       torch.Size([0] * len(m.size)))
              for k, m in md.state_dict_metadata.items()
              if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-    _dcp_load(state, folder, local=True, verify=checks, advice=advice)
+    dcp_load(state, folder, local=True, verify=checks, advice=advice)
     return {k[len(prefix):]: v.local for k, v in state.items()}
 
 
@@ -120,7 +120,7 @@ def load_pretrained(path: str, *, device="cpu", dtype: torch.dtype | None = None
             _read_dcp_metadata(folder, advice)
         config = GPTConfig.from_dict(meta["config"])
         model = GPTModel(config, ParallelMesh.single(), attention_backend=attention_backend)
-        _dcp_load(model_state([model], 0, 1), folder, local=True, verify=checks, advice=advice)
+        dcp_load(model_state([model], 0, 1), folder, local=True, verify=checks, advice=advice)
     model.eval()
     return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
 

@@ -39,8 +39,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_sp.grad_sync import (_active, _sum_over_ep, all_reduce_sum, expert_groups_of,
-                                   expert_key, is_expert_parallel)
+from megatron_sp.grad_sync import (all_reduce_sum, expert_groups_of, expert_key, group_active,
+                                   is_expert_parallel, sum_over_ep)
 
 from .state_bytes import local_tensor, model_state_bytes, optimizer_tensors
 
@@ -196,9 +196,9 @@ class FSDP2:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.sp_params and _active(self.mesh.tp_group):
+        if self.sp_params and group_active(self.mesh.tp_group):
             self._sum_local_grads(self.sp_params, self.mesh.tp_group, "tp/all_reduce")
-        if self.embedding_params and _active(self.mesh.embedding_group):
+        if self.embedding_params and group_active(self.mesh.embedding_group):
             self._sum_local_grads(self.embedding_params, self.mesh.embedding_group,
                                   "pp/embedding_all_reduce")
 
@@ -235,7 +235,7 @@ class FSDP2:
         total = torch.stack([total[0], total[1] / self.mesh.tp_size])   # [2]
         all_reduce_sum(total, self.mesh.tp_group, "tp/all_reduce")
         # Experts: shards summed over edp, then the ep ranks' experts (the ep group spans tp).
-        total = total.sum() + _sum_over_ep(experts, self.mesh, sharded_over_edp=True)
+        total = total.sum() + sum_over_ep(experts, self.mesh, sharded_over_edp=True)
         all_reduce_sum(total, self.mesh.pp_group, "pp/all_reduce")
         return total.item() ** 0.5
 

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from megatron_sp.attention.documents import document_causal_mask
 from megatron_sp.attention.blockwise import blockwise_attention
-from megatron_sp.attention.lse import (_backward_math, _forward_math, attention_backward_with_lse,
-                                       attention_with_lse, merge_partials)
+from megatron_sp.attention.lse import (attention_backward_with_lse, attention_with_lse,
+                                       backward_math, forward_math, merge_partials)
 from megatron_sp.context_parallel import zigzag_merge, zigzag_positions, zigzag_split
 from megatron_sp.mesh import LayoutError
 
@@ -97,7 +97,7 @@ def test_attention_with_lse_matches_sdpa(seed, causal, path):
     if path == "auto":         # unmasked on CPU: the fused flash kernel
         out, lse = attention_with_lse(q, k, v, causal=causal, scale=scale)
     else:
-        out, lse = _forward_math(q, k, v, causal, scale or 1 / math.sqrt(d), None)
+        out, lse = forward_math(q, k, v, causal, scale or 1 / math.sqrt(d), None)
     ref_out, ref_lse = _reference(q, k, v, _allowed(b, sq, sk, causal, None), scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
@@ -187,7 +187,7 @@ def test_backward_with_lse_equals_autograd(seed, causal, masked):
     out, lse = attention_with_lse(q, k, v, causal=causal, mask=mask)
     ref_out, ref = _reference_grads(q, k, v, allowed, dout)
     grads = attention_backward_with_lse(q, k, v, out, dout, lse, causal=causal, mask=mask)
-    math_grads = _backward_math(q, k, v, out, dout, lse, causal, 1 / math.sqrt(d), mask)
+    math_grads = backward_math(q, k, v, out, dout, lse, causal, 1 / math.sqrt(d), mask)
     for name, got, got_math, want in zip("qkv", grads, math_grads, ref):
         assert got.shape == want.shape and got.dtype == torch.float32
         _assert_close(got, want, GRAD_TOL, f"d{name}")

@@ -20,7 +20,7 @@ import torch
 from megatron_sp.attention import block_kernels
 from megatron_sp.attention.blockwise import blockwise_plan
 from megatron_sp.attention.documents import document_causal_mask
-from megatron_sp.attention.lse import _backward_math, _forward_math
+from megatron_sp.attention.lse import backward_math, forward_math
 from megatron_sp.attention.segments import (document_bounds, range_segments, ranges_batches,
                                             ring_plan, zigzag_ranges)
 from megatron_sp.context_parallel import zigzag_positions
@@ -138,14 +138,14 @@ def _segments_of(cu):
 def _flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, debug, *, scale):
     if cu_q is None:                    # one segment on views: [b, L, heads, d], lse [b, h, L]
         assert cu_k is None and q.dim() == 4 and q.stride(-1) == 1 and max_q == q.shape[1]
-        o, l = _forward_math(q, k, v, is_causal, scale, None)
+        o, l = forward_math(q, k, v, is_causal, scale, None)
         return o, l, torch.zeros(2), torch.empty(0), torch.empty(0)
     assert q.dim() == 3 and k.shape[1] <= q.shape[1] and q.is_contiguous()   # GQA as is
     assert cu_q.dtype == cu_k.dtype == torch.int32 and dropout_p == 0.0
     out, lse = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0])       # lse [h, Tq]
     for (a0, a1), (b0, b1) in zip(_segments_of(cu_q), _segments_of(cu_k)):
         assert a1 - a0 <= max_q and b1 - b0 <= max_k
-        o, l = _forward_math(q[None, a0:a1], k[None, b0:b1], v[None, b0:b1], is_causal, scale,
+        o, l = forward_math(q[None, a0:a1], k[None, b0:b1], v[None, b0:b1], is_causal, scale,
                              None)
         out[a0:a1], lse[:, a0:a1] = o[0], l[0]
     return out, lse, torch.zeros(2), torch.empty(0), torch.empty(0)
@@ -155,11 +155,11 @@ def _flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p
                     rng_state, unused, *, scale):
     if cu_q is None:
         assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.is_contiguous()
-        return _backward_math(q, k, v, out, dout, lse, is_causal, scale, None)
+        return backward_math(q, k, v, out, dout, lse, is_causal, scale, None)
     assert lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous()
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for (a0, a1), (b0, b1) in zip(_segments_of(cu_q), _segments_of(cu_k)):
-        gq, gk, gv = _backward_math(q[None, a0:a1], k[None, b0:b1], v[None, b0:b1],
+        gq, gk, gv = backward_math(q[None, a0:a1], k[None, b0:b1], v[None, b0:b1],
                                     out[None, a0:a1], dout[None, a0:a1], lse[None, :, a0:a1],
                                     is_causal, scale, None)
         dq[a0:a1] += gq[0]
@@ -170,7 +170,7 @@ def _flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p
 
 def _efficient_forward(q, k, v, bias, compute_lse, dropout_p, is_causal, *, scale):
     assert q.shape[1] == k.shape[1] and bias is None and compute_lse      # heads expanded
-    o, l = _forward_math(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal,
+    o, l = forward_math(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal,
                          scale, None)
     padded = torch.zeros(*l.shape[:2], -(-l.shape[2] // 32) * 32)
     padded[:, :, :l.shape[2]] = l
@@ -180,7 +180,7 @@ def _efficient_forward(q, k, v, bias, compute_lse, dropout_p, is_causal, *, scal
 def _efficient_backward(dout, q, k, v, bias, out, lse, seed, offset, dropout_p, grad_mask,
                         is_causal, *, scale):
     assert lse.shape[-1] % 32 == 0 and lse.shape[-1] >= q.shape[2]
-    grads = _backward_math(*(t.transpose(1, 2) for t in (q, k, v, out, dout)),
+    grads = backward_math(*(t.transpose(1, 2) for t in (q, k, v, out, dout)),
                            lse[:, :, :q.shape[2]], is_causal, scale, None)
     return tuple(t.transpose(1, 2) for t in grads) + (None,)
 

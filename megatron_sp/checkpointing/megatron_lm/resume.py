@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_sp.checkpointing.comm import _rank, agree_on_error
+from megatron_sp.checkpointing.comm import global_rank, agree_on_error
 from megatron_sp.checkpointing.format import (AgreedCheckpointError, CheckpointError,
                                               check_config, named_parameters, param_shard,
                                               schedule_to_load)
@@ -98,7 +98,7 @@ def load_for_training(path: str, chunks, mesh, *, optimizer=None, scheduler=None
             train_state.iteration = ckpt.iteration
             train_state.consumed_train_samples = ckpt.consumed_train_samples
             train_state.consumed_valid_samples = ckpt.consumed_valid_samples
-    if _rank() == 0:
+    if global_rank() == 0:
         rows = ckpt.fields["vocab_size"]
         dropped = rows - config.vocab_size if config is not None else 0
         print(f"> loaded Megatron-LM checkpoint {ckpt.folder} ({ckpt.ckpt_format}, saved at tp "
