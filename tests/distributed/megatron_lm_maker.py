@@ -2,7 +2,9 @@
 
 megatron-core 0.16.1 runs on CPU with a few patches (the issue's list): torch.cuda.current_device
 returns the CPU device (RoPE asks for it), torch.cuda.synchronize does nothing (the torch_dist
-writer calls it), Tensor.cuda() returns the tensor (pp > 1 with tied embeddings calls it), the models use the local spec with use_cpu_initialization, the causal mask is
+writer calls it), Tensor.cuda() returns the tensor (pp > 1 with tied embeddings calls it), MoE's
+te_general_gemm is None (no Transformer Engine), the models use the local spec with
+use_cpu_initialization and the allgather dispatcher (no CUDA streams), the causal mask is
 passed as a bool tensor, and psutil is installed (the torch_dist writer's forked process needs it).
 
 The files are written as Megatron-LM's training/checkpointing.py writes them (its
@@ -30,7 +32,8 @@ GQA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, group_query_atte
            add_bias_linear=False, untie_embeddings_and_output_weights=True, qk_layernorm=True,
            vocab_size=90, make_vocab_size_divisible_by=16, max_position_embeddings=16)
 MOE = dict(GQA, qk_layernorm=False, num_experts=4, moe_ffn_hidden_size=24, moe_router_topk=2,
-           moe_layer_freq=1, moe_router_pre_softmax=False, moe_router_load_balancing_type="aux_loss",
+           moe_layer_freq=1, moe_router_pre_softmax=False,
+           moe_router_load_balancing_type="aux_loss",
            moe_aux_loss_coeff=0.01, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather")
 GPT = dict(num_layers=4, hidden_size=32, num_attention_heads=4, group_query_attention=False,
            num_query_groups=None, ffn_hidden_size=64, kv_channels=8, normalization="LayerNorm",
@@ -91,8 +94,10 @@ def build(spec: dict, tp: int, pp: int):
                                           qk_layernorm=s["qk_layernorm"])
     return GPTModel(config, layer_spec, vocab_size=padded_vocab(s, tp),
                     max_sequence_length=s["max_position_embeddings"],
-                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                    share_embeddings_and_output_weights=not s["untie_embeddings_and_output_weights"],
+                    pre_process=ps.is_pipeline_first_stage(),
+                    post_process=ps.is_pipeline_last_stage(),
+                    share_embeddings_and_output_weights=not s[
+                        "untie_embeddings_and_output_weights"],
                     position_embedding_type=s["position_embedding_type"],
                     rotary_base=s.get("rotary_base", 10000), parallel_output=False).eval()
 
@@ -101,7 +106,8 @@ def _moe_config(spec: dict) -> dict:
     """TransformerConfig's MoE fields (the allgather dispatcher: no CUDA streams)."""
     if not spec.get("num_experts"):
         return {}
-    return dict(num_moe_experts=spec["num_experts"], moe_ffn_hidden_size=spec["moe_ffn_hidden_size"],
+    return dict(num_moe_experts=spec["num_experts"],
+                moe_ffn_hidden_size=spec["moe_ffn_hidden_size"],
                 moe_router_topk=spec["moe_router_topk"],
                 moe_router_pre_softmax=spec["moe_router_pre_softmax"],
                 moe_router_load_balancing_type=spec["moe_router_load_balancing_type"],
@@ -178,8 +184,7 @@ def save(model, root: str, ckpt_format: str, args):
     if ckpt_format == "torch_dist":
         dist_checkpointing.save(dict(common, model=model.sharded_state_dict()), folder)
     elif ps.get_data_parallel_rank() == 0:          # one writer per (tp, pp) rank
-        tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-        name = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if ps.get_pipeline_model_parallel_world_size() > 1 else "")
+        name = _rank_dir()
         os.makedirs(os.path.join(folder, name), exist_ok=True)
         torch.save(dict(common, model=model.state_dict_for_save_checkpoint(),
                         rng_state=_rng_state()),
@@ -191,6 +196,14 @@ def save(model, root: str, ckpt_format: str, args):
     dist.barrier()
 
 
+def _rank_dir() -> str:
+    """This rank's torch-format folder: mp_rank_TT, or mp_rank_TT_PPP with pipeline stages."""
+    from megatron.core import parallel_state as ps
+    tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    staged = ps.get_pipeline_model_parallel_world_size() > 1
+    return f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if staged else "")
+
+
 def load_strict(model, folder: str, ckpt_format: str, te_extra_state: bool = False):
     """Load an iteration folder into `model` as Megatron-LM does, strictly: torch_dist through
     dist_checkpointing.load with StrictHandling.RAISE_ALL (a missing or unexpected key raises),
@@ -199,7 +212,6 @@ def load_strict(model, folder: str, ckpt_format: str, te_extra_state: bool = Fal
     state too) into this local-spec model, under Megatron-LM's default strictness
     (ASSUME_OK_UNEXPECTED: a missing key still raises)."""
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.validation import StrictHandling
     if ckpt_format == "torch_dist":
         strict = StrictHandling.ASSUME_OK_UNEXPECTED if te_extra_state else StrictHandling.RAISE_ALL
@@ -207,8 +219,7 @@ def load_strict(model, folder: str, ckpt_format: str, te_extra_state: bool = Fal
                                         strict=strict)
         model.load_state_dict(state.pop("model"), strict=True)
         return state
-    tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    name = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if ps.get_pipeline_model_parallel_world_size() > 1 else "")
+    name = _rank_dir()
     state = torch.load(os.path.join(folder, name, "model_optim_rng.pt"), weights_only=False)
     model.load_state_dict(state["model"], strict=True)
     return state
