@@ -295,15 +295,6 @@ def build_blending_indices(weights, size):
     return dataset_index, sample_index
 
 
-def sample_numbers(dataset_index, n):
-    """For each position, how many earlier positions chose the same dataset (vectorised)."""
-    out = np.empty(len(dataset_index), np.int64)
-    for k in range(n):
-        where = np.flatnonzero(dataset_index == k)
-        out[where] = np.arange(len(where))
-    return out
-
-
 class BlendedDataset:
     """Draws sample i from datasets[dataset_index[i]] at position dataset_sample_index[i]."""
 

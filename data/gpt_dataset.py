@@ -52,13 +52,6 @@ def build_document_index(documents, num_epochs, rng, separate_final_epoch):
     return index
 
 
-def ceil_div(a, b):
-    """ceil(a / b) for int64 arrays; float64 is exact while a < 2**52 and much faster."""
-    if len(a) and int(a[-1]) < 2 ** 52:
-        return np.ceil(a / float(b)).astype(np.int64)
-    return -(-a // b)
-
-
 SAMPLE_INDEX_CHUNK = 1 << 15      # documents per step: the temporaries stay in the CPU cache
 
 
