@@ -232,19 +232,6 @@ def combine_aux_loss(counts: torch.Tensor, prob_sums: torch.Tensor, n_tokens, nu
     return coeff * num_experts * (f * p).sum(dim=-1).mean()
 
 
-def switch_aux_loss(probs_all: torch.Tensor, tokens_per_expert: torch.Tensor, topk: int,
-                    coeff: float) -> torch.Tensor:
-    """The Switch Transformer / GShard load-balancing loss over probs_all [T, E] (the FULL softmax)
-    and tokens_per_expert [E] (top-k assignments): coeff * E * sum_i f_i P_i, f_i normalised by T*k.
-
-    HF's load_balancing_loss_func (Mixtral, Qwen3-MoE) normalises f_i by T alone, so its value is k
-    times this one: HF's router_aux_loss_coef c matches moe_aux_loss_coeff = c * k.
-    """
-    n_tokens = torch.tensor(float(probs_all.shape[0]), device=probs_all.device)
-    return combine_aux_loss(tokens_per_expert.float(), probs_all.float().sum(dim=0), n_tokens,
-                            probs_all.shape[-1], topk, coeff)
-
-
 def seq_aux_loss(probs_all: torch.Tensor, indices: torch.Tensor, batch_size: int,
                  coeff: float) -> torch.Tensor:
     """The Switch loss of each sequence, averaged over the b sequences (Megatron's

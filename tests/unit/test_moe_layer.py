@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_sp.models.moe import (GroupedExperts, MoEConfig, MoELayer, capacity_keep_mask,
-                                    expert_capacity, permute, seq_aux_loss, switch_aux_loss,
+                                    combine_aux_loss, expert_capacity, permute, seq_aux_loss,
                                     tokens_per_expert_of, topk_routing, unpermute, z_loss)
 
 transformers = pytest.importorskip("transformers")
@@ -23,6 +23,20 @@ LOSS_TOL = 1e-6      # aux loss against HF's load_balancing_loss_func
 PATH_TOL = 1e-5      # grouped mm against the per-expert loop, fp32
 
 H, F, E, K = 16, 12, 6, 2     # H, F multiples of 4: fp32 rows 16-byte aligned for torch._grouped_mm
+
+
+def switch_aux_loss(probs_all: torch.Tensor, tokens_per_expert: torch.Tensor, topk: int,
+                    coeff: float) -> torch.Tensor:
+    """The Switch Transformer / GShard load-balancing loss over probs_all [T, E] (the FULL softmax)
+    and tokens_per_expert [E] (top-k assignments): coeff * E * sum_i f_i P_i, f_i normalised by T*k
+    (the router's losses go through the same combine_aux_loss; this form is the tests' reference).
+
+    HF's load_balancing_loss_func (Mixtral, Qwen3-MoE) normalises f_i by T alone, so its value is k
+    times this one: HF's router_aux_loss_coef c matches moe_aux_loss_coeff = c * k.
+    """
+    n_tokens = torch.tensor(float(probs_all.shape[0]), device=probs_all.device)
+    return combine_aux_loss(tokens_per_expert.float(), probs_all.float().sum(dim=0), n_tokens,
+                            probs_all.shape[-1], topk, coeff)
 
 
 def _fill_(module, gen, std=0.3):
