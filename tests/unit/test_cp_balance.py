@@ -12,7 +12,6 @@ from megatron_sp.attention.documents import document_causal_mask
 from megatron_sp.attention.segments import document_bounds
 from megatron_sp.context_parallel.balance import (LayoutPlanner, causal_pairs, cp_layout,
                                                   layout_ring_plan, work_balance)
-from megatron_sp.context_parallel.rehearsal import _from_previous, _lockstep
 from megatron_sp.context_parallel.ring import rank_backward, rank_forward
 from megatron_sp.context_parallel.zigzag import zigzag_positions
 
@@ -125,6 +124,35 @@ def test_deterministic_and_short_documents_stay_home(seed):
     assert work_balance([0, 0]) == 1.0
 
 
+class _Arrived:
+    """A received block, already here (what RingExchange.wait returns)."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def wait(self):
+        return self.tensors
+
+
+def _lockstep(ranks):
+    """Run every rank's rank_forward / rank_backward generator in lockstep in one process: what
+    rank r posts reaches rank r + 1 (a copy, as a receive is). Returns their results."""
+    cp = len(ranks)
+    results, handles = [None] * cp, [None] * cp
+    while True:
+        posted = []
+        for r, rank in enumerate(ranks):
+            try:
+                posted.append((next(rank) if handles[r] is None else rank.send(handles[r]))[0])
+            except StopIteration as stop:
+                results[r] = stop.value
+                posted.append(None)
+        if all(p is None for p in posted):
+            return results
+        assert None not in posted, "the ranks went out of step"
+        handles = [_Arrived(tuple(t.clone() for t in posted[(r - 1) % cp])) for r in range(cp)]
+
+
 def _reference(q, k, v, dout, ids):
     """Full document-causal attention and its gradients on one rank (fp32 math)."""
     qkv = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -160,10 +188,10 @@ def test_ring_over_balanced_plans_equals_attention(cp, seed):
     plans = [p.plan(ids, b, s // cp, True) for p in planners]
     scale = d ** -0.5
     outs = _lockstep([rank_forward(take(q, r), take(k, r), take(v, r), plans[r], scale)
-                      for r in range(cp)], _from_previous)
+                      for r in range(cp)])
     grads = _lockstep([rank_backward(take(q, r), take(k, r), take(v, r), outs[r][0],
                                      take(dout, r), outs[r][1], plans[r], scale)
-                       for r in range(cp)], _from_previous)
+                       for r in range(cp)])
     for i, (name, tol) in enumerate((("out", FWD_TOL), ("dq", GRAD_TOL), ("dk", GRAD_TOL),
                                      ("dv", GRAD_TOL))):
         full = torch.zeros_like(ref[i])
