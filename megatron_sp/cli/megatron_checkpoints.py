@@ -37,9 +37,11 @@ def read_model(path: str):
 
 
 def say_read(ckpt) -> None:
+    ep = ckpt.args.get("expert_model_parallel_size") or 1
     print(f"> read Megatron-LM checkpoint {ckpt.folder} ({ckpt.ckpt_format}, saved at tp "
           f"{ckpt.args.get('tensor_model_parallel_size', 1)} x pp "
-          f"{ckpt.args.get('pipeline_model_parallel_size', 1)}, iteration {ckpt.iteration}"
+          f"{ckpt.args.get('pipeline_model_parallel_size', 1)}" + (f" x ep {ep}" if ep > 1 else "")
+          + f", iteration {ckpt.iteration}"
           + (", its optimizer state not converted" if ckpt.has_optimizer else "") + ")",
           flush=True)
 

@@ -34,7 +34,8 @@ GQA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, group_query_atte
 MOE = dict(GQA, qk_layernorm=False, num_experts=4, moe_ffn_hidden_size=24, moe_router_topk=2,
            moe_layer_freq=1, moe_router_pre_softmax=False,
            moe_router_load_balancing_type="aux_loss",
-           moe_aux_loss_coeff=0.01, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather")
+           moe_aux_loss_coeff=0.01, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
+           expert_model_parallel_size=2)
 GPT = dict(num_layers=4, hidden_size=32, num_attention_heads=4, group_query_attention=False,
            num_query_groups=None, ffn_hidden_size=64, kv_channels=8, normalization="LayerNorm",
            norm_epsilon=1e-5, swiglu=False, position_embedding_type="learned_absolute",
@@ -50,13 +51,13 @@ def patch_cpu():
     moe_utils.te_general_gemm = None                  # MoE without Transformer Engine
 
 
-def init_parallel(tp: int, pp: int, seed: int):
+def init_parallel(tp: int, pp: int, seed: int, ep: int = 1):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     patch_cpu()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tp, pp)
+    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
 
@@ -83,6 +84,7 @@ def build(spec: dict, tp: int, pp: int):
         activation_func=torch.nn.functional.silu if s["swiglu"] else torch.nn.functional.gelu,
         add_bias_linear=s["add_bias_linear"], qk_layernorm=s["qk_layernorm"],
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=s.get("expert_model_parallel_size", 1),
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         hidden_dropout=0.0,
         attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
@@ -142,7 +144,8 @@ def megatron_args(spec: dict, tp: int, pp: int, iteration: int, consumed: int, g
     from megatron.core.enums import ModelType
     from megatron.core.transformer.enums import AttnBackend
     ns = dict(spec, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-              expert_model_parallel_size=1, padded_vocab_size=padded_vocab(spec, tp),
+              expert_model_parallel_size=spec.get("expert_model_parallel_size", 1),
+              padded_vocab_size=padded_vocab(spec, tp),
               seq_length=SEQ, global_batch_size=gbs, micro_batch_size=1, iteration=iteration,
               consumed_train_samples=consumed, consumed_valid_samples=0,
               model_type=ModelType.encoder_or_decoder, attention_backend=AttnBackend.auto,
@@ -183,7 +186,7 @@ def save(model, root: str, ckpt_format: str, args):
     dist.barrier()
     if ckpt_format == "torch_dist":
         dist_checkpointing.save(dict(common, model=model.sharded_state_dict()), folder)
-    elif ps.get_data_parallel_rank() == 0:          # one writer per (tp, pp) rank
+    elif ps.get_expert_data_parallel_rank() == 0:   # one writer per (tp, pp, ep) rank
         name = _rank_dir()
         os.makedirs(os.path.join(folder, name), exist_ok=True)
         torch.save(dict(common, model=model.state_dict_for_save_checkpoint(),
@@ -197,11 +200,14 @@ def save(model, root: str, ckpt_format: str, args):
 
 
 def _rank_dir() -> str:
-    """This rank's torch-format folder: mp_rank_TT, or mp_rank_TT_PPP with pipeline stages."""
+    """This rank's torch-format folder: mp_rank_TT[_PPP with pipeline stages][_EEE with expert
+    parallelism] (Megatron-LM's get_checkpoint_name)."""
     from megatron.core import parallel_state as ps
     tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     staged = ps.get_pipeline_model_parallel_world_size() > 1
-    return f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if staged else "")
+    ep = ps.get_expert_model_parallel_world_size()
+    return (f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if staged else "")
+            + (f"_{ps.get_expert_model_parallel_rank():03d}" if ep > 1 else ""))
 
 
 def load_strict(model, folder: str, ckpt_format: str, te_extra_state: bool = False):

@@ -3,7 +3,8 @@ megatron-core 0.16.1 makes on CPU in one 2-rank spawn (megatron_lm_maker.py):
 
 - GQA: tp 2, GQA 4 heads / 2 groups, RMSNorm, SwiGLU, RoPE, qk-norm, untied, no biases;
 - GPT: pp 2 (2 layers per stage), MHA, LayerNorm, exact GELU, learned positions, tied, biases;
-- MoE: Mixtral-shaped (4 SwiGLU experts in every layer, top-2, GQA, RoPE), tp 1 x dp 2;
+- MoE: Mixtral-shaped (4 SwiGLU experts in every layer, top-2, GQA, RoPE), ep 2 (torch format:
+  one file per expert-parallel rank, mp_rank_00_000 / mp_rank_00_001);
   each saved as Megatron-LM saves it, in torch_dist and in torch format (iteration 3, 24 samples).
 
 Checked (fp32, logits within 1e-5 of megatron-core's forward on the same tokens):
@@ -89,7 +90,7 @@ def _make_and_check(rank, world, out):
     import torch.distributed as dist
     logits, loaded = {}, {}
     for name, (spec, (tp, pp), _) in MODELS.items():
-        mk.init_parallel(tp, pp, seed=1234)
+        mk.init_parallel(tp, pp, seed=1234, ep=spec.get("expert_model_parallel_size", 1))
         model = mk.build(spec, tp, pp)
         logits[name] = mk.forward(model, mk.tokens(TOKEN_SEED, spec["vocab_size"]))
         for fmt in FORMATS:
@@ -104,6 +105,7 @@ def _make_and_check(rank, world, out):
     dist.barrier()
     for name, (spec, _, (tp, pp)) in MODELS.items():
         mk.init_parallel(tp, pp, seed=99)                       # other weights until loaded
+        spec = dict(spec, expert_model_parallel_size=1)         # written for ep 1
         runs = [(fmt, f"{out}/rt_{name}_{fmt}", "raise_all") for fmt in FORMATS]
         runs += [("torch_dist", f"{out}/rt_gqa_te", "te")] if name == "gqa" else []
         for fmt, root, kind in runs:

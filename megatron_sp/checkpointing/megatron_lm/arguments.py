@@ -85,8 +85,6 @@ def _refuse_unsupported_moe(args: dict, where: str) -> None:
         (bool(args.get("moe_router_group_topk")), "group-limited routing"),
         (not args.get("swiglu"), "experts without SwiGLU"),
         (_get(args, "add_bias_linear", True), "expert biases (no --disable-bias-linear)"),
-        ((args.get("expert_model_parallel_size") or 1) > 1 and args.get("ckpt_format") == "torch",
-         "expert parallelism in the torch format (save it as torch_dist)"),
     )
     for bad, feature in checks:
         if bad:

@@ -149,23 +149,26 @@ def _read_torch(folder: str):
     tp = int(args.get("tensor_model_parallel_size") or 1)
     pp = int(args.get("pipeline_model_parallel_size") or 1)
     ep = int(args.get("expert_model_parallel_size") or 1)
-    if ep > 1:
-        raise CheckpointError(f"checkpoint {folder} was saved with expert parallelism "
-                              f"(expert_model_parallel_size={ep}), which this reader does not "
-                              f"join yet; save it with --ckpt-format torch_dist.")
-    paths = [[os.path.join(folder, _rank_dir(t, p if pp > 1 else None), "model_optim_rng.pt")
-              for t in range(tp)] for p in range(pp)]
+    # paths[stage][tp rank][ep rank]
+    paths = [[[os.path.join(folder, _rank_dir(t, p if pp > 1 else None, e if ep > 1 else None),
+                            "model_optim_rng.pt") for e in range(ep)] for t in range(tp)]
+             for p in range(pp)]
     for stage in paths:
-        for p in stage:
-            if not os.path.isfile(p):
-                raise CheckpointError(f"checkpoint {folder} (tp {tp} x pp {pp}) is missing "
-                                      f"{p}; copy the whole folder again.")
+        for ranks in stage:
+            for p in ranks:
+                if not os.path.isfile(p):
+                    raise CheckpointError(f"checkpoint {folder} (tp {tp} x pp {pp} x ep {ep}) is "
+                                          f"missing {p}; copy the whole folder again.")
     swiglu = bool(args.get("swiglu"))
+    experts = int(args.get("num_experts") or 0)
     out, offset, has_optim = {}, 0, False
     for stage in paths:
-        states = [head if p == first else safe_load(p, f"checkpoint file {p}") for p in stage]
-        has_optim = has_optim or bool(states[0].get("optimizer"))
-        models = [_model_of(s, p) for s, p in zip(states, stage)]
+        loaded = [[head if p == first else safe_load(p, f"checkpoint file {p}") for p in ranks]
+                  for ranks in stage]
+        has_optim = has_optim or bool(loaded[0][0].get("optimizer"))
+        models = [_join_expert_ranks([_model_of(s, p) for s, p in zip(states, ranks)], experts)
+                  for states, ranks in zip(loaded, stage)]
+        stage = [ranks[0] for ranks in stage]
         count = 0
         for key in models[0]:
             if key.endswith("_extra_state") or models[0][key] is None:
@@ -189,6 +192,22 @@ def _read_torch(folder: str):
             out[glob] = names.merge_tp(ours, shards, swiglu)
         offset += count
     return head, names.join_experts(out, folder), has_optim
+
+
+def _join_expert_ranks(models: list[dict], experts: int) -> dict:
+    """One tp rank's model from its expert-parallel files: the first file's tensors, with the
+    local experts of file e renumbered to global ones (local j -> e * E/ep + j)."""
+    if len(models) == 1:
+        return models[0]
+    per_rank = experts // len(models)
+    out = {k: v for k, v in models[0].items() if ".local_experts." not in k}
+    for e, model in enumerate(models):
+        for key, t in model.items():
+            m = re.search(r"\.local_experts\.(\d+)\.", key)
+            if m:
+                j = e * per_rank + int(m.group(1))
+                out[key[:m.start()] + f".local_experts.{j}." + key[m.end():]] = t
+    return out
 
 
 def _model_of(state: dict, path: str) -> dict:
