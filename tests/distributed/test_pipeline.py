@@ -1,12 +1,10 @@
 """Pipeline parallelism (docs/design.md §6): stage partition, p2p, 1F1B and interleaved schedules, and their
 composition with tp, sp and dp, each equal to one rank (loss 1e-5 relative, gradients 1e-4 over
 several optimizer steps; every stage compares the gradients of the parameters it holds), plus
-pretrain_gpt.py under torchrun (tp 2 x sp 2 x pp 2 on 8 gloo ranks) against its one-rank loss curve.
+pretrain_gpt.py (tp 2 x sp 2 x pp 2 on 8 gloo ranks, forked: run_script) against its one-rank loss curve.
 """
 import contextlib
 import os
-import subprocess
-import sys
 from unittest import mock
 
 import pytest
@@ -19,7 +17,7 @@ from megatron_sp.errors import ConfigError
 from megatron_sp.mesh import ParallelMesh
 from megatron_sp.pipeline import (PipelineLayoutError, check_num_microbatches, chunk_layer_ids,
                                   forward_backward_pipelining_with_interleaving, stage_layer_ids)
-from megatron_sp.testing import free_port, metrics_losses, run_distributed
+from megatron_sp.testing import metrics_losses, run_distributed, run_script
 
 from layout_utils import build_chunks, check_layouts, global_batches, micro_batches
 
@@ -250,7 +248,7 @@ def test_eight_rank_compositions():
     ])
 
 
-# pretrain_gpt.py under torchrun ---------------------------------------------------------------------
+# pretrain_gpt.py on 8 ranks ---------------------------------------------------------------------------
 
 def test_pretrain_gpt_tp_sp_pp_matches_one_rank(tmp_path):
     common = ["--mock-data", "--vocab-size", "512", "--num-layers", "4", "--hidden-size", "32",
@@ -259,21 +257,18 @@ def test_pretrain_gpt_tp_sp_pp_matches_one_rank(tmp_path):
               "--eval-iters", "1", "--eval-interval", "3", "--lr", "1e-3",
               "--attention-backend", "sdpa", "--distributed-backend", "gloo",
               "--attention-dropout", "0", "--hidden-dropout", "0"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     one = tmp_path / "one.jsonl"
     eight = tmp_path / "eight.jsonl"
-    procs = [
-        subprocess.Popen([sys.executable, "pretrain_gpt.py", *common, "--metrics-jsonl", str(one)],
-                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-        subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8",
-                          "--master-port", str(free_port()), "pretrain_gpt.py", *common,
-                          "--tensor-model-parallel-size", "2", "--sequence-parallel-size", "2",
-                          "--pipeline-model-parallel-size", "2", "--metrics-jsonl", str(eight)],
-                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-    ]
-    for p in procs:
-        out, _ = p.communicate(timeout=240)
-        assert p.returncode == 0, out[-4000:]
+    # Both runs' ranks forked with the launcher's environment set by hand (run_script: the same
+    # computation as under torchrun, without 8 fresh interpreters; torchrun itself:
+    # test_pretrain_torchrun.py).
+    for world, extra, metrics in ((1, [], one),
+                                  (8, ["--tensor-model-parallel-size", "2",
+                                       "--sequence-parallel-size", "2",
+                                       "--pipeline-model-parallel-size", "2"], eight)):
+        rcs, out = run_script("pretrain_gpt.py", common + extra + ["--metrics-jsonl", str(metrics)],
+                              world=world)
+        assert rcs == [0] * world, out[-4000:]
     (train1, valid1), (train8, valid8) = metrics_losses(one), metrics_losses(eight)
     assert len(train1) == len(train8) == 3 and len(valid1) == len(valid8) == 1
     for a, b in zip(train1 + valid1, train8 + valid8):
