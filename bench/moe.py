@@ -83,7 +83,8 @@ def _dispatch_rank(rank, world, args):
     from megatron_sp import comm_stats
     from megatron_sp.mesh import ParallelMesh
     from megatron_sp.models.moe import MoEConfig, MoEMLP
-    from megatron_sp.moe.dispatch import ROWS_KIND, dispatch_bytes
+    from megatron_sp.moe.comm import ROWS_KIND
+    from megatron_sp.moe.dispatch import dispatch_bytes
     import torch.distributed as dist
     torch.set_num_threads(1)
     mesh = ParallelMesh.from_sizes(dp=world)

@@ -1,4 +1,4 @@
-"""The MoE layer's collectives (issue 37).
+"""The MoE layer's collectives (docs/design.md §16).
 
 reduce_statistics: the router's load-balancing statistics (assignments per expert, summed router
 probabilities, token counts; the z-loss sums) summed over the ranks that hold parts of the same
@@ -15,14 +15,22 @@ partial outputs [tp*T, H] are reduce-scattered back to [T, H]. The autograd mapp
 megatron_sp/tensor_parallel/mappings.py (sequence dim 1 of a [1, tokens, ...] view): all-gather
 forward / reduce-scatter backward (each rank's gradient of the gathered rows is partial, from its
 ffn shard), and the reverse.
+
+exchange_counts / all_to_all_rows: expert parallelism's token dispatch (moe/dispatch.py, Megatron's
+MoEAlltoAllTokenDispatcher): the int64 rows-per-expert counts, then the rows themselves, by
+all_to_all_single over the ep group with uneven splits; a row exchange's backward is the same
+exchange with the splits swapped. Counted (comm_stats, what this rank sends to OTHER ranks):
+ROWS_KIND for the rows (H x element size per row), COUNTS_KIND for the int64 counts.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
 
 from megatron_sp import comm_stats
-from megatron_sp.mesh import group_size
+from megatron_sp.mesh import group_rank, group_size
 from megatron_sp.tensor_parallel import mappings
 
 COMM_KIND = "moe/statistics all_reduce"
@@ -73,3 +81,52 @@ def reduce_scatter_tokens(y: torch.Tensor, group) -> torch.Tensor:
         return y
     out = mappings.reduce_scatter_to_sequence_parallel_region(y.unsqueeze(0), group)  # [1, T, H]
     return out.squeeze(0)                                         # [1, T, H] -> [T, H]
+
+
+# Expert parallelism's token dispatch -------------------------------------------------------------
+
+ROWS_KIND = "moe/dispatch all_to_all"
+COUNTS_KIND = "moe/dispatch counts all_to_all"
+
+
+def _all_to_all_rows(x: torch.Tensor, group, input_splits: list[int], output_splits: list[int]):
+    """x [sum(input_splits), H] -> [sum(output_splits), H]; counts the rows sent to other ranks."""
+    me = group_rank(group)
+    sent = sum(input_splits) - input_splits[me]
+    comm_stats.record(ROWS_KIND, sent * math.prod(x.shape[1:]) * x.element_size())
+    x = x.contiguous()
+    out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=output_splits,
+                           input_split_sizes=input_splits, group=group)
+    return out
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """Rows all-to-all forward; backward the reverse exchange (splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, group, input_splits, output_splits):
+        ctx.group, ctx.input_splits, ctx.output_splits = group, input_splits, output_splits
+        return _all_to_all_rows(x, group, input_splits, output_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all_rows(grad, ctx.group, ctx.output_splits, ctx.input_splits), None, None, None
+
+
+def exchange_counts(tokens_per_expert: torch.Tensor, group) -> torch.Tensor:
+    """tokens_per_expert [E] (this rank's rows per global expert) -> received [ep, E/ep] int64: row
+    s = the rows source rank s sends to each of this rank's local experts."""
+    ep = group_size(group)
+    send = tokens_per_expert.to(torch.int64).reshape(ep, -1).contiguous()   # [E] -> [ep, E/ep]
+    recv = torch.empty_like(send)
+    me = group_rank(group)
+    comm_stats.record(COUNTS_KIND, (ep - 1) * send[me].numel() * send.element_size())
+    dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def all_to_all_rows(x: torch.Tensor, group, input_splits: list[int], output_splits: list[int]):
+    """x [sum(input_splits), H] -> [sum(output_splits), H] over the ep group (autograd: the
+    backward sends the gradients back with the splits swapped)."""
+    return _AllToAllRows.apply(x, group, input_splits, output_splits)

@@ -13,59 +13,16 @@ destination rank:
     experts           -> [R, H]; un-regroup (the inverse permutation) -> (source, local e) order
     combine           all_to_all_single back, the splits swapped -> [N, H] in permute's order
 
-Each row all-to-all is an autograd pair whose backward is the same exchange with the splits
-swapped. Counted (comm_stats, what this rank sends to OTHER ranks): ROWS_KIND for the rows (H x
-element size per row), COUNTS_KIND for the int64 counts; `dispatch_bytes` is the formula.
+The exchanges themselves (the counts and the rows, each row all-to-all an autograd pair whose
+backward is the same exchange with the splits swapped, and their counting) are moe/comm.py's;
+`dispatch_bytes` is the formula of what they count.
 """
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.distributed as dist
 
-from megatron_sp import comm_stats
-from megatron_sp.mesh import group_rank, group_size
-
-ROWS_KIND = "moe/dispatch all_to_all"
-COUNTS_KIND = "moe/dispatch counts all_to_all"
-
-
-def _all_to_all_rows(x: torch.Tensor, group, input_splits: list[int], output_splits: list[int]):
-    """x [sum(input_splits), H] -> [sum(output_splits), H]; counts the rows sent to other ranks."""
-    me = group_rank(group)
-    sent = sum(input_splits) - input_splits[me]
-    comm_stats.record(ROWS_KIND, sent * math.prod(x.shape[1:]) * x.element_size())
-    x = x.contiguous()
-    out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes=output_splits,
-                           input_split_sizes=input_splits, group=group)
-    return out
-
-
-class _AllToAllRows(torch.autograd.Function):
-    """Rows all-to-all forward; backward the reverse exchange (splits swapped)."""
-
-    @staticmethod
-    def forward(ctx, x, group, input_splits, output_splits):
-        ctx.group, ctx.input_splits, ctx.output_splits = group, input_splits, output_splits
-        return _all_to_all_rows(x, group, input_splits, output_splits)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all_rows(grad, ctx.group, ctx.output_splits, ctx.input_splits), None, None, None
-
-
-def exchange_counts(tokens_per_expert: torch.Tensor, group) -> torch.Tensor:
-    """tokens_per_expert [E] (this rank's rows per global expert) -> received [ep, E/ep] int64: row
-    s = the rows source rank s sends to each of this rank's local experts."""
-    ep = group_size(group)
-    send = tokens_per_expert.to(torch.int64).reshape(ep, -1).contiguous()   # [E] -> [ep, E/ep]
-    recv = torch.empty_like(send)
-    me = group_rank(group)
-    comm_stats.record(COUNTS_KIND, (ep - 1) * send[me].numel() * send.element_size())
-    dist.all_to_all_single(recv, send, group=group)
-    return recv
+from megatron_sp.mesh import group_size
+from megatron_sp.moe.comm import all_to_all_rows, exchange_counts
 
 
 def regroup_order(received: torch.Tensor) -> torch.Tensor:
@@ -86,16 +43,16 @@ def dispatch_experts_combine(permuted: torch.Tensor, tokens_per_expert: torch.Te
     received = exchange_counts(tokens_per_expert, group)                      # [ep, E/ep]
     input_splits = send.sum(dim=1).tolist()        # rows to each destination (host sync)
     output_splits = received.sum(dim=1).tolist()   # rows from each source
-    rows = _AllToAllRows.apply(permuted, group, input_splits, output_splits)  # [R, H]
+    rows = all_to_all_rows(permuted, group, input_splits, output_splits)  # [R, H]
     order = regroup_order(received)                                           # [R]
     out = experts(rows[order], received.sum(dim=0))                           # [R, H] by expert
     out = out[torch.argsort(order)]                                           # (source, e) order
-    return _AllToAllRows.apply(out, group, output_splits, input_splits)       # [N, H]
+    return all_to_all_rows(out, group, output_splits, input_splits)       # [N, H]
 
 
 def dispatch_bytes(counts: torch.Tensor, ep_rank: int, hidden_size: int, element_size: int,
                    backward: bool = True) -> int:
-    """ROWS_KIND bytes of one MoE layer on ep rank `ep_rank`, from every ep rank's routed rows per
+    """comm.ROWS_KIND bytes of one MoE layer on ep rank `ep_rank`, from every ep rank's routed rows per
     global expert, counts [ep, E] (row s: source s's tokens_per_expert): forward the dispatch sends
     the rows bound for other ranks' experts and the combine returns the rows received from other
     ranks; backward the same two again, reversed."""
