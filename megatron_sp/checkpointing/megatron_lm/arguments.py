@@ -41,6 +41,13 @@ def _get(args: dict, name: str, default=None):
     return default if value is None else value
 
 
+def _position_type(args: dict) -> str:
+    """position_embedding_type; older Megatron-LM saves say RoPE as use_rotary_position_embeddings."""
+    if args.get("position_embedding_type") is None and args.get("use_rotary_position_embeddings"):
+        return "rope"
+    return _get(args, "position_embedding_type", "learned_absolute")
+
+
 def as_dict(args) -> dict:
     """The stored arguments as a dict (a Namespace or the safe loader's stand-in)."""
     if args is None:
@@ -59,7 +66,7 @@ def refuse_unsupported(args: dict, where: str) -> None:
         if feature and value not in (None, False, 0, "", [], "none"):
             raise CheckpointError(f"checkpoint {where} uses {feature} ({name}={value!r}), which "
                                   f"megatron_sp does not implement; it cannot be converted.")
-    pos = _get(args, "position_embedding_type", "learned_absolute")
+    pos = _position_type(args)
     if pos not in ("learned_absolute", "rope", "yarn"):
         raise CheckpointError(f"checkpoint {where} uses position_embedding_type {pos!r}; "
                               f"megatron_sp reads learned_absolute, rope and yarn.")
@@ -119,7 +126,7 @@ def model_fields(args: dict, vocab_rows: int, where: str) -> dict:
         normalization=_get(args, "normalization", "LayerNorm"),
         norm_epsilon=float(_get(args, "norm_epsilon", _get(args, "layernorm_epsilon", 1e-5))),
         activation=_activation(args, where),
-        position_embedding_type=_get(args, "position_embedding_type", "learned_absolute"),
+        position_embedding_type=_position_type(args),
         rotary_base=float(_get(args, "rotary_base", 10000)),
         rotary_percent=float(_get(args, "rotary_percent", 1.0)),
         add_bias_linear=bool(_get(args, "add_bias_linear", True)),
