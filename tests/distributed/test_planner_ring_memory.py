@@ -16,16 +16,15 @@ sequence: ~2x or 4x off) and, in the head-chunk rows, the planner without head c
 here, inside 10%: only the 2% check tells the chunk terms apart at this size).
 Inputs: fresh token ids and initial weights from the test's seed.
 
-And the flag itself: pretrain_gpt.py under torch.distributed.run at --context-parallel-size 2 with
---report-memory (the same model, mock data, one iteration, fp32): the printed "per layer" figure
-(MB, two decimals) within TOL of the planner's, and the exact saved_bytes_per_rank of its
+And the flag itself: pretrain_gpt.py on two ranks (forked: run_script) at
+--context-parallel-size 2 with --report-memory (the same model, mock data, one iteration, fp32):
+the printed "per layer" figure (MB, two decimals) within TOL of the planner's, and the exact saved_bytes_per_rank of its
 --metrics-jsonl record within TOL of the planner's total (layers + output + embedding + RoPE),
 the planner's config being pretrain_gpt.model_config of the same command line.
 """
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -128,16 +127,14 @@ FLAGS = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--hidden-si
 @pytest.mark.timeout(300)
 def test_report_memory_at_cp2_matches_the_planner(tmp_path, seed):
     from megatron_sp.cli.build import parse_job
-    from megatron_sp.testing import free_port
+    from megatron_sp.testing import run_script
     metrics = tmp_path / "metrics.jsonl"
     argv = FLAGS + ["--seed", str(seed % 100000), "--metrics-jsonl", str(metrics)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), "pretrain_gpt.py"] + argv
-    run = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=240)
-    assert run.returncode == 0, run.stdout[-4000:]
-    per_layer_mb = float(re.search(r"\| per layer: ([0-9.]+) \|", run.stdout).group(1))
-    vocab = int(re.search(r"\| vocab (\d+) ", run.stdout).group(1))
+    # the two ranks forked with the launcher's environment set by hand (run_script), not torchrun
+    rcs, out = run_script("pretrain_gpt.py", argv, world=2)
+    assert rcs == [0, 0], out[-4000:]
+    per_layer_mb = float(re.search(r"\| per layer: ([0-9.]+) \|", out).group(1))
+    vocab = int(re.search(r"\| vocab (\d+) ", out).group(1))
     saved = [json.loads(line)["saved_bytes_per_rank"] for line in open(metrics)
              if "saved_bytes_per_rank" in line]
     assert len(saved) == 1, saved
