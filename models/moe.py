@@ -1,4 +1,4 @@
-"""Mixture of experts on one rank (issue 37, first piece): router, load-balancing losses, token
+"""Mixture of experts on one rank (docs/design.md §16): router, load-balancing losses, token
 permutation, grouped SwiGLU experts and the MoE layer that ties them together.
 
 Shapes: b batch, s sequence, H hidden, T = b*s tokens, E experts, k = --moe-router-topk, F =

@@ -1,5 +1,5 @@
-"""Transformer Engine's own context parallelism behind the ring's interface (issue 33;
-docs/design.md §5, §14): with --attention-backend te and cp > 1, TE's DotProductAttention exchanges
+"""Transformer Engine's own context parallelism behind the ring's interface (docs/design.md §5, §14):
+with --attention-backend te and cp > 1, TE's DotProductAttention exchanges
 the context itself, as in Megatron-core (whose TEDotProductAttention hands cp_group,
 cp_global_ranks, cp_stream and cp_comm_type to TE's constructor), instead of our ring.
 
