@@ -16,9 +16,13 @@ and the backward of any block needs only q, k, v of the block and the GLOBAL out
 merged result (attention_backward_with_lse): p = exp(s - lse) is then the block's slice of the
 global softmax, so the blocks' gradients sum to the full gradient.
 
-Blockwise attention (attention/blockwise.py) and ring attention (context_parallel/ring.py) are
-made of these pieces, applied to segments (attention/segments.py) by the fused kernels of
-attention/block_kernels.py.
+Blockwise attention (attention/blockwise.py) and ring attention (context_parallel/ring.py) run
+these formulas through attention/block_kernels.py, over segments (attention/segments.py): it calls
+the per-kernel pieces here (forward_math, forward_fused_cpu and their backwards; finite_lse) and
+merges each partial into running fp32 accumulators in place with its own merge (the same formula
+as merge_partials). attention_with_lse, attention_backward_with_lse and merge_partials are the
+whole-block forms: the tests' reference, and the form of FlexAttention's ring block
+(attention/flex.py).
 
 Shapes: q [b, sq, h, d], k, v [b, sk, g, d] with h % g == 0 (grouped-query attention: query head
 i uses key/value head i // (h/g), the repeat_interleave layout of megatron_sp/ulysses/attention.py).

@@ -19,8 +19,8 @@ Inputs: fresh token ids and initial weights from the test's seed.
 And the flag itself: pretrain_gpt.py on two ranks (forked: run_script) at
 --context-parallel-size 2 with --report-memory (the same model, mock data, one iteration, fp32):
 the printed "per layer" figure (MB, two decimals) within TOL of the planner's, and the exact
-saved_bytes_per_rank of its --metrics-jsonl record within TOL of the planner's total (layers + output + embedding + RoPE),
-the planner's config being pretrain_gpt.model_config of the same command line.
+saved_bytes_per_rank of its --metrics-jsonl record within TOL of the planner's total (layers +
+output + embedding + RoPE), the planner's config being pretrain_gpt.model_config of the same command line.
 """
 import json
 import os
