@@ -157,8 +157,9 @@ def _read_torch(folder: str):
         for ranks in stage:
             for p in ranks:
                 if not os.path.isfile(p):
-                    raise CheckpointError(f"checkpoint {folder} (tp {tp} x pp {pp} x ep {ep}) is "
-                                          f"missing {p}; copy the whole folder again.")
+                    layout = f"tp {tp} x pp {pp}" + (f" x ep {ep}" if ep > 1 else "")
+                    raise CheckpointError(f"checkpoint {folder} ({layout}) is missing {p}; copy "
+                                          f"the whole folder again.")
     swiglu = bool(args.get("swiglu"))
     experts = int(args.get("num_experts") or 0)
     out, offset, has_optim = {}, 0, False
