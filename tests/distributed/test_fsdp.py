@@ -35,7 +35,7 @@ from megatron_sp.sharding.distributed_optimizer import DistributedOptimizer
 from megatron_sp.sharding.fsdp import apply_fsdp2, full_tensor
 from megatron_sp.tensor_parallel import gather_full_like
 from megatron_sp.tensor_parallel.mappings import gather_along_dim
-from megatron_sp.testing import FaultInjection, assert_same_curve, free_port, run_distributed
+from megatron_sp.testing import FaultInjection, assert_same_curve, run_distributed, run_script
 from megatron_sp.training import Trainer
 
 from layout_utils import build_chunks, global_batches, micro_batches
@@ -359,18 +359,6 @@ TORCHRUN_ARGS = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--h
                  "--distributed-backend", "gloo", "--attention-dropout", "0", "--hidden-dropout", "0"]
 
 
-def _launch(nproc, extra, metrics):
-    import subprocess
-    import sys
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cmd = [sys.executable, "pretrain_gpt.py"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-port", str(free_port()), "pretrain_gpt.py"]
-    return subprocess.Popen(cmd + TORCHRUN_ARGS + extra + ["--metrics-jsonl", str(metrics)],
-                            cwd=repo, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
 @pytest.mark.timeout(300)
 def test_pretrain_torchrun_sp2_dp2_fsdp2_offload_matches_one_rank(tmp_path):
     """The metrics curve (4 training losses, 1 validation loss) of sp2 x dp2 with
@@ -379,11 +367,11 @@ def test_pretrain_torchrun_sp2_dp2_fsdp2_offload_matches_one_rank(tmp_path):
     runs = {"one": (1, []),
             "fsdp": (4, ["--sequence-parallel-size", "2", "--use-torch-fsdp2",
                          "--optimizer-cpu-offload", "--report-memory"])}
-    procs = {name: _launch(*runs[name], tmp_path / f"{name}.jsonl") for name in runs}
     outputs = {}
-    for name, p in procs.items():
-        outputs[name] = p.communicate(timeout=280)[0]
-        assert p.returncode == 0, f"{name}:\n{outputs[name][-4000:]}"
+    for name, (nproc, extra) in runs.items():   # ranks forked (run_script), not torchrun's
+        rcs, outputs[name] = run_script("pretrain_gpt.py", TORCHRUN_ARGS + extra + [
+            "--metrics-jsonl", str(tmp_path / f"{name}.jsonl")], world=nproc, timeout_s=280)
+        assert rcs == [0] * nproc, f"{name}:\n{outputs[name][-4000:]}"
     assert "model state per rank (MB): device 0.0 " in outputs["fsdp"], outputs["fsdp"][-2000:]
     assert_same_curve(tmp_path / "one.jsonl", tmp_path / "fsdp.jsonl", train=4, valid=1)
     with open(tmp_path / "fsdp.jsonl") as f:
