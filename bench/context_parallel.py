@@ -67,6 +67,10 @@ peak_vs_none; per crossover documents.
     python bench/context_parallel.py --seq 4096 8192 16384 --reps 5   # up to 16K (~1 h here)
     python bench/context_parallel.py --degrees 4 --seq 16384 --heads 16 --reps 7
 
+Which tokens each ring rank holds for skewed document mixes (the row's zigzag against the
+balanced layout: balance, bytes, kernels per rank and step, the pretrain_gpt.py step):
+bench/cp_layouts.py.
+
 Times on a CPU with fewer cores than ranks include the oversubscription (each rank has one
 thread), and whatever else loads the machine (the header prints the load average); they compare
 the modes on this machine, not on a GPU cluster.
