@@ -30,7 +30,7 @@ import pytest
 
 from megatron_sp.cli import megatron_compat as mc
 from megatron_sp.cli.arguments import build_parser
-from megatron_sp.testing import free_port
+from megatron_sp.testing import free_port, run_script
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "unit"))
 from test_megatron_compat import scrape_log  # noqa: E402  (train_llama3.sh's regular expressions)
@@ -274,12 +274,14 @@ def test_rampup_with_context_parallel_and_resume_mid_ramp_match_one_rank(tmp_pat
     cp = RAMP + ["--context-parallel-size", "2", "--metrics-jsonl", str(tmp_path / "cp.jsonl")]
     resumed = RAMP + ["--load", str(tmp_path / "one"), "--ckpt-step", "2",
                       "--save", str(tmp_path / "two"), "--metrics-jsonl", str(tmp_path / "two.jsonl")]
-    rc, out = _run(1, one, tmp_path)
-    assert rc == 0, out[-4000:]
-    rc, out = _run(2, cp, tmp_path)
-    assert rc == 0 and "--cp-comm-type p2p: ring attention over 2 ranks" in out, out[-4000:]
-    rc, out = _run(1, resumed, tmp_path)
-    assert rc == 0, out[-4000:]
+    # The three runs' ranks forked with the launcher's environment set by hand (run_script: the
+    # same computation as under torchrun, without fresh interpreters; every path is absolute).
+    rcs, out = run_script("pretrain_gpt.py", one, world=1, WANDB_MODE="offline")
+    assert rcs == [0], out[-4000:]
+    rcs, out = run_script("pretrain_gpt.py", cp, world=2, WANDB_MODE="offline")
+    assert rcs == [0, 0] and "--cp-comm-type p2p: ring attention over 2 ranks" in out, out[-4000:]
+    rcs, out = run_script("pretrain_gpt.py", resumed, world=1, WANDB_MODE="offline")
+    assert rcs == [0], out[-4000:]
     ref = _records(tmp_path / "one.jsonl")
     traces = [f for _, _, fs in os.walk(tmp_path / "tb") for f in fs if "pt.trace" in f]
     assert len(traces) == 1, "--use-pytorch-profiler wrote no trace to --tensorboard-dir"
