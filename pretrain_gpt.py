@@ -33,7 +33,6 @@ from megatron_sp.reporting import run_main
 from megatron_sp.models import GPTConfig, GPTModel, preset
 from megatron_sp.models.init import init_parameters
 from megatron_sp.tensor_parallel import RNGTracker
-from megatron_sp.testing import FaultInjection
 from megatron_sp.training import MetricsWriter, Trainer, print_rank0, rampup
 from megatron_sp.training.flops import flops_for_config
 from megatron_sp.training.loop import fit
@@ -357,12 +356,10 @@ def build_trainer(job: JobConfig, mesh, config, chunks, sharding) -> Trainer:
                                     decoupled_lr=t.decoupled_lr, decoupled_min_lr=t.decoupled_min_lr)
     warmup, decay, wsd = rampup.schedule_steps(t)    # iterations, or Megatron's samples
     scheduler = LRScheduler(optimizer, t.lr, t.min_lr, warmup, decay, t.lr_decay_style, wsd)
-    faults = FaultInjection.from_env(mesh.rank)     # MEGATRON_SP_INJECT_* (tests only)
     trainer = Trainer(job, mesh, chunks, optimizer, scheduler, sharding=sharding,
                       schedule=build_schedule(chunks, mesh, t.global_batch_size, t.micro_batch_size),
                       flops_per_step=flops_for_config(config, t.global_batch_size, t.seq_length,
-                                                      mesh.tp_size),
-                      step_hooks=[faults] if faults else [])
+                                                      mesh.tp_size))
     check_rampup(job, mesh, len(chunks))
     return trainer
 

@@ -64,10 +64,10 @@ def as_user_error(err: BaseException) -> UserError | None:
     if isinstance(err, SystemExit) and isinstance(err.code, str):
         message = err.code[len("error: "):] if err.code.startswith("error: ") else err.code
         return UserError(message)
-    if _initialized() and _rank_and_world()[1] > 1 and is_collective_failure(err):
+    if _initialized() and rank_and_world()[1] > 1 and is_collective_failure(err):
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return CollectiveFailure(
-            f"rank {_rank_and_world()[0]}: a collective failed outside a training step: another "
+            f"rank {rank_and_world()[0]}: a collective failed outside a training step: another "
             f"rank has probably died or hung; look for the first failing rank in the job log. "
             f"Cause: {type(err).__name__}: {first}")
     return None
@@ -90,7 +90,9 @@ def _initialized() -> bool:
     return dist is not None and dist.is_available() and dist.is_initialized()
 
 
-def _rank_and_world() -> tuple[int, int]:
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size): the process group's, else the launcher's (torchrun's RANK / WORLD_SIZE,
+    srun's SLURM_PROCID / SLURM_NTASKS), else (0, 1)."""
     if _initialized():
         dist = _distributed()
         return dist.get_rank(), dist.get_world_size()
@@ -115,7 +117,7 @@ def _launcher_store(error: UserError | None = None):
     the launcher's address (torchrun's, srun's: mesh.distributed_env); not for a rank-specific
     error without torchrun (it is said anyway, and nobody ends the others)."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    rank, world = _rank_and_world()
+    rank, world = rank_and_world()
     if world < 2 or _distributed() is None \
             or (not agent and (rank == 0 or (error is not None and not error.same_on_every_rank))):
         return None
@@ -213,7 +215,7 @@ def _line_without_store(error: UserError, rank: int, world: int) -> str | None:
 
 def _hosts_store(store) -> bool:
     return store is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" \
-        and _rank_and_world()[0] == 0
+        and rank_and_world()[0] == 0
 
 
 def _write_launcher_error_file(line: str) -> None:
@@ -247,8 +249,7 @@ def report(error: UserError) -> None:
     """Print `error` as one line, once across the ranks (the rank named where it differs)."""
     global _reporting
     _reporting = True
-    rank, world = _rank_and_world()
-    _injected_delay(rank)
+    rank, world = rank_and_world()
     store = _store(error) if world > 1 else None
     slot = None
     try:
@@ -272,14 +273,6 @@ def report(error: UserError) -> None:
             notes.linger()
     except Exception:
         pass
-
-
-def _injected_delay(rank: int) -> None:
-    """Test-only: MEGATRON_SP_INJECT_REPORT_DELAY_S slows rank MEGATRON_SP_INJECT_RANK (default
-    0) before it reports, so a test forces the launcher's race (another rank exits first)."""
-    delay = os.environ.get("MEGATRON_SP_INJECT_REPORT_DELAY_S")
-    if delay and int(os.environ.get("MEGATRON_SP_INJECT_RANK", "0")) == rank:
-        time.sleep(float(delay))
 
 
 def exit_process(code: int = 0):
@@ -318,7 +311,7 @@ def run_main(main, argv=None):
     the process always left through `exit_process` (0 when main returned). In a multi-rank run
     SIGTERM raises Terminated (said once, as a consequence) except while a rank reports."""
     debug = debug_requested(argv)
-    if _rank_and_world()[1] > 1:
+    if rank_and_world()[1] > 1:
         hold_sigterm()
     try:
         main(argv)
@@ -331,10 +324,10 @@ def run_main(main, argv=None):
         report(error)
         exit_process(1)
     except Terminated as err:          # the launcher's (or the scheduler's) SIGTERM
-        report(_Stopped(err.sentence(_rank_and_world()[0])))
+        report(_Stopped(err.sentence(rank_and_world()[0])))
         exit_process(128 + signal.SIGTERM)
     except KeyboardInterrupt as err:   # pretrain_gpt.py names the checkpoint that survived
-        if _rank_and_world()[0] == 0:
+        if rank_and_world()[0] == 0:
             print("interrupted" + (f" {err}" if str(err) else ""), file=sys.stderr, flush=True)
         exit_process(130)
     except BaseException as err:

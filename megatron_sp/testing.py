@@ -10,6 +10,7 @@ Put many checks into one `run_distributed` call all the same.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import queue
 import signal
@@ -170,6 +171,7 @@ def _script_rank(rank, world, port, path, argv, environ, log):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     os.chdir(root)
     sys.argv = [os.path.join(root, path), *argv]
+    install_faults(environ)
     from megatron_sp.reporting import run_main
     run_main(load_script(path).main, argv)
 
@@ -224,7 +226,7 @@ class FaultInjection:
       MEGATRON_SP_INJECT_KILL_IN_EVAL_AT_ITER=4  the same during the evaluation after iteration 4
       MEGATRON_SP_INJECT_SLEEP_MS=200        that rank sleeps so long every step (a straggler)
 
-    `from_env(rank)` gives None when none is set (pretrain_gpt.py installs it only then).
+    `from_env(rank)` gives None when none is set; install_faults adds it to every Trainer.
     """
 
     VARIABLES = ("MEGATRON_SP_INJECT_NAN_AT_ITER", "MEGATRON_SP_INJECT_INF_GRAD_AT_ITER",
@@ -275,6 +277,60 @@ class FaultInjection:
             os.kill(os.getpid(), self.signal)
 
 
+def install_faults(environ=None, trainer_module=None) -> bool:
+    """Test-only faults in this process, from MEGATRON_SP_INJECT_* (nothing without them): every
+    Trainer built here gets its rank's FaultInjection step hook, and
+    MEGATRON_SP_INJECT_REPORT_DELAY_S=2 slows rank MEGATRON_SP_INJECT_RANK (default 0) before it
+    reports a user error (the launcher's SIGTERM held off meanwhile, as while reporting), so that a
+    test forces the launcher's race (another rank exits first). The production code knows nothing
+    of it; the tests' processes get it from tests/faults/sitecustomize.py (any script under any
+    launcher: tests/conftest.py puts that folder on PYTHONPATH), run_script's ranks, or
+    `python -m megatron_sp.testing SCRIPT ARGS...`. Returns whether faults were asked for."""
+    environ = os.environ if environ is None else environ
+    if not any(k.startswith("MEGATRON_SP_INJECT_") for k in environ):
+        return False
+    if trainer_module is None:
+        from megatron_sp.training import trainer as trainer_module
+    init = trainer_module.Trainer.__init__
+    if not getattr(init, "_with_faults", False):
+        @functools.wraps(init)
+        def with_faults(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            faults = FaultInjection.from_env(self.mesh.rank, environ)
+            if faults:
+                self.step_hooks.append(faults)
+        with_faults._with_faults = True
+        trainer_module.Trainer.__init__ = with_faults
+    delay = environ.get("MEGATRON_SP_INJECT_REPORT_DELAY_S")
+    from megatron_sp import reporting
+    if delay and not getattr(reporting.report, "_with_faults", False):
+        report = reporting.report
+
+        def delayed(error):
+            if reporting.rank_and_world()[0] == int(environ.get("MEGATRON_SP_INJECT_RANK", "0")):
+                held = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+                try:
+                    time.sleep(float(delay))
+                finally:
+                    signal.signal(signal.SIGTERM, held)
+            report(error)
+        delayed._with_faults = True
+        reporting.report = delayed
+    return True
+
+
+def main(argv=None) -> None:
+    """`python -m megatron_sp.testing SCRIPT ARGS...`: SCRIPT run as __main__ with the faults of
+    MEGATRON_SP_INJECT_* installed (install_faults)."""
+    import runpy
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        raise SystemExit("usage: python -m megatron_sp.testing SCRIPT [ARGS...]")
+    install_faults()
+    sys.argv = argv
+    runpy.run_path(argv[0], run_name="__main__")
+
+
 def packed_document_ids(kind: str, gen: torch.Generator, b: int, s: int, rate: float = 0.1,
                         device=None):
     """[b, s] int64 document ids of one kind, for the attention tests (None for "none"):
@@ -296,3 +352,7 @@ def packed_document_ids(kind: str, gen: torch.Generator, b: int, s: int, rate: f
     else:
         raise ValueError(f"unknown kind of documents {kind!r}.")
     return ids.to(device)
+
+
+if __name__ == "__main__":
+    main()

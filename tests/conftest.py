@@ -20,6 +20,12 @@ import pytest
 # Test helpers (layout_utils) are imported by the spawned ranks too: keep their folder on sys.path.
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))
 
+# Fault injection (MEGATRON_SP_INJECT_*) reaches the scripts the tests start, under any launcher,
+# through tests/faults/sitecustomize.py: that folder first on the PYTHONPATH every child inherits.
+_FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_FAULTS] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _FAULTS])
+
 BASE_SEED = int(os.environ.get("MEGATRON_SP_TEST_SEED", "0"))
 
 

@@ -155,7 +155,7 @@ def test_report_prints_once_and_fills_the_launchers_error_file(tmp_path, monkeyp
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setattr(reporting, "_store", lambda error=None: store)
-    monkeypatch.setattr(reporting, "_rank_and_world", lambda: (1, 2))
+    monkeypatch.setattr(reporting, "rank_and_world", lambda: (1, 2))
     reporting.report(ConfigError("--split 0,0,0 leaves no training data."))
     assert capsys.readouterr().err == "error: rank 1: --split 0,0,0 leaves no training data.\n"
     failure = ProcessFailure(local_rank=1, pid=1, exitcode=1, error_file=str(error_file))
@@ -163,7 +163,7 @@ def test_report_prints_once_and_fills_the_launchers_error_file(tmp_path, monkeyp
         "rank 1: --split 0,0,0 leaves no training data."    # torchrun's report shows it
     usage = UsageError("unrecognized argument --seq-len; did you mean --seq-length?",
                               usage="usage: pretrain_gpt.py [flags]\n")
-    monkeypatch.setattr(reporting, "_rank_and_world", lambda: (0, 2))
+    monkeypatch.setattr(reporting, "rank_and_world", lambda: (0, 2))
     reporting.report(usage)
     assert capsys.readouterr().err.startswith("usage: pretrain_gpt.py [flags]\nerror: rank 0: ")
     assert usage.exit_code == 2
@@ -197,7 +197,7 @@ def test_what_counts_as_a_user_error(monkeypatch):
     gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer")
     assert as_user_error(gloo) is None          # no process group here: not a peer's death
     monkeypatch.setattr(reporting, "_initialized", lambda: True)
-    monkeypatch.setattr(reporting, "_rank_and_world", lambda: (1, 2))
+    monkeypatch.setattr(reporting, "rank_and_world", lambda: (1, 2))
     raw = as_user_error(gloo)
     assert isinstance(raw, CollectiveFailure) and raw.consequence
     assert str(raw).startswith("rank 1: a collective failed outside a training step")
