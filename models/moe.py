@@ -349,21 +349,34 @@ class _ContiguousGrad(torch.autograd.Function):
 def _grouped_mm_probe(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch._grouped_mm runs forward and backward for this device and dtype (once, with
     autograd on whatever the caller's mode: a first forward under no_grad or inference_mode, an
-    evaluation or a conversion check, must not turn the grouped GEMM off for the process)."""
+    evaluation or a conversion check, must not turn the grouped GEMM off for the process).
+
+    The probe runs inside the first forward only, so it must leave no trace there that a replay
+    lacks: its saved tensors bypass the caller's saved-tensor hooks (an activation checkpoint
+    counts the tensors saved in forward and in the recompute and refuses a difference; offload
+    and memory accounting would see them too), and its inputs are not drawn from the global RNG
+    (the recompute restores the RNG of the forward's start, so a draw here would shift dropout)."""
     key = (device.type, dtype)
     if key not in _GROUPED_MM_WORKS:
         try:
-            with torch.inference_mode(False), torch.enable_grad():
+            with torch.inference_mode(False), torch.enable_grad(), \
+                    torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
                 _GROUPED_MM_WORKS[key] = _grouped_mm_forward_backward(device, dtype)
         except (RuntimeError, NotImplementedError, TypeError):
             _GROUPED_MM_WORKS[key] = False
     return _GROUPED_MM_WORKS[key]
 
 
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    """The identity saved-tensor hook: the innermost hooks win, so the probe's own saved tensors
+    stay out of any enclosing checkpoint, offload or accounting hooks."""
+    return t
+
+
 def _grouped_mm_forward_backward(device: torch.device, dtype: torch.dtype) -> bool:
     """One tiny torch._grouped_mm forward and backward (raises where the kernel is missing)."""
-    x = torch.randn(6, 8, device=device, dtype=dtype, requires_grad=True)
-    w = torch.randn(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
+    x = torch.ones(6, 8, device=device, dtype=dtype, requires_grad=True)
+    w = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
     offs = torch.tensor([0, 6], device=device, dtype=torch.int32)   # expert 0 gets none
     y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)        # [6, 8]
     y.backward(torch.ones_like(y))
