@@ -13,7 +13,8 @@ sp 4 (aux_loss + z-loss, every layer MoE), sp 2 x cp 2 with packed documents (au
 expert, MoE every other layer), sp 2 x dp 2 (seq_aux_loss), pp 2 x sp 2 with 4 micro-batches
 (seq_aux_loss, sigmoid scores), ep 2 x sp 2 (dp 2, seq_aux_loss), ep 4 x sp 4, ep 2 over dp 2 x sp 2
 with packed documents (a shared expert, every other layer), ep 4 over sp 2 x cp 2 packed (ring ranks
-hold different experts), ep 2 x pp 2 x sp 2, and the router losses' statistics all-reduce and the
+hold different experts), ep 2 x pp 2 x sp 2, ep 2 x sp 2 under full recompute (the dispatch
+all-to-alls replayed in backward), and the router losses' statistics all-reduce and the
 dispatcher's row all-to-alls counted exactly (the ep / edp groups checked against the mesh's rank
 arithmetic on the way). Capacity dropping under ep (ep 2, and ep 4 padded to capacity) against ep 1
 in the same layout: dropping is per rank's tokens, as Megatron's (see _capacity_under_ep).
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from megatron_sp import comm_stats
+from megatron_sp.memory import MemoryOptions
 from megatron_sp.moe import COMM_KIND
 from megatron_sp.testing import run_distributed
 
@@ -142,6 +144,9 @@ def _checks(rank, world):
               model_kwargs={"expert_parallel_size": 4}),
         _case("moe ep2 x pp2 x sp2, 4 micro-batches, seq aux loss", seq_aux, sp=2, pp=2,
               micro_batch=1, pipeline={}, model_kwargs={"expert_parallel_size": 2}),
+        _case("moe ep2 x sp2 (dp2), full recompute, seq aux loss", seq_aux, sp=2, micro_batch=2,
+              model_kwargs={"expert_parallel_size": 2,
+                            "memory": MemoryOptions(recompute_granularity="full")}),
     ]
     return {"model": check_layouts(rank, world, cases), "stats": _statistics_bytes(),
             "dispatch": _dispatch_bytes(), "capacity": _capacity_under_ep()}
