@@ -198,7 +198,7 @@ def apply_checkpoint_args(args, argv=None) -> int | None:
 
 def model_config(job: JobConfig, vocab_size: int) -> GPTConfig:
     """Preset (--model) overridden by explicit Megatron flags."""
-    from megatron_sp.models import families   # --qk-layernorm, RoPE scaling, a checkpoint's window
+    from megatron_sp.cli.model_flags import family_fields, model_vocab_size
     m = job.model
     fields = dict(
         num_layers=m.num_layers, hidden_size=m.hidden_size,
@@ -214,11 +214,11 @@ def model_config(job: JobConfig, vocab_size: int) -> GPTConfig:
         tie_embeddings=False if m.untie_embeddings_and_output_weights else None,
         apply_layernorm_1p=True if m.apply_layernorm_1p else None,
         rotary_percent=m.rotary_percent if m.rotary_percent != 1.0 else None)
-    fields.update(families.family_fields(m))
+    fields.update(family_fields(m))               # --qk-layernorm, RoPE scaling, --yarn-*
     fields.update(cli.moe_fields(m))              # --num-experts, --moe-*
     startup_checks.check_sliding_window(job.checkpoint.load, job.training.seq_length)
     fields = {k: v for k, v in fields.items() if v is not None}
-    fields["vocab_size"] = families.model_vocab_size(job.data, vocab_size)
+    fields["vocab_size"] = model_vocab_size(job.data, vocab_size)
     fields["make_vocab_size_divisible_by"] = m.make_vocab_size_divisible_by
     if "moe_layer_freq" in fields:    # a 0/1 list per layer: one sentence when the count differs
         from megatron_sp.config import check_moe_layer_freq

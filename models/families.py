@@ -37,8 +37,6 @@ import os
 
 import torch
 
-from megatron_sp.errors import ConfigError
-
 from .config import GPTConfig
 from .rope import yarn_mscale
 
@@ -740,32 +738,3 @@ def token_ids_of(tokenizer) -> dict:
     """bos/eos/pad ids of a transformers tokenizer (None where it has none)."""
     return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id}
-
-
-# pretrain_gpt.py's flags ---------------------------------------------------------------------------
-
-def family_fields(model) -> dict:
-    """GPTConfig fields of --qk-layernorm, --use-rope-scaling and the --yarn-* flags (`model`: the
-    run's megatron_sp.config.ModelFlags)."""
-    fields = {}
-    if model.qk_layernorm:
-        fields["qk_layernorm"] = True
-    if model.use_rope_scaling:
-        fields["use_rope_scaling"] = True
-    names = ("rope_scaling_factor", "yarn_rotary_scaling_factor",
-             "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
-             "yarn_mscale", "yarn_mscale_all_dim")
-    fields.update({n: getattr(model, n) for n in names if getattr(model, n) is not None})
-    return fields
-
-
-def model_vocab_size(data, vocab_size: int) -> int:
-    """The tokenizer's vocabulary, or --vocab-size when larger (a converted checkpoint's embedding
-    rows, e.g. Qwen's 151936 for a tokenizer of 151669 ids). `data`: a DataConfig."""
-    if data.vocab_size is None or data.tokenizer_type in (None, "NullTokenizer") or data.mock_data:
-        return vocab_size
-    if data.vocab_size < vocab_size:
-        raise ConfigError(f"--vocab-size {data.vocab_size} is smaller than the "
-                          f"{data.tokenizer_type}'s {vocab_size} ids; leave it out or pass "
-                          f"the checkpoint's vocabulary size.")
-    return data.vocab_size

@@ -1,8 +1,11 @@
-"""The pretrain_gpt.py / Megatron-LM flags that rebuild a GPTConfig: what convert.py prints and
---use-checkpoint-args applies (the command-line edge: the models know no flags).
+"""Model flags and GPTConfig, both ways, at the command-line edge (the models know no flags): the
+pretrain_gpt.py / Megatron-LM flags that rebuild a GPTConfig (what convert.py prints and
+--use-checkpoint-args applies), and the GPTConfig fields of the families' flags and of the
+vocabulary (pretrain_gpt.py's model_config).
 """
 from __future__ import annotations
 
+from megatron_sp.errors import ConfigError
 from megatron_sp.models.config import GPTConfig
 
 
@@ -80,3 +83,30 @@ def family_flags(config: GPTConfig) -> list[str]:
         if c.moe_aux_loss_coeff:
             flags += ["--moe-aux-loss-coeff", f"{c.moe_aux_loss_coeff:g}"]
     return flags
+
+
+def family_fields(model) -> dict:
+    """GPTConfig fields of --qk-layernorm, --use-rope-scaling and the --yarn-* flags (`model`: the
+    run's megatron_sp.config.ModelFlags)."""
+    fields = {}
+    if model.qk_layernorm:
+        fields["qk_layernorm"] = True
+    if model.use_rope_scaling:
+        fields["use_rope_scaling"] = True
+    names = ("rope_scaling_factor", "yarn_rotary_scaling_factor",
+             "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
+             "yarn_mscale", "yarn_mscale_all_dim")
+    fields.update({n: getattr(model, n) for n in names if getattr(model, n) is not None})
+    return fields
+
+
+def model_vocab_size(data, vocab_size: int) -> int:
+    """The tokenizer's vocabulary, or --vocab-size when larger (a converted checkpoint's embedding
+    rows, e.g. Qwen's 151936 for a tokenizer of 151669 ids). `data`: a DataConfig."""
+    if data.vocab_size is None or data.tokenizer_type in (None, "NullTokenizer") or data.mock_data:
+        return vocab_size
+    if data.vocab_size < vocab_size:
+        raise ConfigError(f"--vocab-size {data.vocab_size} is smaller than the "
+                          f"{data.tokenizer_type}'s {vocab_size} ids; leave it out or pass "
+                          f"the checkpoint's vocabulary size.")
+    return data.vocab_size
