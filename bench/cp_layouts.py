@@ -175,7 +175,9 @@ def plan_table(seqs, degrees, rows) -> list[dict]:
 
 def rank_step_seconds(plan, n, heads, kv_heads, head_dim, reps, gen):
     """[cp] seconds of this rank's forward + backward block kernels at each ring step (the least
-    of `reps`), on random fp32 q, k, v of its n tokens and the held blocks' shapes."""
+    of `reps`), on random fp32 q, k, v of its n tokens and the held blocks' shapes. CPU time of
+    this thread (time.thread_time): what the kernels cost, not the time other jobs on the
+    machine took from them."""
     import torch
     from megatron_sp.attention.block_kernels import backward_batch, forward_batch
     b, cp = len(plan.send_index) if plan.send_index is not None else 1, plan.cp
@@ -193,18 +195,18 @@ def rank_step_seconds(plan, n, heads, kv_heads, head_dim, reps, gen):
         lse = torch.full((b, n, heads), float("-inf"))
         times = []
         for i in range(cp):
-            start = time.perf_counter()
+            start = time.thread_time()
             for batch in plan.steps[i]:
                 forward_batch(q, *blocks[i], batch, scale=scale, out=out, lse=lse)
-            times.append(time.perf_counter() - start)
+            times.append(time.thread_time() - start)
         dq = torch.zeros_like(q)
         for i in range(cp):
             dk, dv = (torch.zeros_like(t) for t in blocks[i])
-            start = time.perf_counter()
+            start = time.thread_time()
             for batch in plan.steps[i]:
                 backward_batch(q, *blocks[i], out, dout, lse, batch, scale=scale, dq=dq, dk=dk,
                                dv=dv)
-            times[i] += time.perf_counter() - start
+            times[i] += time.thread_time() - start
         best = [min(a, t) for a, t in zip(best, times)]
     return best
 
@@ -216,7 +218,7 @@ def kernel_rows(seqs, degrees, mixes, rows, reps, heads=4, kv_heads=2, head_dim=
     import torch
     torch.set_num_threads(1)
     out = []
-    print(f"\nblock kernels timed per rank and ring step (fp32, one thread, h {heads}, kv "
+    print(f"\nblock kernels timed (thread CPU time) per rank and ring step (fp32, one thread, h {heads}, kv "
           f"{kv_heads}, d {head_dim}, least of {reps}); ring s = sum over steps of the slowest "
           f"rank; sum/cp = perfect balance")
     print(f"{'mix':>24} {'s':>6} {'cp':>3} {'row':>3} | {'zigzag s':>8} {'balanced s':>10} "
@@ -379,7 +381,8 @@ def write_tables(result: dict) -> list[str]:
             title="Ring block kernels timed per rank and step on skewed documents: zigzag vs "
                   "balanced (CPU, one thread)",
             notes=["every rank's forward + backward block kernels (attention/block_kernels.py) "
-                   "timed per ring step, one rank after the other in one process (fp32, one "
+                   "timed per ring step in CPU time of the thread (time.thread_time: other jobs' "
+                   "load does not count), one rank after the other in one process (fp32, one "
                    "thread, 4 heads, 2 kv heads, d 32, the least of 3); ring s: the sum over "
                    "steps of the slowest rank's seconds (a ring whose every step waits for it); "
                    "perfect: the ranks' total over cp; no communication",
