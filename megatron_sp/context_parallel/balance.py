@@ -380,3 +380,26 @@ class LayoutPlanner:
             return ring_plan(document_bounds(document_ids), b, n * self.cp, self.cp, self.rank,
                              causal)
         return layout_ring_plan(self.layout(document_ids, b, n * self.cp), self.rank, causal)
+
+
+def estimate_balance(lengths, seq_len: int, cp: int, kind: str = "balanced") -> dict:
+    """The cp_work_balance a document-length distribution gives: `lengths` (document lengths in
+    corpus order, e.g. a .idx's document sizes or samples of a distribution) packed into rows of
+    seq_len tokens as the GPT dataset packs them (a document continues into the next row), each
+    row laid out by `kind`. Returns {"rows", "mean", "max"} of the rows' max/mean work (a step
+    of one row per micro-batch sees the max; many rows summed come near the mean)."""
+    rows, row, used = [], [0], 0
+    for m in lengths:
+        while m > 0:
+            take = min(m, seq_len - used)
+            used += take
+            m -= take
+            row.append(used)
+            if used == seq_len:
+                rows.append(row)
+                row, used = [0], 0
+    if not rows:
+        raise ValueError(f"estimate_balance needs at least {seq_len} tokens of documents, got "
+                         f"{used}.")
+    figures = [cp_layout(kind, [bounds], 1, seq_len, cp).balance() for bounds in rows]
+    return {"rows": len(figures), "mean": sum(figures) / len(figures), "max": max(figures)}
