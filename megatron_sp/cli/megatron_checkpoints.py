@@ -37,10 +37,10 @@ def read_model(path: str):
 
 
 def say_read(ckpt) -> None:
-    ep = ckpt.args.get("expert_model_parallel_size") or 1
+    ep = ckpt.stored.get("expert_model_parallel_size") or 1
     print(f"> read Megatron-LM checkpoint {ckpt.folder} ({ckpt.ckpt_format}, saved at tp "
-          f"{ckpt.args.get('tensor_model_parallel_size', 1)} x pp "
-          f"{ckpt.args.get('pipeline_model_parallel_size', 1)}" + (f" x ep {ep}" if ep > 1 else "")
+          f"{ckpt.stored.get('tensor_model_parallel_size', 1)} x pp "
+          f"{ckpt.stored.get('pipeline_model_parallel_size', 1)}" + (f" x ep {ep}" if ep > 1 else "")
           + f", iteration {ckpt.iteration}"
           + (", its optimizer state not converted" if ckpt.has_optimizer else "") + ")",
           flush=True)
@@ -89,7 +89,7 @@ def megatron_to_hf(load_dir: str, save_dir: str, family: str = "auto", tokenizer
 def recorded_tokenizer(load_dir: str) -> dict:
     """The tokenizer arguments a Megatron-LM checkpoint stores (for the export's message)."""
     try:
-        args = read_checkpoint(load_dir).args
+        args = read_checkpoint(load_dir).stored
     except CheckpointError:
         return {}
     return {k: args.get(k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file")}
@@ -105,10 +105,10 @@ def to_megatron(load_dir: str, save_dir: str, *, loader: str, ckpt_format: str, 
         model, ckpt = read_model(load_dir)
         say_read(ckpt)
         iteration, scheduler = ckpt.iteration, ckpt.scheduler
-        extra = {k: ckpt.args[k] for k in ("consumed_train_samples", "consumed_valid_samples",
+        extra = {k: ckpt.stored[k] for k in ("consumed_train_samples", "consumed_valid_samples",
                                            "global_batch_size", "seq_length", "tokenizer_type",
                                            "tokenizer_model", "vocab_file", "merge_file")
-                 if ckpt.args.get(k) is not None}
+                 if ckpt.stored.get(k) is not None}
     else:
         from megatron_sp import load_pretrained
         model = load_pretrained(load_dir)

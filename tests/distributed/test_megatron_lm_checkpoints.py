@@ -332,7 +332,7 @@ def test_schedule_position_equals_megatron_cores(style):
                                      warmup * gbs, decay * gbs, style, 0.0, 0.0, decay * gbs,
                                      "constant")
     theirs.step(at * gbs)
-    ckpt = SimpleNamespace(scheduler=theirs.state_dict(), args={"global_batch_size": gbs})
+    ckpt = SimpleNamespace(scheduler=theirs.state_dict(), stored={"global_batch_size": gbs})
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
     ours = LRScheduler(opt, 1.0, 0.0, 0, 0, "constant")
     ours.load_state_dict(our_scheduler(ckpt))

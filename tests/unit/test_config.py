@@ -22,7 +22,8 @@ from megatron_sp.errors import ConfigError
 from megatron_sp.training.rampup import BatchSizeRampup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-NOT_FLAGS = {"checkpoint_vocab_size"}     # resolved at the edge from a checkpoint, not parsed
+NOT_FLAGS = {"checkpoint_vocab_size",   # resolved at the edge from a checkpoint, not parsed
+             "fp8_backend"}             # resolved at the edge from the installed libraries
 
 
 def _compat_dests() -> set[str]:

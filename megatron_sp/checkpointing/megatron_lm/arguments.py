@@ -36,62 +36,62 @@ UNSUPPORTED = (
 )
 
 
-def _get(args: dict, name: str, default=None):
-    value = args.get(name, default)
+def _get(stored: dict, name: str, default=None):
+    value = stored.get(name, default)
     return default if value is None else value
 
 
-def _position_type(args: dict) -> str:
+def _position_type(stored: dict) -> str:
     """position_embedding_type; older Megatron-LM saves say RoPE as use_rotary_position_embeddings."""
-    if args.get("position_embedding_type") is None and args.get("use_rotary_position_embeddings"):
+    if stored.get("position_embedding_type") is None and stored.get("use_rotary_position_embeddings"):
         return "rope"
-    return _get(args, "position_embedding_type", "learned_absolute")
+    return _get(stored, "position_embedding_type", "learned_absolute")
 
 
-def as_dict(args) -> dict:
+def as_dict(stored) -> dict:
     """The stored arguments as a dict (a Namespace or the safe loader's stand-in)."""
-    if args is None:
+    if stored is None:
         return {}
-    if isinstance(args, dict):
-        return dict(args)
-    return dict(vars(args))
+    if isinstance(stored, dict):
+        return dict(stored)
+    return dict(vars(stored))
 
 
-def refuse_unsupported(args: dict, where: str) -> None:
+def refuse_unsupported(stored: dict, where: str) -> None:
     """One sentence naming the first stored feature we cannot represent."""
-    if args.get("num_experts"):
-        _refuse_unsupported_moe(args, where)
+    if stored.get("num_experts"):
+        _refuse_unsupported_moe(stored, where)
     for name, feature in UNSUPPORTED:
-        value = args.get(name)
+        value = stored.get(name)
         if feature and value not in (None, False, 0, "", [], "none"):
             raise CheckpointError(f"checkpoint {where} uses {feature} ({name}={value!r}), which "
                                   f"megatron_sp does not implement; it cannot be converted.")
-    pos = _position_type(args)
+    pos = _position_type(stored)
     if pos not in ("learned_absolute", "rope", "yarn"):
         raise CheckpointError(f"checkpoint {where} uses position_embedding_type {pos!r}; "
                               f"megatron_sp reads learned_absolute, rope and yarn.")
-    if args.get("add_position_embedding") is False and pos == "learned_absolute":
+    if stored.get("add_position_embedding") is False and pos == "learned_absolute":
         raise CheckpointError(f"checkpoint {where} has no position embedding "
                               f"(--no-position-embedding), which megatron_sp does not build.")
-    if (args.get("virtual_pipeline_model_parallel_size") or 1) > 1:
+    if (stored.get("virtual_pipeline_model_parallel_size") or 1) > 1:
         raise CheckpointError(f"checkpoint {where} was saved with virtual pipeline stages "
                               f"(virtual_pipeline_model_parallel_size="
-                              f"{args['virtual_pipeline_model_parallel_size']}); convert it with "
+                              f"{stored['virtual_pipeline_model_parallel_size']}); convert it with "
                               f"--ckpt-format torch_dist in Megatron-LM first.")
 
 
-def _refuse_unsupported_moe(args: dict, where: str) -> None:
+def _refuse_unsupported_moe(stored: dict, where: str) -> None:
     """The mixture-of-experts features this reader does not map (Mixtral / Qwen3-MoE-shaped
     models are: softmax routing, top-k, SwiGLU experts, no shared expert, no expert biases)."""
     checks = (
-        ((args.get("moe_shared_expert_intermediate_size") or 0) > 0, "a shared expert"),
-        (_get(args, "moe_router_score_function", "softmax") != "softmax",
-         f"{args.get('moe_router_score_function')!r} router scores"),
-        (bool(args.get("moe_router_enable_expert_bias")), "an expert bias in the router"),
-        ((args.get("moe_router_num_groups") or 0) > 1, "group-limited routing"),
-        (bool(args.get("moe_router_group_topk")), "group-limited routing"),
-        (not args.get("swiglu"), "experts without SwiGLU"),
-        (_get(args, "add_bias_linear", True), "expert biases (no --disable-bias-linear)"),
+        ((stored.get("moe_shared_expert_intermediate_size") or 0) > 0, "a shared expert"),
+        (_get(stored, "moe_router_score_function", "softmax") != "softmax",
+         f"{stored.get('moe_router_score_function')!r} router scores"),
+        (bool(stored.get("moe_router_enable_expert_bias")), "an expert bias in the router"),
+        ((stored.get("moe_router_num_groups") or 0) > 1, "group-limited routing"),
+        (bool(stored.get("moe_router_group_topk")), "group-limited routing"),
+        (not stored.get("swiglu"), "experts without SwiGLU"),
+        (_get(stored, "add_bias_linear", True), "expert biases (no --disable-bias-linear)"),
     )
     for bad, feature in checks:
         if bad:
@@ -100,66 +100,66 @@ def _refuse_unsupported_moe(args: dict, where: str) -> None:
                                   f"converted.")
 
 
-def _activation(args: dict, where: str) -> str:
-    if args.get("swiglu"):
+def _activation(stored: dict, where: str) -> str:
+    if stored.get("swiglu"):
         return "swiglu"
-    if args.get("openai_gelu"):
+    if stored.get("openai_gelu"):
         return "gelu_tanh"
-    if args.get("gated_linear_unit"):
+    if stored.get("gated_linear_unit"):
         raise CheckpointError(f"checkpoint {where} uses a gated linear unit that is not SwiGLU; "
                               f"not supported.")
     return "gelu"
 
 
-def model_fields(args: dict, vocab_rows: int, where: str) -> dict:
+def model_fields(stored: dict, vocab_rows: int, where: str) -> dict:
     """GPTConfig fields (a dict) of the checkpoint's model; `vocab_rows`: the stored embedding's
     rows (Megatron-LM's padded vocabulary, all kept: the padding rows take part in its softmax)."""
-    refuse_unsupported(args, where)
-    heads = args["num_attention_heads"]
-    groups = args.get("num_query_groups") if args.get("group_query_attention") else None
+    refuse_unsupported(stored, where)
+    heads = stored["num_attention_heads"]
+    groups = stored.get("num_query_groups") if stored.get("group_query_attention") else None
     fields = dict(
-        num_layers=args["num_layers"], hidden_size=args["hidden_size"],
+        num_layers=stored["num_layers"], hidden_size=stored["hidden_size"],
         num_attention_heads=heads, num_query_groups=groups or heads,
-        ffn_hidden_size=args.get("ffn_hidden_size"), kv_channels=args.get("kv_channels"),
+        ffn_hidden_size=stored.get("ffn_hidden_size"), kv_channels=stored.get("kv_channels"),
         vocab_size=vocab_rows,
-        max_position_embeddings=_get(args, "max_position_embeddings", args.get("seq_length")),
-        normalization=_get(args, "normalization", "LayerNorm"),
-        norm_epsilon=float(_get(args, "norm_epsilon", _get(args, "layernorm_epsilon", 1e-5))),
-        activation=_activation(args, where),
-        position_embedding_type=_position_type(args),
-        rotary_base=float(_get(args, "rotary_base", 10000)),
-        rotary_percent=float(_get(args, "rotary_percent", 1.0)),
-        add_bias_linear=bool(_get(args, "add_bias_linear", True)),
-        add_qkv_bias=bool(_get(args, "add_bias_linear", True) or args.get("add_qkv_bias")),
-        tie_embeddings=not args.get("untie_embeddings_and_output_weights", False),
-        qk_layernorm=bool(args.get("qk_layernorm")),
-        apply_layernorm_1p=bool(args.get("apply_layernorm_1p")),
-        attention_dropout=float(_get(args, "attention_dropout", 0.1)),
-        hidden_dropout=float(_get(args, "hidden_dropout", 0.1)),
-        init_method_std=float(_get(args, "init_method_std", 0.02)),
-        make_vocab_size_divisible_by=int(_get(args, "make_vocab_size_divisible_by", 128)))
+        max_position_embeddings=_get(stored, "max_position_embeddings", stored.get("seq_length")),
+        normalization=_get(stored, "normalization", "LayerNorm"),
+        norm_epsilon=float(_get(stored, "norm_epsilon", _get(stored, "layernorm_epsilon", 1e-5))),
+        activation=_activation(stored, where),
+        position_embedding_type=_position_type(stored),
+        rotary_base=float(_get(stored, "rotary_base", 10000)),
+        rotary_percent=float(_get(stored, "rotary_percent", 1.0)),
+        add_bias_linear=bool(_get(stored, "add_bias_linear", True)),
+        add_qkv_bias=bool(_get(stored, "add_bias_linear", True) or stored.get("add_qkv_bias")),
+        tie_embeddings=not stored.get("untie_embeddings_and_output_weights", False),
+        qk_layernorm=bool(stored.get("qk_layernorm")),
+        apply_layernorm_1p=bool(stored.get("apply_layernorm_1p")),
+        attention_dropout=float(_get(stored, "attention_dropout", 0.1)),
+        hidden_dropout=float(_get(stored, "hidden_dropout", 0.1)),
+        init_method_std=float(_get(stored, "init_method_std", 0.02)),
+        make_vocab_size_divisible_by=int(_get(stored, "make_vocab_size_divisible_by", 128)))
     if fields["position_embedding_type"] == "yarn":
         for name in ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings",
                      "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"):
-            if args.get(name) is not None:
-                fields[name] = args[name]
-    if args.get("use_rope_scaling"):
+            if stored.get(name) is not None:
+                fields[name] = stored[name]
+    if stored.get("use_rope_scaling"):
         fields.update(use_rope_scaling=True,
-                      rope_scaling_factor=float(_get(args, "rope_scaling_factor", 8.0)))
-    if args.get("num_experts"):
-        freq = _get(args, "moe_layer_freq", 1)
-        fields.update(num_experts=args["num_experts"],
-                      moe_ffn_hidden_size=_get(args, "moe_ffn_hidden_size",
-                                               args.get("ffn_hidden_size")),
-                      moe_router_topk=_get(args, "moe_router_topk", 2),
+                      rope_scaling_factor=float(_get(stored, "rope_scaling_factor", 8.0)))
+    if stored.get("num_experts"):
+        freq = _get(stored, "moe_layer_freq", 1)
+        fields.update(num_experts=stored["num_experts"],
+                      moe_ffn_hidden_size=_get(stored, "moe_ffn_hidden_size",
+                                               stored.get("ffn_hidden_size")),
+                      moe_router_topk=_get(stored, "moe_router_topk", 2),
                       moe_layer_freq=list(freq) if isinstance(freq, (list, tuple)) else int(freq),
-                      moe_router_pre_softmax=bool(args.get("moe_router_pre_softmax")),
-                      moe_router_topk_scaling_factor=args.get("moe_router_topk_scaling_factor"),
-                      moe_aux_loss_coeff=float(_get(args, "moe_aux_loss_coeff", 0.0)),
-                      moe_z_loss_coeff=args.get("moe_z_loss_coeff"),
-                      moe_router_load_balancing_type=_get(args, "moe_router_load_balancing_type",
+                      moe_router_pre_softmax=bool(stored.get("moe_router_pre_softmax")),
+                      moe_router_topk_scaling_factor=stored.get("moe_router_topk_scaling_factor"),
+                      moe_aux_loss_coeff=float(_get(stored, "moe_aux_loss_coeff", 0.0)),
+                      moe_z_loss_coeff=stored.get("moe_z_loss_coeff"),
+                      moe_router_load_balancing_type=_get(stored, "moe_router_load_balancing_type",
                                                           "aux_loss"),
-                      moe_expert_capacity_factor=args.get("moe_expert_capacity_factor"))
+                      moe_expert_capacity_factor=stored.get("moe_expert_capacity_factor"))
     return {k: v for k, v in fields.items() if v is not None}
 
 

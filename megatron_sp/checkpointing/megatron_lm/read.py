@@ -28,7 +28,7 @@ class MegatronCheckpoint:
     folder: str
     ckpt_format: str                 # torch_dist | torch
     iteration: int | str             # "release" for a converted one
-    args: dict                       # the stored arguments
+    stored: dict                     # the stored arguments (Megatron-LM's args)
     fields: dict                     # GPTConfig fields
     tensors: dict[str, torch.Tensor] = field(repr=False)   # our names, full shapes
     scheduler: dict | None = None    # Megatron-LM's opt_param_scheduler state (samples)
@@ -36,11 +36,11 @@ class MegatronCheckpoint:
 
     @property
     def consumed_train_samples(self) -> int:
-        return int(self.args.get("consumed_train_samples") or 0)
+        return int(self.stored.get("consumed_train_samples") or 0)
 
     @property
     def consumed_valid_samples(self) -> int:
-        return int(self.args.get("consumed_valid_samples") or 0)
+        return int(self.stored.get("consumed_valid_samples") or 0)
 
 
 def read_checkpoint(path: str) -> MegatronCheckpoint:
@@ -51,18 +51,18 @@ def read_checkpoint(path: str) -> MegatronCheckpoint:
         common, tensors, has_optim = _read_torch_dist(where.folder)
     else:
         common, tensors, has_optim = _read_torch(where.folder)
-    args = as_dict(common.get("args"))
-    if not args:
+    stored = as_dict(common.get("args"))
+    if not stored:
         raise CheckpointError(f"checkpoint {where.folder} stores no arguments (args); the model's "
                               f"sizes cannot be known.")
-    tensors = _by_our_names(tensors, args, where.folder)
+    tensors = _by_our_names(tensors, stored, where.folder)
     rows = tensors["embedding.word_embeddings.weight"].shape[0]
-    fields = model_fields(args, rows, where.folder)
+    fields = model_fields(stored, rows, where.folder)
     _check_names(tensors, fields, where.folder)
     iteration = common.get("iteration", where.iteration)
     return MegatronCheckpoint(where.folder, where.ckpt_format,
                               "release" if where.iteration == "release" else int(iteration),
-                              args, fields, tensors, common.get("opt_param_scheduler"), has_optim)
+                              stored, fields, tensors, common.get("opt_param_scheduler"), has_optim)
 
 
 # torch_dist -------------------------------------------------------------------------------------
@@ -142,13 +142,13 @@ def _read_torch(folder: str):
         raise CheckpointError(f"checkpoint {folder} is missing {first}; copy the whole folder "
                               f"again.")
     head = safe_load(first, f"checkpoint file {first}")
-    args = as_dict(head.get("args"))
-    if not args:
+    stored = as_dict(head.get("args"))
+    if not stored:
         raise CheckpointError(f"{first} stores no arguments (args); the model's sizes cannot be "
                               f"known.")
-    tp = int(args.get("tensor_model_parallel_size") or 1)
-    pp = int(args.get("pipeline_model_parallel_size") or 1)
-    ep = int(args.get("expert_model_parallel_size") or 1)
+    tp = int(stored.get("tensor_model_parallel_size") or 1)
+    pp = int(stored.get("pipeline_model_parallel_size") or 1)
+    ep = int(stored.get("expert_model_parallel_size") or 1)
     # paths[stage][tp rank][ep rank]
     paths = [[[os.path.join(folder, _rank_dir(t, p if pp > 1 else None, e if ep > 1 else None),
                             "model_optim_rng.pt") for e in range(ep)] for t in range(tp)]
@@ -160,8 +160,8 @@ def _read_torch(folder: str):
                     layout = f"tp {tp} x pp {pp}" + (f" x ep {ep}" if ep > 1 else "")
                     raise CheckpointError(f"checkpoint {folder} ({layout}) is missing {p}; copy "
                                           f"the whole folder again.")
-    swiglu = bool(args.get("swiglu"))
-    experts = int(args.get("num_experts") or 0)
+    swiglu = bool(stored.get("swiglu"))
+    experts = int(stored.get("num_experts") or 0)
     out, offset, has_optim = {}, 0, False
     for stage in paths:
         loaded = [[head if p == first else safe_load(p, f"checkpoint file {p}") for p in ranks]
@@ -223,11 +223,11 @@ def _model_of(state: dict, path: str) -> dict:
 
 # Names -------------------------------------------------------------------------------------------
 
-def _by_our_names(tensors: dict, args: dict, where: str) -> dict:
+def _by_our_names(tensors: dict, stored: dict, where: str) -> dict:
     """{our name: tensor} from Megatron-LM keys: per-layer (decoder.layers.{i}.x), stacked
     (decoder.layers.x with a leading num_layers axis, torch_dist) and global ones."""
-    layers = int(args["num_layers"])
-    tied = not args.get("untie_embeddings_and_output_weights", False)
+    layers = int(stored["num_layers"])
+    tied = not stored.get("untie_embeddings_and_output_weights", False)
     out = {}
     for key, t in tensors.items():
         m = names.LAYER_KEY.match(key)
@@ -279,8 +279,8 @@ def read_fields(path: str) -> dict:
         first = os.path.join(where.folder, sorted(n for n in os.listdir(where.folder)
                                                   if MP_RANK.match(n))[0], "model_optim_rng.pt")
         common = safe_load(first, f"checkpoint file {first}")
-    args = as_dict(common.get("args"))
-    if not args.get("padded_vocab_size"):
+    stored = as_dict(common.get("args"))
+    if not stored.get("padded_vocab_size"):
         raise CheckpointError(f"checkpoint {where.folder} stores no padded_vocab_size in its "
                               f"arguments; give the model flags instead of --use-checkpoint-args.")
-    return model_fields(args, int(args["padded_vocab_size"]), where.folder)
+    return model_fields(stored, int(stored["padded_vocab_size"]), where.folder)

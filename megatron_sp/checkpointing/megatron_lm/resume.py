@@ -24,14 +24,14 @@ from megatron_sp.checkpointing.megatron_lm.read import MegatronCheckpoint, read_
 def our_scheduler(ckpt: MegatronCheckpoint) -> dict | None:
     """Our LRScheduler state (iterations) of Megatron-LM's opt_param_scheduler state (samples)."""
     s = ckpt.scheduler
-    gbs = ckpt.args.get("global_batch_size")
+    gbs = ckpt.stored.get("global_batch_size")
     if not s or not gbs:
         return None
     out = {"num_steps": int(s["num_steps"]) // gbs, "max_lr": s["max_lr"], "min_lr": s["min_lr"],
            "warmup_iters": int(s["lr_warmup_steps"]) // gbs,
            "decay_iters": int(s["lr_decay_steps"]) // gbs, "style": s["lr_decay_style"]}
-    if ckpt.args.get("lr_wsd_decay_iters") is not None:
-        out["wsd_decay_iters"] = int(ckpt.args["lr_wsd_decay_iters"])
+    if ckpt.stored.get("lr_wsd_decay_iters") is not None:
+        out["wsd_decay_iters"] = int(ckpt.stored["lr_wsd_decay_iters"])
     return out
 
 
@@ -102,8 +102,8 @@ def load_for_training(path: str, chunks, mesh, *, optimizer=None, scheduler=None
         rows = ckpt.fields["vocab_size"]
         dropped = rows - config.vocab_size if config is not None else 0
         print(f"> loaded Megatron-LM checkpoint {ckpt.folder} ({ckpt.ckpt_format}, saved at tp "
-              f"{ckpt.args.get('tensor_model_parallel_size', 1)} x pp "
-              f"{ckpt.args.get('pipeline_model_parallel_size', 1)}): "
+              f"{ckpt.stored.get('tensor_model_parallel_size', 1)} x pp "
+              f"{ckpt.stored.get('pipeline_model_parallel_size', 1)}): "
               + ("weights only, training starts at iteration 0" if weights_only else
                  f"at iteration {iteration}, {ckpt.consumed_train_samples} samples consumed")
               + (f"; its last {dropped} vocabulary rows (padding) are not used" if dropped > 0
