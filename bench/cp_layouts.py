@@ -58,7 +58,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 
-from megatron_sp.context_parallel.balance import cp_layout, layout_ring_plan, work_balance  # noqa: E402
+from megatron_sp.context_parallel.balance import (cp_layout, layout_ring_plan,  # noqa: E402
+                                                  work_balance)
 
 KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2        # k and v, 8 kv heads x 128, bf16 (llama-8b)
 SKEWED = ("one long (60%) + short", "long + lognormal short")
@@ -154,14 +155,16 @@ def _gib(x):
 def plan_table(seqs, degrees, rows) -> list[dict]:
     out = []
     print(f"{'mix':>24} {'s':>8} {'cp':>3} {'docs':>6} | {'zigzag':>7} {'balanced':>8} "
-          f"{'(summed)':>8} {'z/step':>6} {'b/step':>6} | {'ring GiB':>8} {'needed':>7} {'share':>6} | {'plan ms':>7}")
+          f"{'(summed)':>8} {'z/step':>6} {'b/step':>6} | {'ring GiB':>8} {'needed':>7} "
+          f"{'share':>6} | {'plan ms':>7}")
     for mix in MIXES:
         for s in seqs:
             for cp in degrees:
                 r = plan_row(mix, s, cp, rows)
                 out.append(r)
                 print(f"{mix:>24} {s:>8} {cp:>3} {r['documents_per_row']:>6.0f} | "
-                      f"{r['zigzag_balance_worst_row']:>7.2f} {r['balanced_balance_worst_row']:>8.3f} "
+                      f"{r['zigzag_balance_worst_row']:>7.2f} "
+                      f"{r['balanced_balance_worst_row']:>8.3f} "
                       f"{r['balanced_balance_rows_summed']:>8.3f} "
                       f"{r['zigzag_step_balance_worst_row']:>6.2f} "
                       f"{r['balanced_step_balance_worst_row']:>6.3f} | "
@@ -218,7 +221,8 @@ def kernel_rows(seqs, degrees, mixes, rows, reps, heads=4, kv_heads=2, head_dim=
     import torch
     torch.set_num_threads(1)
     out = []
-    print(f"\nblock kernels timed (thread CPU time) per rank and ring step (fp32, one thread, h {heads}, kv "
+    print(f"\nblock kernels timed (thread CPU time) per rank and ring step (fp32, one thread, "
+          f"h {heads}, kv "
           f"{kv_heads}, d {head_dim}, least of {reps}); ring s = sum over steps of the slowest "
           f"rank; sum/cp = perfect balance")
     print(f"{'mix':>24} {'s':>6} {'cp':>3} {'row':>3} | {'zigzag s':>8} {'balanced s':>10} "
@@ -317,7 +321,8 @@ def measured_steps(seqs, reps, iters) -> list[dict]:
             got = {"zigzag": [], "balanced": []}
             for rep in range(reps):
                 for layout in got:
-                    r = launch(prefix, seq, layout, iters, os.path.join(tmp, f"ck{seq}{layout}{rep}"))
+                    r = launch(prefix, seq, layout, iters,
+                               os.path.join(tmp, f"ck{seq}{layout}{rep}"))
                     got[layout].append(r)
                     print(f"  {layout:>8} rep {rep}: steps "
                           + " ".join(f"{x:.2f}" for x in r["step_s"]) + " s; cp_work_balance "

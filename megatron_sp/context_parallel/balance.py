@@ -93,8 +93,8 @@ class CpLayout:
         """Global positions [b, s/cp] (int64) of ring rank `rank`'s tokens, per row, local order."""
         key = (rank, str(device))
         if key not in self._positions:
-            per_row = [torch.cat([torch.arange(p.start, p.start + p.length) for p in row.ranks[rank]])
-                       for row in self.rows]
+            per_row = [torch.cat([torch.arange(p.start, p.start + p.length)
+                                  for p in row.ranks[rank]]) for row in self.rows]
             self._positions[key] = torch.stack(per_row).to(device)             # [b, n]
         return self._positions[key]
 

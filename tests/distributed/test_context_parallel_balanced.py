@@ -6,10 +6,11 @@ pp 2, FSDP2, full and selective recompute, head chunks; mixes skewed (one long d
 short and one-token ones), short ones, one-token documents, one document the whole row, and
 --context-parallel-layout zigzag on the same skewed rows. In the same spawn, the work the model
 counts per ring rank (GPTModel.take_cp_work, summed over two micro-batches) equals a brute-force
-count of causal (query, key) pairs, Trainer.cp_log_fields gives the worst dp replica's
-max/mean, and at cp 4 the ring sends only the travelling keys: the bytes counted ("cp/ring_p2p")
-equal those of the plan's blocks exactly and are fewer than the zigzag ring's. Outside the spawn: those rows really are laid out differently from the zigzag (and the
-whole-row document identically)."""
+count of causal (query, key) pairs, Trainer.cp_log_fields gives the worst dp replica's max/mean,
+and at cp 4 the ring sends only the travelling keys: the bytes counted ("cp/ring_p2p") equal
+those of the plan's blocks exactly and are fewer than the zigzag ring's. Outside the spawn:
+those rows really are laid out differently from the zigzag (and the whole-row document
+identically)."""
 from types import SimpleNamespace
 
 import pytest
