@@ -1,9 +1,10 @@
 """The document-aware balanced ring layout (context_parallel/balance.py, the default with packed
-documents) in the whole model equals one rank: loss 1e-5 relative, gradients 1e-4 (FSDP2: losses
-and gradient norms), 3 optimizer steps (layout_utils.check_layouts), on 4 gloo ranks in one
-spawn: cp 4 and cp 2 x dp 2 p2p, a2a+p2p / sp 2 x cp 2, cp 2 x tp 2 --sequence-parallel, cp 2 x
-pp 2, FSDP2, full and selective recompute, head chunks; mixes skewed (one long document among
-short and one-token ones), short ones, one-token documents, one document the whole row, and
+documents) in the whole model equals one rank: loss 1e-5 relative, gradients 1e-4 (FSDP2 and the
+distributed optimizer: losses and gradient norms), 3 optimizer steps
+(layout_utils.check_layouts), on 4 gloo ranks in one spawn: cp 4 and cp 2 x dp 2 p2p, a2a+p2p /
+sp 2 x cp 2, cp 2 x tp 2 --sequence-parallel, cp 2 x pp 2, FSDP2, the distributed optimizer,
+full and selective recompute, head chunks; mixes skewed (one long document among short and
+one-token ones), short ones, one-token documents, one document the whole row, and
 --context-parallel-layout zigzag on the same skewed rows. In the same spawn, the work the model
 counts per ring rank (GPTModel.take_cp_work, summed over two micro-batches) equals a brute-force
 count of causal (query, key) pairs, Trainer.cp_log_fields gives the worst dp replica's max/mean,
@@ -51,6 +52,8 @@ def _cases():
         dict(LLAMA, name="cp2 x pp2 (1F1B) skewed", cp=2, pp=2, micro_batch=1, **skewed),
         dict(LLAMA, name="cp2 x dp2 FSDP2 skewed", cp=2, micro_batch=2, sharding="fsdp2",
              **skewed),
+        dict(LLAMA, name="cp2 x dp2 distributed optimizer skewed", cp=2, micro_batch=2,
+             sharding="distopt", **skewed),
         dict(LLAMA, name="cp2 x dp2 full recompute, short documents", cp=2, micro_batch=2,
              packed="short", model_kwargs={"memory": MemoryOptions(recompute_granularity="full")},
              **COMMON),
