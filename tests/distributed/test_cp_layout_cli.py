@@ -3,7 +3,9 @@ skewed packed documents (--reset-attention-mask --reset-position-ids), cp 2 bala
 default) and cp 2 --context-parallel-layout zigzag reproduce the one-rank losses (1e-5 relative,
 every logged iteration); each says its layout once at start-up; the metrics JSONL carries
 cp_work_balance every iteration (the log line the same, rounded), 1.02 at most with the
-balanced layout, above it with the zigzag on these rows; the one-rank run has none."""
+balanced layout, above it with the zigzag on these rows; the one-rank run has none. A
+checkpoint saved at iteration 2 under the balanced layout resumes under the zigzag, its third
+loss the one-rank run's (the layout is per step, never stored)."""
 import json
 import os
 
@@ -40,15 +42,15 @@ def write_skewed(prefix: str, rows: int, seed: int) -> None:
     builder.finalize(prefix + ".idx")
 
 
-def _run(tmp, world, extra, name, data):
+def _run(tmp, world, extra, name, data, save=None, iterations=3):
     metrics = os.path.join(tmp, f"{name}.jsonl")
+    save = save or ["--save", os.path.join(tmp, name), "--save-interval", "1000"]
     rcs, out = run_script("pretrain_gpt.py", COMMON + ["--data-path", data, "--metrics-jsonl",
-                                                       metrics, "--save", os.path.join(tmp, name),
-                                                       "--save-interval", "1000"] + extra,
+                                                       metrics] + save + extra,
                           world=world, timeout_s=300)
     assert rcs == [0] * world, f"{name}: exit {rcs}\n{out[-4000:]}"
     records = [json.loads(line) for line in open(metrics) if '"lm_loss"' in line]
-    assert len(records) == 3, (name, records)
+    assert len(records) == iterations, (name, records)
     return out, records
 
 
@@ -71,3 +73,13 @@ def test_layouts_match_one_rank_and_log_their_balance(tmp_path, seed):
     balanced = [r["cp_work_balance"] for r in runs["balanced"][1]]
     zigzag = [r["cp_work_balance"] for r in runs["zigzag"][1]]
     assert max(balanced) <= 1.02 and min(zigzag) > 1.02, (balanced, zigzag)
+    # The layout is per step, never stored: a checkpoint saved under one resumes under the other.
+    ckpt = str(tmp_path / "ckpt")
+    _run(str(tmp_path), 2, cp + ["--train-iters", "2", "--lr-decay-iters", "3"], "first2", data,
+         save=["--save", ckpt, "--save-interval", "2"], iterations=2)
+    _, resumed = _run(str(tmp_path), 2, cp + ["--context-parallel-layout", "zigzag"], "resumed",
+                      data, save=["--load", ckpt, "--save", ckpt, "--save-interval", "1000"],
+                      iterations=1)
+    assert resumed[0]["iteration"] == 3
+    assert abs(resumed[0]["lm_loss"] - one[2]["lm_loss"]) <= 1e-5 * abs(one[2]["lm_loss"]), (
+        resumed, one)
