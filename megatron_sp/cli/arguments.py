@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     moe.add_argument("--moe-ffn-hidden-size", type=int, help="hidden size of each expert's SwiGLU "
                    "MLP (default --ffn-hidden-size)")
     moe.add_argument("--moe-router-topk", type=int, help="experts per token (Megatron's default 2)")
+    moe.add_argument("--moe-token-dispatcher-type", default=None,
+                     help="alltoall or allgather: tokens permuted locally, then (ep > 1) sent to "
+                          "their experts' ranks by all-to-all")
+    moe.add_argument("--moe-router-dtype", default=None,
+                     help="fp32 only: the router always runs in fp32")
     moe.add_argument("--moe-layer-freq", default=None, help="experts in every k-th layer (1: all), "
                    "or a 0/1 list per layer such as \"([1]*3+[0]*1)*3\" (Megatron's)")
     moe.add_argument("--moe-shared-expert-intermediate-size", type=int, help="hidden size of the "
@@ -192,9 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
                      metavar="N", help="a2a+p2p: A R, the Ulysses (adjacent ranks) and ring "
                      "degrees, A x R = --context-parallel-size")
     par.add_argument("--context-parallel-layout", choices=["balanced", "zigzag"],
-                     default="balanced", help="which tokens each ring rank holds with packed "
-                     "documents: balanced (the same causal work on every rank) or zigzag "
-                     "(chunks r and 2cp-1-r of the row, as without documents)")
+                     default="balanced", help="ring ranks' tokens with packed documents: "
+                     "balanced (equal causal work) or zigzag (row chunks r, 2cp-1-r)")
     _bool_flag(par, "--sequence-parallel", "Megatron sequence sharding inside tensor parallelism")
     par.add_argument("--expert-model-parallel-size", type=int, default=1,
                      help="expert-parallel ranks: each MoE layer's experts split over ep "
@@ -204,11 +208,6 @@ def build_parser() -> argparse.ArgumentParser:
                           "experts split over tp, tokens all-gathered around them) or 1 (whole "
                           "experts, each tp rank routes its own tokens); tp > 1 needs "
                           "--sequence-parallel")
-    par.add_argument("--moe-token-dispatcher-type", default=None,
-                     help="alltoall or allgather: accepted, one rank holds every expert and "
-                          "permutes its tokens locally")
-    par.add_argument("--moe-router-dtype", default=None,
-                     help="fp32 only: the router always runs in fp32")
     par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     par.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     par.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)

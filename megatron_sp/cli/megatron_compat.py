@@ -196,8 +196,8 @@ ATTENTION_NOTES = {"fused": "Transformer Engine's fused attention (te)",
 TRANSFORMER_IMPL_NOTE = "runs with the local implementation: Transformer Engine is not installed"
 
 # --moe-token-dispatcher-type alltoall / allgather: what happens instead of the dispatch.
-DISPATCHER_NOTE = ("one rank holds every expert, so the tokens are permuted locally (no dispatch "
-                   "communication)")
+DISPATCHER_NOTE = ("the tokens are permuted locally, then (with --expert-model-parallel-size > 1) "
+                   "sent to their experts' ranks by all-to-all")
 
 # --ckpt-format: ours is torch.distributed.checkpoint, the family of Megatron's torch_dist.
 CKPT_FORMATS = ("torch_dist",)

@@ -120,7 +120,7 @@ def test_moe_flags_without_experts_are_refused():
 def test_allgather_and_alltoall_are_accepted_with_a_note():
     for kind in ("alltoall", "allgather"):
         job = parse_job(BASE + ["--num-experts", "4", "--moe-token-dispatcher-type", kind])
-        assert any(f"--moe-token-dispatcher-type {kind}: one rank holds every expert" in n
+        assert any(f"--moe-token-dispatcher-type {kind}: the tokens are permuted locally" in n
                    for n in job.notes), job.notes
 
 
