@@ -55,9 +55,12 @@ compute_s and comm_s. tok/s: global batch x seq / s/step, the whole job's. MFU: 
 FLOPs by Megatron-LM's num_floating_point_operations (docs/design.md §9, forward and backward,
 recompute not counted; a MoE model's on its active parameters, Megatron-LM's MoE formula) /
 (s/step x GPUs x --peak-tflops): the assumed --mfu less what recompute, the pipeline bubble and
-communication cost. --max-seq --max-step-seconds S: the longest sequence
-whose fastest plan's s/step is at most S; the output says what binds it (device memory, host
-memory or the step time).
+communication cost. --fp8-format (torchao, as pretrain_gpt.py): the projections' and dense MLP's
+FLOPs at --fp8-peak-tflops, the rest at --peak-tflops, MFU against the FP8 peak (as the training
+loop's); their weights' bf16 copies leave the state and their casts' transients join the step peak
+(planner/fp8.py); the plans carry --fp8-format and --fp8-recipe. --max-seq --max-step-seconds S:
+the longest sequence whose fastest plan's s/step is at most S; the output says what binds it
+(device memory, host memory or the step time).
 
 Each plan's flags are the whole plan for pretrain_gpt.py (add data, schedule and checkpoint flags,
 and launch it on --num-gpus processes: dp is what tp x sp x cp x pp leaves of them): the model
@@ -163,6 +166,13 @@ def parse_args(argv=None):
     p.add_argument("--expert-model-parallel-size", type=int, default=None, metavar="N",
                    help="a mixture-of-experts model's expert-parallel size (pretrain_gpt.py's "
                         "flag): fix it to N, a divisor of the experts (default: each layout's fastest)")
+    p.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None,
+                   help="plan FP8 training through torchao (pretrain_gpt.py's flag): the "
+                        "projections and dense MLP in FP8, their weights' bf16 copies gone, their "
+                        "casts' transients in the peak, their FLOPs at --fp8-peak-tflops")
+    p.add_argument("--fp8-recipe", default="tensorwise",
+                   choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"],
+                   help="torchao's recipe with --fp8-format (default tensorwise)")
     p.add_argument("--num-gpus", type=int, required=True)
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="per GPU (default 80)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="(default 8)")
@@ -183,6 +193,8 @@ def parse_args(argv=None):
     p.add_argument("--fragmentation", type=float, default=0.10,
                    help="allocator fragmentation, a fraction of the modelled bytes (default 0.10)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak (H100/H200; default 989)")
+    p.add_argument("--fp8-peak-tflops", type=float, default=1979.0,
+                   help="FP8 dense peak, with --fp8-format (H100/H200; default 1979)")
     p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOP utilisation (default 0.4)")
     p.add_argument("--top", type=int, default=10, help="plans to print (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -203,6 +215,9 @@ def parse_args(argv=None):
     if args.expert_model_parallel_size is not None and args.expert_model_parallel_size < 1:
         p.error(f"--expert-model-parallel-size must be a positive integer, got "
                 f"{args.expert_model_parallel_size}")
+    if args.fp8_format and args.ulysses_head_chunks not in ("auto", 1):
+        p.error("--fp8-format with --ulysses-head-chunks > 1: the FP8 linears refuse head "
+                "chunks; leave one of the two out")
     if args.sharding == "none" and args.optimizer_cpu_offload:
         p.error("--optimizer-cpu-offload needs a sharded mode: use --sharding "
                 "distributed-optimizer, fsdp or auto")
@@ -216,7 +231,7 @@ POSITIVE_INTS = ("num_gpus", "global_batch_size", "micro_batch_size", "seq_lengt
                  "gpus_per_node", "top", "num_layers", "hidden_size", "num_attention_heads",
                  "num_query_groups", "ffn_hidden_size", "vocab_size")
 POSITIVE_FLOATS = ("gpu_memory_gb", "host_memory_gb", "intra_node_gbps", "inter_node_gbps",
-                   "pcie_gbps", "peak_tflops")
+                   "pcie_gbps", "peak_tflops", "fp8_peak_tflops")
 
 
 def number_problem(args) -> str | None:
@@ -257,7 +272,8 @@ def hardware(args) -> Hardware:
                     gpus_per_node=args.gpus_per_node, host_memory_gb=args.host_memory_gb,
                     reserve_gb=args.reserve_gb, fragmentation=args.fragmentation,
                     intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
-                    pcie_gbps=args.pcie_gbps, peak_tflops=args.peak_tflops, mfu=args.mfu)
+                    pcie_gbps=args.pcie_gbps, peak_tflops=args.peak_tflops,
+                    fp8_peak_tflops=args.fp8_peak_tflops, mfu=args.mfu)
 
 
 def workload(args, seq: int) -> Workload:
@@ -265,7 +281,8 @@ def workload(args, seq: int) -> Workload:
     chunks = args.ulysses_head_chunks
     return Workload(seq=seq, global_batch=args.global_batch_size, micro_batch=args.micro_batch_size,
                     documents=args.reset_attention_mask,
-                    head_chunks=chunks, expert_parallel_size=args.expert_model_parallel_size)
+                    head_chunks=chunks, expert_parallel_size=args.expert_model_parallel_size,
+                    fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe)
 
 
 def search(args) -> dict:
@@ -375,7 +392,9 @@ def kernel_lines(plans) -> list[str]:
 def cost_lines(args) -> list[str]:
     """What the cost columns mean, for the table's foot, within WIDTH."""
     return textwrap.wrap(
-        f"cost: s/step = model FLOPs at {args.mfu:.0%} of {args.peak_tflops:g} TFLOP/s, x recompute "
+        f"cost: s/step = model FLOPs at {args.mfu:.0%} of {args.peak_tflops:g} TFLOP/s"
+        + (f" (the FP8 linears' at {args.fp8_peak_tflops:g}; MFU against it)"
+           if getattr(args, "fp8_format", None) else "") + ", x recompute "
         f"and pipeline bubble, + communication, not overlapped (--json: compute_s + comm_s); "
         f"tok/s = global batch x seq / s/step, the whole job's; MFU = model FLOPs (Megatron-LM's "
         f"formula) / (s/step x GPUs x peak).", WIDTH)

@@ -132,13 +132,14 @@ def _norm_bytes(cfg, Ts, r, device) -> float:
 
 
 def layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies=True, r=None,
-                 device="cuda", moe=False, ep=1):
+                 device="cuda", moe=False, ep=1, fp8=False):
     """Saved bytes of one transformer layer, split into named terms (device, not offloaded).
 
     e: bytes of what the matmuls keep (their autocast copies); r: bytes of the residual stream and
     the norms' input (4 under bf16 autocast over fp32 weights, 2 when the weights themselves are
     bf16); device: whose RMSNorm kernel (_norm_bytes); moe: a MoE layer (cfg.is_moe_layer), whose
-    MLP terms are moe_terms' (ep: --expert-model-parallel-size)."""
+    MLP terms are moe_terms' (ep: --expert-model-parallel-size); fp8: the qkv, out-proj, fc1 and fc2
+    linears in FP8 (planner/fp8.py: the same saved inputs, no weight copies)."""
     r = e if r is None else r
     H, d, F = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
     hl, gl = cfg.num_attention_heads // tp, cfg.num_query_groups // tp
@@ -170,6 +171,8 @@ def layer_terms(cfg, T, tp, sp, seqpar, e, memory: MemoryOptions, weight_copies=
         fc1 = H * F * (2 if swiglu else 1) / tp
         terms["w_attn"] = (H * (hl + 2 * gl) * d + hl * d * H) * e
         terms["w_mlp"] = (fc1 + F * H / tp) * e
+        if fp8:                               # the FP8 linears save the weight parameter itself
+            terms["w_attn"] = terms["w_mlp"] = 0
     if memory.selective_recompute:
         terms["sdpa_lse"] = terms["sdpa_out"] = 0
     chunks = getattr(memory, "ulysses_head_chunks", 1)
@@ -197,7 +200,7 @@ def activation_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: in
                      memory: MemoryOptions | None = None, dtype_bytes: int = 4,
                      residual_bytes: int | None = None, weight_copies: bool = False,
                      post_process: bool = True, pre_process: bool = True,
-                     device: str = "cuda", cp: int = 1, ep: int = 1) -> dict:
+                     device: str = "cuda", cp: int = 1, ep: int = 1, fp8: bool = False) -> dict:
     """Predicted bytes saved for backward per rank for one micro-batch (see the module docstring).
 
     residual_bytes: element size of the residual stream and the norms' saved tensors (default
@@ -206,7 +209,8 @@ def activation_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: in
     apart, as weight_copy_bytes). device: "cuda" or "cpu", whose RMSNorm kernel (module
     docstring). cp: the ring's degree (context parallelism; T = b*s/(sp*cp), the ring's saved out
     and lse are the sdpa_out and sdpa_lse terms). ep: --expert-model-parallel-size (MoE layers'
-    dispatch; the stage's layers are stage_layers': the one with the most MoE layers). Returns
+    dispatch; the stage's layers are stage_layers': the one with the most MoE layers). fp8: the
+    projections and dense MLP in FP8 (planner/fp8.py: no weight copies for them). Returns
     {"layer": bytes of the largest layer (not recomputed), "layers": all this stage's layers,
     "output", "embedding", "shared" (RoPE), "host" (offloaded), "total" (device), "terms": {...}
     (of a MoE layer when the stage has one), "by_kind": {"dense" / "moe": (bytes, terms) of each
@@ -224,7 +228,8 @@ def activation_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: in
     kinds = stage_kinds(cfg, L)
     by_kind = {}
     for moe in sorted(set(kinds)):
-        terms = layer_terms(cfg, T, tp, sp, seqpar, e, memory, weight_copies, r, device, moe, ep)
+        terms = layer_terms(cfg, T, tp, sp, seqpar, e, memory, weight_copies, r, device, moe, ep,
+                            fp8)
         by_kind["moe" if moe else "dense"] = (sum(terms.values()), terms)
     per_layer = [by_kind["moe" if moe else "dense"][0] for moe in kinds]
     layer = max(kind[0] for kind in by_kind.values())

@@ -31,7 +31,9 @@ class Workload:
     head_chunks, the Ulysses head chunks the planner may add to memory (--ulysses-head-chunks):
     "auto" the smallest that fits when nothing cheaper does, an integer just that one (1: none);
     expert_parallel_size, a mixture-of-experts model's --expert-model-parallel-size: None lets
-    the planner choose (expert_parallel_choices), an integer fixes it."""
+    the planner choose (expert_parallel_choices), an integer fixes it; fp8_format, --fp8-format
+    (None: no FP8) with fp8_recipe, torchao's --fp8-recipe: the projections and dense MLP in FP8
+    (planner/fp8.py)."""
     seq: int
     global_batch: int = 1
     micro_batch: int = 1
@@ -41,8 +43,16 @@ class Workload:
     documents: bool = False
     head_chunks: int | str = "auto"
     expert_parallel_size: int | None = None
+    fp8_format: str | None = None
+    fp8_recipe: str = "tensorwise"
 
     def __post_init__(self):
+        from megatron_sp.memory.planner.fp8 import check_fp8
+        check_fp8(self.fp8_format, self.fp8_recipe)
+        if self.fp8_format is not None and self.head_chunks not in ("auto", 1):
+            raise ValueError(f"Workload.head_chunks {self.head_chunks} (--ulysses-head-chunks) "
+                             f"with fp8_format (--fp8-format): the FP8 linears refuse head "
+                             f"chunks; leave one of the two out.")
         for name, flag, low in (("seq", "--seq-length", 0), ("global_batch", "--global-batch-size", 1),
                                 ("micro_batch", "--micro-batch-size", 1)):
             _check_int(getattr(self, name), f"Workload.{name} ({flag})", low)
@@ -71,7 +81,8 @@ class Hardware:
     (of which host_reserve_fraction is left to the OS, data loader and page cache); the device
     reserve, reserve_gb (CUDA context, NCCL and cuBLAS workspaces) + fragmentation x the modelled
     bytes; bandwidths in GB/s per GPU (NVLink inside a node, the network across, PCIe to the host);
-    bf16 dense peak_tflops at an assumed mfu; device, whose kernels the activation model counts
+    bf16 dense peak_tflops (fp8_peak_tflops: FP8's, H100/H200 1979) at an assumed mfu; device, whose
+    kernels the activation model counts
     ("cuda" or "cpu": torch's RMSNorm, see fused_rms_norm)."""
     num_gpus: int
     gpu_mem_gb: float = 80.0
@@ -84,6 +95,7 @@ class Hardware:
     inter_node_gbps: float = 50.0
     pcie_gbps: float = 25.0
     peak_tflops: float = 989.0
+    fp8_peak_tflops: float = 1979.0
     mfu: float = 0.4
     device: str = "cuda"
 
@@ -92,7 +104,7 @@ class Hardware:
         _check_int(self.num_gpus, "Hardware.num_gpus (--num-gpus)", 1)
         _check_int(self.gpus_per_node, "Hardware.gpus_per_node (--gpus-per-node)", 1)
         for name in ("gpu_mem_gb", "host_memory_gb", "intra_node_gbps", "inter_node_gbps",
-                     "pcie_gbps", "peak_tflops"):
+                     "pcie_gbps", "peak_tflops", "fp8_peak_tflops"):
             value = getattr(self, name)
             ample = name == "host_memory_gb" and value == math.inf   # binding_limit's "ample"
             if not (0 < value < math.inf or ample):

@@ -54,6 +54,7 @@ from megatron_sp.attention.kernels import attention_kernel_name
 from megatron_sp.memory.host_pool import align_up
 from megatron_sp.memory.options import MemoryOptions, resolve_count
 from megatron_sp.memory.planner.activations import activation_bytes, layer_terms, ring_buffer_bytes
+from megatron_sp.memory.planner.fp8 import fp8_transient_bytes
 from megatron_sp.memory.planner.moe import MLP_TERMS, moe_backward_bytes
 from megatron_sp.memory.planner.state import pinned_bytes
 
@@ -168,11 +169,20 @@ def _output_peak(cfg, T, tp, seqpar, e, r, memory: MemoryOptions, saved: float) 
     return saved + T * V * e + (T if gathered else T / tp) * H * r
 
 
+def _mlp_tile_tokens(cfg, T, Ts, tp, memory: MemoryOptions) -> float:
+    """The tokens one dense MLP tile's linears see (T untiled; layer_backward_peak's tiles)."""
+    if memory.mlp_tiles == 1:
+        return T
+    width = cfg.ffn_hidden_size * (2 if cfg.activation == "swiglu" else 1) // tp
+    return T / resolve_count(memory.mlp_tiles, int(Ts), width, cfg.hidden_size)
+
+
 def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int = 1, pp: int = 1,
                     sequence_parallel: bool = False, memory: MemoryOptions | None = None,
                     dtype_bytes: int = 2, residual_bytes: int = 4, in_flight_micro_batches: int = 1,
                     pinned: bool = True, device: str = "cuda", cp: int = 1,
-                    documents: bool = False, host_pool: bool = False, ep: int = 1) -> dict:
+                    documents: bool = False, host_pool: bool = False, ep: int = 1,
+                    fp8_recipe: str | None = None) -> dict:
     """Peak activation bytes of one step on one rank (the heaviest pipeline stage), and host bytes.
 
     kept: what the forward leaves for backward (all layers', or only the checkpointed inputs under
@@ -188,7 +198,9 @@ def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int
     tensors (plan_index_bytes: the varlen kernel's, ring or documents; "index" in the result) are
     added; "kernel" names the attention kernel (attention_kernel_name). ep:
     --expert-model-parallel-size (MoE layers: each kind of layer the stage has is tried for the
-    layer backward).
+    layer backward). fp8_recipe: the projections and dense MLP in FP8 with this torchao recipe
+    (planner/fp8.py; None: not): no weight copies kept for them, and one FP8 linear's backward
+    transients (fp8_transient_bytes, "fp8" in the result) on top of the layer backward.
     """
     memory = memory or MemoryOptions()
     e, r = dtype_bytes, residual_bytes
@@ -196,7 +208,7 @@ def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int
     L = cfg.num_layers // pp
     act = activation_bytes(cfg, seq, micro_batch, tp=tp, sp=sp, sequence_parallel=seqpar,
                            num_layers=L, memory=memory, dtype_bytes=e, residual_bytes=r,
-                           device=device, cp=cp, ep=ep)
+                           device=device, cp=cp, ep=ep, fp8=fp8_recipe is not None)
     T = micro_batch * seq / (sp * cp)
     Ts = T / tp if seqpar else T
     ckpt_input = Ts * cfg.hidden_size * r
@@ -205,9 +217,14 @@ def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int
     index = plan_index_bytes(seq, micro_batch, cp=cp, kernel=kernel, documents=documents,
                              in_flight_micro_batches=in_flight_micro_batches)
     workings = []
+    fp8 = {}
     for kind, (layer_bytes, _) in act["by_kind"].items():
         layer_peak = layer_backward_peak(cfg, T, tp, sp, seqpar, e, r, memory, device, cp,
                                           documents, moe=kind == "moe", ep=ep)
+        if fp8_recipe is not None:
+            fp8[kind] = fp8_transient_bytes(cfg, T, tp, e, fp8_recipe, device, kind == "moe",
+                                            _mlp_tile_tokens(cfg, T, Ts, tp, memory))
+            layer_peak += fp8[kind]
         if memory.full_recompute:
             group = memory.recompute_num_layers if memory.recompute_method == "uniform" else 1
             # the group's input is the first norm's saved input: counted in kept unless offloaded
@@ -233,4 +250,5 @@ def step_peak_bytes(cfg, seq: int, micro_batch: int = 1, *, tp: int = 1, sp: int
         host *= in_flight_micro_batches
     return {"device": on_device, "host": host, "kept": kept, "layer_backward": working,
             "output_backward": output, "activations": act,
-            "ring": ring_buffer_bytes(cfg, T, tp, sp, cp, e), "index": index, "kernel": kernel}
+            "ring": ring_buffer_bytes(cfg, T, tp, sp, cp, e), "index": index, "kernel": kernel,
+            "fp8": max(fp8.values(), default=0.0)}

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from megatron_sp.attention.kernels import attention_kernel
 from megatron_sp.memory.options import MemoryOptions, resolve_count
 from megatron_sp.memory.planner.communication import comm_bytes_per_step, residual_element_bytes
+from megatron_sp.memory.planner.fp8 import fp8_flops
 from megatron_sp.memory.planner.job import GiB, Hardware, Workload, divisors
 from megatron_sp.memory.planner.moe import check_moe_layout, is_moe, moe_layer_flags
 from megatron_sp.memory.planner.peak import step_peak_bytes
@@ -57,7 +58,9 @@ class Plan:
     gated + V/(2 L H)), forward and backward, recompute not counted; megatron_sp.training.flops;
     a MoE model's F is the active width, k x moe_ffn_hidden_size (+ the shared expert's) in its MoE
     layers: MFU counts the active parameters, as Megatron-LM's does); peak_flops, the job's peak
-    FLOP/s (GPUs x bf16 dense peak). From them tokens_per_s and mfu."""
+    FLOP/s (GPUs x bf16 dense peak; with fp8_format the FP8 peak, as the training loop's MFU).
+    From them tokens_per_s and mfu. fp8_format / fp8_recipe: the job's --fp8-format (None: no
+    FP8) and torchao recipe, among the flags (planner/fp8.py)."""
     tp: int
     sp: int
     pp: int
@@ -91,6 +94,8 @@ class Plan:
     etp: int | None = None
     total_parameters: int = 0
     active_parameters: int = 0
+    fp8_format: str | None = None
+    fp8_recipe: str = "tensorwise"
 
     @property
     def comm_total_gb(self) -> float:
@@ -165,7 +170,16 @@ class Plan:
     def flag_list(self) -> list[str]:
         """pretrain_gpt.py flags of this plan (Megatron's names), one string per flag and value: the
         job, --bf16 (the planner's activations are bf16), the layout and the memory techniques."""
-        return [*self.job_flags(), "--bf16", *self.layout_flags(), *self.memory_flags()]
+        return [*self.job_flags(), "--bf16", *self.fp8_flags(), *self.layout_flags(),
+                *self.memory_flags()]
+
+    def fp8_flags(self) -> list[str]:
+        """--fp8-format and --fp8-recipe when the plan is for FP8 (torchao's linears: --transformer-
+        impl local, the layers whose bytes the planner counts)."""
+        if self.fp8_format is None:
+            return []
+        return [f"--fp8-format {self.fp8_format}", f"--fp8-recipe {self.fp8_recipe}",
+                "--transformer-impl local"]
 
     def memory_flags(self) -> list[str]:
         """Recompute (granularity, and under full its method and layers), tiled MLP, chunked loss,
@@ -201,7 +215,8 @@ class Plan:
             "state_device_gb", "state_host_gb", "activations_gb", "activations_host_gb",
             "reserve_gb", "total_gb", "host_node_gb", "comm_gb", "score", "documents",
             "attention_kernel", "step_s", "compute_s", "comm_s", "tokens_per_s", "mfu",
-            "model_flops", "ep", "etp", "total_parameters", "active_parameters")}
+            "model_flops", "ep", "etp", "total_parameters", "active_parameters", "fp8_format",
+            "fp8_recipe")}
         out["memory"] = self.memory.to_dict()
         out["flags"] = self.flags()
         return out
@@ -240,8 +255,11 @@ def head_chunk_cost(cfg, seq: int) -> float:
 def head_chunk_choices(cfg, work: Workload, dims: ParallelDims) -> list[int]:
     """The head-chunk counts N > 1 the planner may try on `dims`, smallest first: work.head_chunks
     "auto", every N that fits the heads per tp rank over sp (ulysses.attention.head_chunk_problem);
-    an integer N, just it (none when 1)."""
+    an integer N, just it (none when 1); none under FP8 (its linears refuse head chunks, which
+    multiply by slices of the QKV weight outside them)."""
     from megatron_sp.ulysses.attention import head_chunk_problem
+    if work.fp8_format is not None:
+        return []
     hl, gl = cfg.num_attention_heads // dims.tp, cfg.num_query_groups // dims.tp
     if work.head_chunks != "auto":
         n = int(work.head_chunks)
@@ -429,6 +447,10 @@ def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
     their edp group) and moves more rows by all-to-all (comm "ep"). tp > 1 always comes with
     --sequence-parallel. The model FLOPs count the active parameters (Megatron-LM's MoE formula,
     flops_for_config), so MFU does; Plan.total_parameters / active_parameters say both.
+
+    FP8 (work.fp8_format; planner/fp8.py): the projections' and dense MLP's FLOPs at
+    hw.fp8_peak_tflops, the rest at hw.peak_tflops (both x hw.mfu); MFU against the FP8 peak;
+    their weights' bf16 copies leave the state, their casts' transients join the step peak.
     """
     from megatron_sp.training.flops import flops_for_config
     _check_expert_parallel_size(cfg, work.expert_parallel_size)
@@ -437,6 +459,11 @@ def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
     flops = flops_for_config(cfg, work.global_batch, work.seq)
     peak = hw.num_gpus * hw.peak_tflops * 1e12
     compute_s = flops / (peak * hw.mfu)
+    if work.fp8_format is not None:
+        in_fp8 = min(fp8_flops(cfg, work.global_batch, work.seq), flops)
+        fp8_peak = hw.num_gpus * hw.fp8_peak_tflops * 1e12
+        compute_s = (flops - in_fp8) / (peak * hw.mfu) + in_fp8 / (fp8_peak * hw.mfu)
+        peak = fp8_peak
     plans = []
     for dims in layouts(hw, ring):
         best = _best_fit(cfg, work, dims, hw, candidates, compute_s) \
@@ -479,7 +506,8 @@ def _fit(cfg, work: Workload, dims: ParallelDims, hw: Hardware, mode: str,
     them with concrete_memory's counts, as _best_fit computes them once per layout) that fits
     device and host memory, as a Plan."""
     e = work.dtype_bytes
-    state_device, state_host = layout_state_bytes(cfg, dims, mode, offload, e, ep)
+    fp8 = work.fp8_format is not None
+    state_device, state_host = layout_state_bytes(cfg, dims, mode, offload, e, ep, fp8)
     r = residual_element_bytes(mode, e)
     if ladder is None:
         ladder = [(concrete_memory(cfg, replace(work, memory=mem), dims), cost)
@@ -491,7 +519,7 @@ def _fit(cfg, work: Workload, dims: ParallelDims, hw: Hardware, mode: str,
                                in_flight_micro_batches=work.in_flight(dims), device=hw.device,
                                cp=dims.cp, documents=work.documents,
                                host_pool=dims.pp == 1,   # pretrain_gpt's pool: no pipeline only
-                               ep=ep)
+                               ep=ep, fp8_recipe=work.fp8_recipe if fp8 else None)
         modelled = state_device + peak["device"]
         reserve = hw.reserve_gb * GiB + hw.fragmentation * modelled
         host_node = hw.ranks_per_node * (state_host + peak["host"])
@@ -506,7 +534,8 @@ def _fit(cfg, work: Workload, dims: ParallelDims, hw: Hardware, mode: str,
                         global_batch=work.global_batch, documents=work.documents,
                         attention_kernel=attention_kernel(hw.device, e, cfg.kv_channels, dims.cp,
                                                           work.documents), ep=ep,
-                        etp=1 if is_moe(cfg) else None)
+                        etp=1 if is_moe(cfg) else None, fp8_format=work.fp8_format,
+                        fp8_recipe=work.fp8_recipe)
     return None
 
 

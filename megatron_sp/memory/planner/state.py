@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 from megatron_sp.memory.host_pool import align_up
+from megatron_sp.memory.planner.fp8 import fp8_linear_parameters
 from megatron_sp.memory.planner.moe import (check_moe_layout, is_moe, moe_layer_flags, stage_layers,
                                             stage_moe_layers)
 from megatron_sp.mesh import ParallelDims
@@ -197,18 +198,23 @@ def model_state_bytes(cfg, tp: int = 1, pp: int = 1, n: int = 1, sharding: str =
 
 
 def layout_state_bytes(cfg, dims: ParallelDims, mode: str, offload: bool, e: int,
-                 ep: int = 1) -> tuple[float, float]:
+                 ep: int = 1, fp8: bool = False) -> tuple[float, float]:
     """(device, host) bytes of the model state per rank, sharded over n = dp x sp (x cp: the mesh's
     dp_sp group spans the whole context; docs/design.md §11; experts over expert_shard_ranks);
     under bf16 autocast (not FSDP2) + the cast cache's bf16 copy of every weight, which
     aten::linear saves for backward (docs/design.md §9's 18 bytes/param), but the routed experts':
     their grouped GEMMs run in the tokens' fp32 (autocast has no rule for them) on the weights
-    themselves."""
+    themselves; nor, with fp8, the FP8 linears' (planner/fp8.py: cast from the weights in each
+    forward and backward, no copy kept)."""
     n = dims.dp * dims.context
     device = model_state_bytes(cfg, dims.tp, dims.pp, n, mode, offload, bf16=e == 2,
                                ep=ep)["device"]
     if mode != "fsdp" and e == 2:
         device += 2 * params_split_per_rank(cfg, dims.tp, dims.pp, ep)[0]
+        if fp8:
+            flags = moe_layer_flags(cfg)
+            device -= 2 * fp8_linear_parameters(cfg, dims.tp,
+                                                [flags[i] for i in stage_layers(cfg, dims.pp)])
     # the distributed optimizer's offloaded shards are blocks of its exact host pool; FSDP2's
     # CPUOffloadPolicy pins through torch's caching host allocator (powers of two)
     host = host_state_pinned_bytes(cfg, dims.tp, dims.pp, n, pool=mode == "distributed-optimizer",
