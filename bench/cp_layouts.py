@@ -30,8 +30,10 @@ Measured step (--step SEQ ...): pretrain_gpt.py at --context-parallel-size 2 und
 gloo ranks on this CPU, one thread each), a 1-layer GQA model, on a .bin/.idx corpus of skewed
 documents (each row: long documents of 40..80% of the row among lognormal short ones, each
 ending in the NullTokenizer's eod) with --reset-attention-mask --reset-position-ids: the
-median "elapsed time per iteration" after the first iteration, and the logged cp_work_balance,
---context-parallel-layout zigzag against balanced, the launches interleaved (--reps each).
+median "elapsed time per iteration" after the first iteration, the slowest rank's CPU time per
+step (its main thread's, bench/step_cpu_time.py: what the ranks computed, whatever the load of
+other jobs on the machine) and the logged cp_work_balance, --context-parallel-layout zigzag
+against balanced, the launches interleaved (--reps each).
 
     python bench/cp_layouts.py                        # the plan table (~1 min)
     python bench/cp_layouts.py --step 16384 --reps 2  # plus the measured cp-2 step (~15 min)
@@ -288,6 +290,7 @@ def write_skewed_corpus(prefix: str, seq: int, rows: int, seed: int = 0) -> int:
 def launch(prefix: str, seq: int, layout: str, iters: int, save: str) -> dict:
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             "--master-port", str(29500 + (os.getpid() + seq + len(layout)) % 2000),
+            os.path.join(HERE, "bench", "step_cpu_time.py"), save + "_cpu",
             os.path.join(HERE, "pretrain_gpt.py"), *MODEL,
             "--seq-length", str(seq), "--max-position-embeddings", str(seq),
             "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", str(iters),
@@ -305,8 +308,11 @@ def launch(prefix: str, seq: int, layout: str, iters: int, save: str) -> dict:
                                                 p.stdout)]
     balance = [float(x) for x in re.findall(r"cp work balance: ([0-9.]+)", p.stdout)]
     losses = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", p.stdout)]
+    ranks = [[json.loads(line) for line in open(f"{save}_cpu.rank{r}.jsonl")]
+             for r in range(2)]
+    cpu = [max(step["thread_cpu_s"] for step in steps) for steps in zip(*ranks)]
     layout_line = next((line for line in p.stdout.splitlines() if "ring layout" in line), "")
-    return {"step_s": steps, "cp_work_balance": balance, "lm_loss": losses,
+    return {"step_s": steps, "cpu_s": cpu, "cp_work_balance": balance, "lm_loss": losses,
             "layout_line": layout_line.strip()}
 
 
@@ -325,24 +331,35 @@ def measured_steps(seqs, reps, iters) -> list[dict]:
                                os.path.join(tmp, f"ck{seq}{layout}{rep}"))
                     got[layout].append(r)
                     print(f"  {layout:>8} rep {rep}: steps "
-                          + " ".join(f"{x:.2f}" for x in r["step_s"]) + " s; cp_work_balance "
+                          + " ".join(f"{x:.2f}" for x in r["step_s"]) + " s; slowest rank's CPU "
+                          + " ".join(f"{x:.2f}" for x in r["cpu_s"]) + " s; cp_work_balance "
                           + " ".join(f"{x:.3f}" for x in r["cp_work_balance"]), flush=True)
             row = {"seq": seq, "iters": iters, "reps": reps, "documents": docs}
             for layout, runs in got.items():
                 steps = [x for r in runs for x in r["step_s"][1:]]
+                cpu = [x for r in runs for x in r["cpu_s"][1:]]
                 row[layout] = {"median_step_s": statistics.median(steps), "steps_s": steps,
+                               "median_cpu_s": statistics.median(cpu), "cpu_s": cpu,
                                "cp_work_balance": [x for r in runs for x in r["cp_work_balance"]],
                                "lm_loss": runs[0]["lm_loss"], "layout_line": runs[0]["layout_line"]}
             row["speedup"] = row["zigzag"]["median_step_s"] / row["balanced"]["median_step_s"]
             paired = [z / b for zr, br in zip(got["zigzag"], got["balanced"])
                       for z, b in zip(zr["step_s"][1:], br["step_s"][1:])]   # the same rows
             row["paired_speedup_median"] = statistics.median(paired)
-            same = row["zigzag"]["lm_loss"] == row["balanced"]["lm_loss"]
+            row["cpu_speedup"] = row["zigzag"]["median_cpu_s"] / row["balanced"]["median_cpu_s"]
+            row["paired_cpu_speedup_median"] = statistics.median(
+                [z / b for zr, br in zip(got["zigzag"], got["balanced"])
+                 for z, b in zip(zr["cpu_s"][1:], br["cpu_s"][1:])])
+            same = all(abs(a - b) <= 1e-4 * abs(b) for a, b in
+                       zip(row["balanced"]["lm_loss"], row["zigzag"]["lm_loss"]))
             print(f"  median step: zigzag {row['zigzag']['median_step_s']:.2f} s, balanced "
                   f"{row['balanced']['median_step_s']:.2f} s ({row['speedup']:.2f}x; median of "
-                  f"the same iterations' ratios {row['paired_speedup_median']:.2f}x); lm loss "
-                  f"{'identical' if same else 'differs'} "
-                  f"({row['zigzag']['lm_loss']} vs {row['balanced']['lm_loss']})")
+                  f"the same iterations' ratios {row['paired_speedup_median']:.2f}x)\n"
+                  f"  slowest rank's CPU per step: zigzag {row['zigzag']['median_cpu_s']:.2f} s, "
+                  f"balanced {row['balanced']['median_cpu_s']:.2f} s ({row['cpu_speedup']:.2f}x; "
+                  f"same iterations {row['paired_cpu_speedup_median']:.2f}x)\n"
+                  f"  lm loss {'the same (1e-4)' if same else 'DIFFERS'}: "
+                  f"{row['zigzag']['lm_loss']} vs {row['balanced']['lm_loss']}")
             out.append(row)
     return out
 
@@ -358,6 +375,8 @@ PLAN_COLUMNS = [("mix", "mix"), ("seq", "s"), ("cp", "cp"), ("documents_per_row"
                 ("needed_share", "balanced/zigzag bytes"), ("plan_ms_median", "plan ms")]
 STEP_COLUMNS = [("seq", "s"), ("layout", "layout"), ("median_step_s", "median step s"),
                 ("speedup", "vs zigzag"), ("paired_speedup", "vs zigzag, same iterations"),
+                ("median_cpu_s", "slowest rank CPU s/step"), ("cpu_speedup", "vs zigzag (CPU)"),
+                ("paired_cpu_speedup", "vs zigzag (CPU), same iterations"),
                 ("cp_work_balance_median", "cp_work_balance (median)"),
                 ("cp_work_balance_max", "cp_work_balance (max)"), ("steps", "steps timed"),
                 ("lm_loss_as_zigzag", "lm loss = zigzag's")]
@@ -405,6 +424,10 @@ def write_tables(result: dict) -> list[str]:
                              "speedup": r["zigzag"]["median_step_s"] / got["median_step_s"],
                              "paired_speedup": (r["paired_speedup_median"]
                                                 if layout == "balanced" else 1.0),
+                             "median_cpu_s": got["median_cpu_s"],
+                             "cpu_speedup": r["zigzag"]["median_cpu_s"] / got["median_cpu_s"],
+                             "paired_cpu_speedup": (r["paired_cpu_speedup_median"]
+                                                    if layout == "balanced" else 1.0),
                              "cp_work_balance_median": statistics.median(got["cp_work_balance"]),
                              "cp_work_balance_max": max(got["cp_work_balance"]),
                              "steps": len(got["steps_s"]),
@@ -424,8 +447,18 @@ def write_tables(result: dict) -> list[str]:
                    "of each launch dropped, launches of the two layouts interleaved; same "
                    "iterations: the median of zigzag / balanced over the same (launch pair, "
                    "iteration), i.e. the same rows",
+                   "slowest rank CPU s/step: per iteration, the larger of the 2 ranks' main-"
+                   "thread CPU time over Trainer.train_step (time.thread_time, recorded by "
+                   "bench/step_cpu_time.py; one thread per rank), median as above: what each "
+                   "rank computed, not the time it waited for its peer nor the time other jobs "
+                   "held the cores; on an otherwise idle 2-core machine the step is at least "
+                   "this, so it is the figure that does not depend on the machine's load",
                    "lm loss = zigzag's: the logged losses agree to 1e-4 relative (the same "
-                   "tokens and the same sum, in another order)"]))
+                   "tokens and the same sum, in another order)",
+                   f"this run: load average (1, 5, 15 min) {result['load_average_at_start']} "
+                   f"at the start, {result.get('load_average_at_end', '?')} at the end (other "
+                   f"jobs on the 2 cores: the wall-time columns depend on it, the CPU ones "
+                   f"do not)"]))
     return paths
 
 
@@ -463,6 +496,7 @@ def main():
     steps = measured_steps(args.step, args.reps, args.iters) if args.step else []
     result = {"command": command, "machine": machine, "load_average_at_start": load,
               "plan": plan, "kernels": kernels, "measured": steps}
+    result["load_average_at_end"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     if not args.no_save:
         print("\nwritten: " + ", ".join(write_tables(result)))
 
