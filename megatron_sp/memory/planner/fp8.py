@@ -30,19 +30,6 @@ from __future__ import annotations
 
 from megatron_sp.memory.planner.moe import moe_layer_flags
 
-FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-
-
-def check_fp8(fmt, recipe) -> None:
-    """ValueError (one sentence) for a format or recipe the torchao path does not run."""
-    if fmt is not None and fmt not in FP8_FORMATS:
-        raise ValueError(f"FP8 format {fmt!r} (--fp8-format) is not one of {FP8_FORMATS}.")
-    if recipe not in FP8_RECIPES:
-        raise ValueError(f"FP8 recipe {recipe!r} (--fp8-recipe) is not one of {FP8_RECIPES} "
-                         f"(torchao's, the ones the planner models).")
-
-
 def fp8_linear_shapes(cfg, tp: int, moe: bool = False) -> list[tuple[float, float]]:
     """(K, N) of each FP8 linear of one layer on a tp rank (y [T, N] = x [T, K] W^T): qkv, out-proj
     and, in a dense layer, fc1 and fc2 (a MoE layer's MLP stays in high precision)."""

@@ -21,6 +21,19 @@ def _check_int(value, what: str, low: int) -> None:
         raise ValueError(f"{what} must be an integer >= {low}, got {value!r}.")
 
 
+# FP8 through torchao, as the planner models it (megatron_sp/memory/planner/fp8.py).
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def check_fp8(fmt, recipe) -> None:
+    """ValueError (one sentence) for a format or recipe the torchao path does not run."""
+    if fmt is not None and fmt not in FP8_FORMATS:
+        raise ValueError(f"FP8 format {fmt!r} (--fp8-format) is not one of {FP8_FORMATS}.")
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"FP8 recipe {recipe!r} (--fp8-recipe) is not one of {FP8_RECIPES} "
+                         f"(torchao's, the ones the planner models).")
+
 @dataclass(frozen=True)
 class Workload:
     """One optimizer step apart from the model: global_batch sequences of seq tokens, in micro-
@@ -47,7 +60,6 @@ class Workload:
     fp8_recipe: str = "tensorwise"
 
     def __post_init__(self):
-        from megatron_sp.memory.planner.fp8 import check_fp8
         check_fp8(self.fp8_format, self.fp8_recipe)
         if self.fp8_format is not None and self.head_chunks not in ("auto", 1):
             raise ValueError(f"Workload.head_chunks {self.head_chunks} (--ulysses-head-chunks) "
