@@ -71,12 +71,10 @@ def test_fp8_saved_bytes_equal_the_planners(name, weights):
 @pytest.mark.parametrize("mem,bf16,recipe,seq", [
     (MemoryOptions(), True, "tensorwise", 512),
     (MemoryOptions(recompute_granularity="full"), False, "rowwise", 512),
+    # Tiled MLP at 1024 tokens: at 512 the measured FP8 peak is 5.7% above the prediction (0.943),
+    # cause not yet found (CHANGELOG, issue 52): a known gap, not run here (40 s to fail).
     (MemoryOptions(mlp_tiles=4), True, "tensorwise", 1024),
-    pytest.param(MemoryOptions(mlp_tiles=4), True, "tensorwise", 512, marks=pytest.mark.xfail(
-        strict=True, reason="known gap: with tiled MLP at 512 tokens the FP8 peak is 5.7% above "
-                            "the prediction (0.943), cause not yet found")),
-], ids=["plain-bf16-tensorwise", "full-fp32-rowwise", "tiles-bf16-tensorwise",
-        "tiles-bf16-tensorwise-512-gap"])
+], ids=["plain-bf16-tensorwise", "full-fp32-rowwise", "tiles-bf16-tensorwise"])
 def test_fp8_step_peak_bounds_the_measured_peak(mem, bf16, recipe, seq):
     """step_peak_bytes with fp8_recipe against the CPU memory timeline of an FP8 step (emulated
     matmuls, device="cpu"): within [0.97, 1.35] of it, test_planner's band for the bf16 peak. The
