@@ -50,12 +50,16 @@ Host memory per node: offloaded optimizer state and activations of the node's ra
 rounded up to powers of two, within 90% of --host-memory-gb.
 s/step: model FLOPs at --mfu of --peak-tflops x technique cost + communication at the given
 bandwidths, not overlapped (a pessimistic ranking figure, not a prediction); the ring's point-to-point
-bytes at NVLink speed inside a node, the network's once the ring leaves it. --json splits it into
-compute_s and comm_s. tok/s: global batch x seq / s/step, the whole job's. MFU: the step's model
-FLOPs by Megatron-LM's num_floating_point_operations (docs/design.md §9, forward and backward,
-recompute not counted; a MoE model's on its active parameters, Megatron-LM's MoE formula) /
-(s/step x GPUs x --peak-tflops): the assumed --mfu less what recompute, the pipeline bubble and
-communication cost. --fp8-format (torchao, as pretrain_gpt.py): the projections' and dense MLP's
+bytes at NVLink speed inside a node, the network's once the ring leaves it. With a ring and packed
+documents the attention FLOPs run at the ring's slowest rank's work (planner/cp_balance.py):
+--cp-work-balance X states that figure, --document-lengths-lognormal MEDIAN SIGMA has it estimated
+for each cp under --context-parallel-layout (balanced, or zigzag: the whole row cut in 2cp chunks,
+slow on skewed mixes); neither assumes balance. A line under the table gives the figures.
+--json splits s/step into compute_s and comm_s. tok/s: global batch x seq / s/step, the whole
+job's. MFU: the step's model FLOPs by Megatron-LM's num_floating_point_operations (docs/design.md
+§9, forward and backward, recompute not counted; a MoE model's on its active parameters,
+Megatron-LM's MoE formula) / (s/step x GPUs x --peak-tflops): the assumed --mfu less what
+recompute, the pipeline bubble and communication cost. --fp8-format (torchao, as pretrain_gpt.py): the projections' and dense MLP's
 FLOPs at --fp8-peak-tflops, the rest at --peak-tflops, MFU against the FP8 peak (as the training
 loop's); their weights' bf16 copies leave the state and their casts' transients join the step peak
 (planner/fp8.py); the plans carry --fp8-format and --fp8-recipe. --max-seq --max-step-seconds S:
@@ -86,6 +90,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_sp.memory.planner import (Hardware, SearchProgress, Workload,  # noqa: E402
                                         activation_bytes, korthikanti_layer_bytes,
                                         binding_limit, max_feasible_seq, plan)
+from megatron_sp.memory.planner.cp_balance import lognormal_lengths  # noqa: E402
 from megatron_sp.models import GPTConfig, preset  # noqa: E402
 
 WIDTH = 120
@@ -159,6 +164,18 @@ def parse_args(argv=None):
     p.add_argument("--reset-attention-mask", action="store_true",
                    help="packed documents (pretrain_gpt.py's flag): attention as segments, whose "
                         "one memory term is the plans' index tensors")
+    p.add_argument("--context-parallel-layout", choices=["balanced", "zigzag"], default="balanced",
+                   help="the ring's layout of packed documents (pretrain_gpt.py's flag; default "
+                        "balanced)")
+    docs = p.add_mutually_exclusive_group()
+    docs.add_argument("--document-lengths-lognormal", nargs=2, type=float, default=None,
+                      metavar=("MEDIAN", "SIGMA"),
+                      help="with --reset-attention-mask: the documents' lengths in tokens are "
+                           "lognormal (median, sigma of the log); each ring's step time counts "
+                           "its slowest rank's attention work, estimated for that mix and layout")
+    docs.add_argument("--cp-work-balance", type=float, default=None, metavar="X",
+                      help="with --reset-attention-mask: each ring's slowest rank has X (>= 1) "
+                           "times the mean attention work (e.g. a run's logged cp work balance)")
     p.add_argument("--ulysses-head-chunks", default="auto", metavar="N|auto", type=_head_chunks,
                    help="Ulysses head chunks the plans may use (pretrain_gpt.py's flag): auto "
                         "(default) the smallest count that fits when nothing cheaper does; N "
@@ -221,10 +238,29 @@ def parse_args(argv=None):
     if args.sharding == "none" and args.optimizer_cpu_offload:
         p.error("--optimizer-cpu-offload needs a sharded mode: use --sharding "
                 "distributed-optimizer, fsdp or auto")
-    problem = number_problem(args)
+    problem = number_problem(args) or document_problem(args)
     if problem:
         p.error(problem)
     return args
+
+
+def document_problem(args) -> str | None:
+    """What is wrong with the packed documents' flags, as one sentence naming the flag; else
+    None."""
+    lognormal, balance = args.document_lengths_lognormal, args.cp_work_balance
+    given = "--document-lengths-lognormal" if lognormal is not None else \
+        "--cp-work-balance" if balance is not None else None
+    if given and not args.reset_attention_mask:
+        return f"{given} describes packed documents: give --reset-attention-mask too"
+    if lognormal is not None:
+        median, sigma = lognormal
+        if not (math.isfinite(median) and median >= 1 and math.isfinite(sigma) and sigma >= 0):
+            return (f"--document-lengths-lognormal MEDIAN SIGMA needs a median of at least 1 "
+                    f"token and a finite sigma >= 0, got {median:g} {sigma:g}")
+    if balance is not None and not (math.isfinite(balance) and balance >= 1):
+        return (f"--cp-work-balance is the slowest ring rank's work over the mean, a finite "
+                f"number >= 1, got {balance:g}")
+    return None
 
 
 POSITIVE_INTS = ("num_gpus", "global_batch_size", "micro_batch_size", "seq_length",
@@ -279,10 +315,14 @@ def hardware(args) -> Hardware:
 def workload(args, seq: int) -> Workload:
     """The job the flags describe, at sequence length seq."""
     chunks = args.ulysses_head_chunks
+    lognormal = args.document_lengths_lognormal
     return Workload(seq=seq, global_batch=args.global_batch_size, micro_batch=args.micro_batch_size,
                     documents=args.reset_attention_mask,
                     head_chunks=chunks, expert_parallel_size=args.expert_model_parallel_size,
-                    fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe)
+                    fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe,
+                    context_parallel_layout=args.context_parallel_layout,
+                    document_lengths=lognormal_lengths(*lognormal) if lognormal else None,
+                    cp_work_balance=args.cp_work_balance)
 
 
 def search(args) -> dict:
@@ -410,6 +450,18 @@ def print_table(plans, top: int, model=()) -> None:
         print(format_row(i + 1, pl, cp_column, ep_column))
         print(format_flags(pl, model))
     print(*kernel_lines(plans[:top]), sep="\n")
+    print(*balance_lines(plans[:top]), sep="\n")
+
+
+def balance_lines(plans) -> list[str]:
+    """The slowest ring rank's attention work over the mean that the listed plans with a ring and
+    packed documents assume (Plan.cp_work_balance), per cp: one line, or none."""
+    rings = {pl.cp: pl for pl in plans if pl.cp > 1 and pl.documents}
+    if not rings:
+        return []
+    layout = next(iter(rings.values())).context_parallel_layout
+    return [f"ring ({layout} layout): attention at the slowest rank's work, cp work balance "
+            + ", ".join(f"{rings[cp].cp_work_balance:.3f} at cp {cp}" for cp in sorted(rings))]
 
 
 class ProgressLine(SearchProgress):

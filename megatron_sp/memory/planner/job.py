@@ -4,6 +4,7 @@ and `Hardware` (GPUs, nodes, bandwidths), and the small helpers every room share
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from megatron_sp.attention.kernels import DEVICES, check_device
@@ -46,7 +47,11 @@ class Workload:
     expert_parallel_size, a mixture-of-experts model's --expert-model-parallel-size: None lets
     the planner choose (expert_parallel_choices), an integer fixes it; fp8_format, --fp8-format
     (None: no FP8) with fp8_recipe, torchao's --fp8-recipe: the projections and dense MLP in FP8
-    (planner/fp8.py)."""
+    (planner/fp8.py). A ring's packed documents (planner/cp_balance.py): context_parallel_layout,
+    --context-parallel-layout (balanced or zigzag); document_lengths, the documents' lengths in
+    corpus order (tokens), whose cp_work_balance the planner estimates for each ring, or
+    cp_work_balance, that figure stated (>= 1; e.g. a run's logged one); neither: balanced. Both
+    need documents."""
     seq: int
     global_batch: int = 1
     micro_batch: int = 1
@@ -58,9 +63,13 @@ class Workload:
     expert_parallel_size: int | None = None
     fp8_format: str | None = None
     fp8_recipe: str = "tensorwise"
+    context_parallel_layout: str = "balanced"
+    document_lengths: tuple | None = None
+    cp_work_balance: float | None = None
 
     def __post_init__(self):
         check_fp8(self.fp8_format, self.fp8_recipe)
+        self._check_documents()
         if self.fp8_format is not None and self.head_chunks not in ("auto", 1):
             raise ValueError(f"Workload.head_chunks {self.head_chunks} (--ulysses-head-chunks) "
                              f"with fp8_format (--fp8-format): the FP8 linears refuse head "
@@ -72,6 +81,33 @@ class Workload:
             raise ValueError(f"Workload.global_batch {self.global_batch} (--global-batch-size) is "
                              f"not a multiple of micro_batch {self.micro_batch} "
                              f"(--micro-batch-size): no layout can split it into micro-batches.")
+
+    def _check_documents(self) -> None:
+        """ValueError (one sentence) for a ring layout, document lengths or balance figure the
+        planner cannot use; the lengths kept as a tuple."""
+        from megatron_sp.context_parallel.balance import LAYOUTS
+        if self.context_parallel_layout not in LAYOUTS:
+            raise ValueError(f"Workload.context_parallel_layout {self.context_parallel_layout!r} "
+                             f"(--context-parallel-layout) is not one of {LAYOUTS}.")
+        lengths, balance = self.document_lengths, self.cp_work_balance
+        if lengths is not None and balance is not None:
+            raise ValueError("Workload.document_lengths and cp_work_balance both given: state the "
+                             "documents' lengths or the balance figure, not both.")
+        if (lengths is not None or balance is not None) and not self.documents:
+            raise ValueError("Workload.document_lengths / cp_work_balance describe packed "
+                             "documents: set documents (--reset-attention-mask) too.")
+        if balance is not None and (isinstance(balance, bool)
+                                    or not isinstance(balance, numbers.Real)
+                                    or not 1 <= balance < math.inf):
+            raise ValueError(f"Workload.cp_work_balance (--cp-work-balance) is the slowest ring "
+                             f"rank's work over the mean, a finite number >= 1, got {balance!r}.")
+        if lengths is not None:
+            lengths = tuple(lengths)
+            if not lengths or any(isinstance(m, bool) or not isinstance(m, numbers.Integral)
+                                  or m < 1 for m in lengths):
+                raise ValueError("Workload.document_lengths must be a non-empty sequence of "
+                                 "positive integer token counts.")
+            object.__setattr__(self, "document_lengths", tuple(int(m) for m in lengths))
 
     def tokens_per_rank(self, sp: int) -> float:
         """T = b*s/sp: the tokens of one micro-batch each rank holds outside attention, sp the

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from megatron_sp.attention.kernels import attention_kernel
 from megatron_sp.memory.options import MemoryOptions, resolve_count
 from megatron_sp.memory.planner.communication import comm_bytes_per_step, residual_element_bytes
+from megatron_sp.memory.planner.cp_balance import attention_flops, cp_work_balance
 from megatron_sp.memory.planner.fp8 import fp8_flops
 from megatron_sp.memory.planner.job import GiB, Hardware, Workload, divisors
 from megatron_sp.memory.planner.moe import check_moe_layout, is_moe, moe_layer_flags
@@ -60,7 +61,9 @@ class Plan:
     layers: MFU counts the active parameters, as Megatron-LM's does); peak_flops, the job's peak
     FLOP/s (GPUs x bf16 dense peak; with fp8_format the FP8 peak, as the training loop's MFU).
     From them tokens_per_s and mfu. fp8_format / fp8_recipe: the job's --fp8-format (None: no
-    FP8) and torchao recipe, among the flags (planner/fp8.py)."""
+    FP8) and torchao recipe, among the flags (planner/fp8.py). cp_work_balance: the slowest ring
+    rank's attention work over the mean that compute_s assumes (planner/cp_balance.py; 1: none or
+    balanced), for the ring layout context_parallel_layout (among the flags when zigzag)."""
     tp: int
     sp: int
     pp: int
@@ -96,6 +99,8 @@ class Plan:
     active_parameters: int = 0
     fp8_format: str | None = None
     fp8_recipe: str = "tensorwise"
+    context_parallel_layout: str = "balanced"
+    cp_work_balance: float = 1.0
 
     @property
     def comm_total_gb(self) -> float:
@@ -125,10 +130,12 @@ class Plan:
         --hierarchical-context-parallel-sizes sp cp."""
         if self.cp == 1:
             return [f"--sequence-parallel-size {self.sp}"]
+        layout = ["--context-parallel-layout zigzag"] \
+            if self.documents and self.context_parallel_layout == "zigzag" else []
         if self.sp == 1:
-            return [f"--context-parallel-size {self.cp}", "--cp-comm-type p2p"]
+            return [f"--context-parallel-size {self.cp}", "--cp-comm-type p2p", *layout]
         return [f"--context-parallel-size {self.sp * self.cp}", "--cp-comm-type a2a+p2p",
-                f"--hierarchical-context-parallel-sizes {self.sp} {self.cp}"]
+                f"--hierarchical-context-parallel-sizes {self.sp} {self.cp}", *layout]
 
     def job_flags(self) -> list[str]:
         """The job the plan was made for: --seq-length, --max-position-embeddings (the planned
@@ -216,7 +223,7 @@ class Plan:
             "reserve_gb", "total_gb", "host_node_gb", "comm_gb", "score", "documents",
             "attention_kernel", "step_s", "compute_s", "comm_s", "tokens_per_s", "mfu",
             "model_flops", "ep", "etp", "total_parameters", "active_parameters", "fp8_format",
-            "fp8_recipe")}
+            "fp8_recipe", "context_parallel_layout", "cp_work_balance")}
         out["memory"] = self.memory.to_dict()
         out["flags"] = self.flags()
         return out
@@ -387,9 +394,11 @@ def _check_expert_parallel_size(cfg, ep) -> None:
     check_moe_layout(cfg, 1, True, ep)
 
 
-def _step_parts(p: Plan, work: Workload, hw: Hardware, compute_s: float) -> tuple[float, float]:
-    """(compute, communication) seconds of one step: compute (x technique cost, x pipeline
-    bubble) and communication (not overlapped: a pessimistic bound, also for the ring's
+def _step_parts(p: Plan, work: Workload, hw: Hardware, compute_s: float,
+                attention_s: float = 0.0) -> tuple[float, float]:
+    """(compute, communication) seconds of one step: compute, its attention part attention_s at
+    the ring's slowest rank (x p.cp_work_balance, planner/cp_balance.py), x technique cost, x
+    pipeline bubble; and communication (not overlapped: a pessimistic bound, also for the ring's
     point-to-point transfers, which the implementation posts before each block's computation).
     The ring runs at the network's bandwidth once it leaves a node (a ring is as fast as its
     slowest hop)."""
@@ -406,6 +415,7 @@ def _step_parts(p: Plan, work: Workload, hw: Hardware, compute_s: float) -> tupl
           "host": hw.pcie_gbps}
     comm_s = sum(gb * GiB / 1e9 / bw[k] for k, gb in p.comm_gb.items())
     bubble = (p.pp - 1) / max(1, work.micro_batches(p.dp)) if p.pp > 1 else 0.0
+    compute_s += attention_s * (p.cp_work_balance - 1)
     return compute_s * p.cost * (1 + bubble), comm_s
 
 
@@ -433,9 +443,12 @@ def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
     block kernels (no s^2 term; the plans' index tensors, plan_index_bytes); each plan names the
     attention kernel it assumes (Plan.attention_kernel).
 
-    Score: estimated step seconds = model FLOPs / (GPUs x peak x mfu) x technique cost (recompute
-    ~ +1/3) x (1 + pipeline bubble) + communication bytes / bandwidth (tp inside a node; sp, pp and dp
-    cross nodes when the layout spans them; GB/s per GPU; offloaded state over PCIe). Each plan
+    Score: estimated step seconds = model FLOPs / (GPUs x peak x mfu), the attention part at the
+    ring's slowest rank (x cp_work_balance: work.documents with work.document_lengths or
+    work.cp_work_balance, laid out by work.context_parallel_layout; planner/cp_balance.py), x
+    technique cost (recompute ~ +1/3) x (1 + pipeline bubble) + communication bytes / bandwidth
+    (tp inside a node; sp, pp and dp cross nodes when the layout spans them; GB/s per GPU;
+    offloaded state over PCIe). Each plan
     keeps the two parts (Plan.compute_s, Plan.comm_s), the step's model FLOPs (Megatron-LM's
     formula, docs/design.md §9) and the job's peak, whence Plan.tokens_per_s and Plan.mfu.
     progress: told of each layout tried (SearchProgress.layout).
@@ -459,6 +472,7 @@ def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
     flops = flops_for_config(cfg, work.global_batch, work.seq)
     peak = hw.num_gpus * hw.peak_tflops * 1e12
     compute_s = flops / (peak * hw.mfu)
+    attention_s = attention_flops(cfg, work.global_batch, work.seq) / (peak * hw.mfu)   # bf16
     if work.fp8_format is not None:
         in_fp8 = min(fp8_flops(cfg, work.global_batch, work.seq), flops)
         fp8_peak = hw.num_gpus * hw.fp8_peak_tflops * 1e12
@@ -466,7 +480,7 @@ def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
         peak = fp8_peak
     plans = []
     for dims in layouts(hw, ring):
-        best = _best_fit(cfg, work, dims, hw, candidates, compute_s) \
+        best = _best_fit(cfg, work, dims, hw, candidates, compute_s, attention_s) \
             if _admissible(cfg, work, dims) else None
         progress.layout(best)
         if best is not None:
@@ -480,7 +494,7 @@ def plan(cfg, work: Workload, hw: Hardware, *, sharding: str = "auto",
 
 
 def _best_fit(cfg, work: Workload, dims: ParallelDims, hw: Hardware, candidates,
-              compute_s: float) -> Plan | None:
+              compute_s: float, attention_s: float = 0.0) -> Plan | None:
     """The fastest of the (sharding mode, offload, ep) candidates that fit one admissible layout,
     with its communication and score; None when none fits (ep: expert_parallel_choices, ascending,
     so that a tie keeps the smaller)."""
@@ -494,7 +508,7 @@ def _best_fit(cfg, work: Workload, dims: ParallelDims, hw: Hardware, candidates,
             if p is not None:
                 p.comm_gb = {k: v / GiB for k, v in comm_bytes_per_step(
                     cfg, replace(job, memory=p.memory), dims, mode, offload, ep).items()}
-                p.compute_s, p.comm_s = _step_parts(p, job, hw, compute_s)
+                p.compute_s, p.comm_s = _step_parts(p, job, hw, compute_s, attention_s)
                 p.score = p.compute_s + p.comm_s
                 fits.append(p)
     return min(fits, key=lambda q: q.score) if fits else None
@@ -535,7 +549,9 @@ def _fit(cfg, work: Workload, dims: ParallelDims, hw: Hardware, mode: str,
                         attention_kernel=attention_kernel(hw.device, e, cfg.kv_channels, dims.cp,
                                                           work.documents), ep=ep,
                         etp=1 if is_moe(cfg) else None, fp8_format=work.fp8_format,
-                        fp8_recipe=work.fp8_recipe)
+                        fp8_recipe=work.fp8_recipe,
+                        context_parallel_layout=work.context_parallel_layout,
+                        cp_work_balance=cp_work_balance(work, dims.cp))
     return None
 
 
