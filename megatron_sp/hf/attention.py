@@ -28,7 +28,8 @@ tokens position 0 (each its own document), which makes the same mask.
 
 Past the head count, `sequence_parallel(model, sp_group, cp_group)` adds a ring of cp ranks
 (Megatron-LM's a2a+p2p, megatron_sp.context_parallel): shard_batch gives each rank its tokens of
-the hybrid zigzag layout, and every layer runs the Megatron side's own composition,
+the hybrid zigzag layout (with packed documents: the balanced layout, megatron_sp.hf.layout),
+and every layer runs the Megatron side's own composition,
 
     q, k, v [b, heads, n, d] -> [b, n, heads, d]     (n = s/(sp cp) tokens of this rank)
     UlyssesAttention(RingLocalAttention(cp_group), sp_group):
@@ -38,7 +39,8 @@ the hybrid zigzag layout, and every layer runs the Megatron side's own compositi
 
 so an HF model trains one sequence on more ranks than it has heads (cp alone needs no head
 rule). Packed documents are the FULL rows' document ids (the positions gathered over sp and cp
-once per step, put back in sequence order), planned by the ring as segments (attention/segments.py):
+once per step, put back in sequence order: the balanced layout shard_batch remembered,
+megatron_sp.hf.layout), planned by the ring as segments (attention/segments.py):
 no [chunk, chunk] mask. The ring computes its attention itself (not the loaded sdpa /
 flash_attention_2 function), refuses attention dropout and sliding windows shorter than the
 sequence, as the Megatron side does.
@@ -56,9 +58,12 @@ import torch
 from megatron_sp.attention.backends import SDPAAttention
 from megatron_sp.attention.documents import cu_seqlens_from_document_ids
 from megatron_sp.context_parallel.attention import RingLocalAttention
+from megatron_sp.context_parallel.balance import LayoutPlanner
+from megatron_sp.context_parallel.zigzag import zigzag_merge
 from megatron_sp.hf.batch import SequenceParallelError, document_ids, has_documents
-from megatron_sp.hf.comm import gather_context
-from megatron_sp.mesh import group_size, head_layout_problem
+from megatron_sp.hf.comm import gather_context, gather_layout_order
+from megatron_sp.hf.layout import KEEP, recall
+from megatron_sp.mesh import group_rank, group_size, head_layout_problem
 from megatron_sp.ulysses.attention import UlyssesAttention, expand_kv_heads
 from megatron_sp.ulysses.comm import head_to_seq_all_to_all, seq_to_head_qkv_all_to_all
 
@@ -86,10 +91,28 @@ class _Documents:
         key = (position_ids, position_ids._version)
         if self._key is None or self._key[0] is not key[0] or self._key[1] != key[1]:
             local = position_ids.expand(batch, -1)                               # [b, n]
-            full = gather_context(local, self.sp_group, self.cp_group)          # [b, s]
+            full = self._full(local)                                             # [b, s]
             self._key = key
             self._value = (full, document_ids(full) if has_documents(full) else None)
         return self._value
+
+    def _full(self, local):
+        """The full rows' positions [b, s] in sequence order: the zigzag merged back, or under
+        a ring with packed documents the balanced layout shard_batch remembered."""
+        if group_size(self.cp_group) == 1:
+            return gather_context(local, self.sp_group, self.cp_group)
+        gathered = gather_layout_order(local, self.sp_group, self.cp_group)     # [b, s]
+        full = recall(gathered)
+        if full is None and not has_documents(gathered):                         # the zigzag
+            cp = group_size(self.cp_group)
+            return zigzag_merge(list(gathered.chunk(cp, dim=1)), cp, dim=1)  # cp x [b, s/cp]
+        if full is None:
+            raise SequenceParallelError(
+                "megatron_sp.hf: these packed-document position_ids under the ring were not cut "
+                "by megatron_sp.hf.shard_batch in this process (or were cut more than "
+                f"{KEEP} batches ago), so the attention cannot tell where each token sits in "
+                "its row; shard each micro-batch with shard_batch before its forward.")
+        return full
 
 
 class _State:
@@ -103,8 +126,8 @@ class _State:
         self.documents = _Documents(group, cp_group)
         self.sdpa = SDPAAttention()
         # under a ring: the Megatron side's composition (context_parallel/hybrid.py)
-        self.ring = (UlyssesAttention(RingLocalAttention(cp_group), group) if self.cp > 1
-                     else None)
+        self.ring = (UlyssesAttention(RingLocalAttention(cp_group, LayoutPlanner(
+            "balanced", self.cp, group_rank(cp_group))), group) if self.cp > 1 else None)
 
     def describe(self) -> str:
         """What each attention layer runs, for the trainers' start-up line."""

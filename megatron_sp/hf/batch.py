@@ -17,8 +17,12 @@ full batch):
    token attends to a later pad), or refused (pad=False);
 4. the cut. Without a ring (cp = 1), rank r of sp keeps its contiguous chunk [r*s/sp,
    (r+1)*s/sp). Under a ring of cp ranks (megatron_sp.context_parallel.hybrid, Megatron's
-   a2a+p2p): the sequence is cut into 2 cp zigzag chunks, ring rank j owns chunks j and
-   2cp-1-j (s/cp tokens, in that order) and splits them contiguously over its sp ranks:
+   a2a+p2p) with packed documents: the balanced layout (context_parallel.balance; every ring
+   rank the same causal attention work, s/cp tokens each, in position order), ring rank j's
+   tokens split contiguously over its sp ranks, the layout remembered for the attention
+   (megatron_sp.hf.layout). Without documents (or a row that is one document): the sequence
+   is cut into 2 cp zigzag chunks, ring rank j owns chunks j and 2cp-1-j (s/cp tokens, in that
+   order) and splits them contiguously over its sp ranks:
 
        s = 16, sp 2 x cp 2: zigzag chunks 0-3 | 4-7 | 8-11 | 12-15 (ring rank 0 1 1 0)
        sp rank 0, cp rank 0: 0 1 2 3      sp rank 1, cp rank 0: 12 13 14 15
@@ -175,13 +179,23 @@ def _pad_end(full: dict, extra: int, pad_token_id: int) -> dict:
 
 def take_chunk(full: dict, rank: int, sp: int, cp: int = 1, cp_rank: int = 0) -> dict:
     """This rank's tokens of every [b, s] field: sp rank `rank`'s contiguous chunk [r*s/sp,
-    (r+1)*s/sp) when cp = 1; under a ring, the hybrid layout's tokens of (sp rank, cp rank)."""
+    (r+1)*s/sp) when cp = 1; under a ring, the hybrid layout's tokens of (sp rank, cp rank):
+    the balanced layout's with packed documents (remembered for the attention), else the
+    zigzag's."""
     s = full["input_ids"].shape[1]
     if cp == 1:
         chunk = s // sp
         cut = slice(rank * chunk, (rank + 1) * chunk)
         return {key: full[key][:, cut].contiguous() for key in KEYS if key in full}  # [b, s/sp]
     from megatron_sp.context_parallel.hybrid import hybrid_positions
+    positions = full["position_ids"]
+    if has_documents(positions):                  # the balanced layout (megatron_sp.hf.layout)
+        from megatron_sp.hf.layout import remember, ring_layout
+        layout = ring_layout(document_ids(positions), cp)
+        remember(positions, layout)
+        n = s // (sp * cp)
+        index = layout.positions(cp_rank, positions.device)[:, rank * n:(rank + 1) * n]  # [b, n]
+        return {key: full[key].gather(1, index) for key in KEYS if key in full}  # [b, s/(sp cp)]
     index = hybrid_positions(s, sp, cp, rank, cp_rank, device=full["input_ids"].device)   # [n]
     return {key: full[key].index_select(1, index) for key in KEYS if key in full}  # [b, s/(sp cp)]
 

@@ -78,18 +78,29 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
 
 
 @torch.no_grad()
-def gather_context(x: torch.Tensor, sp_group, cp_group) -> torch.Tensor:
-    """A rank's [b, n] of the Ulysses x ring layout (megatron_sp.hf.batch: ring rank j owns zigzag
-    chunks j and 2cp-1-j, cut contiguously over its sp ranks) -> the full [b, s] in sequence
-    order, on every rank. No autograd: for position ids."""
-    from megatron_sp.context_parallel.zigzag import zigzag_merge
+def gather_layout_order(x: torch.Tensor, sp_group, cp_group) -> torch.Tensor:
+    """A rank's [b, n] -> [b, s] on every rank in layout order: over sp (a ring rank's tokens),
+    then over cp (ring rank 0's, then 1's, ...). No autograd: for position ids."""
     portion = gather_sequence(x, sp_group)                # [b, n] -> ring rank's [b, sp n]
     cp = group_size(cp_group)
     if cp == 1:
         return portion
     portions = [torch.empty_like(portion) for _ in range(cp)]
     dist.all_gather(portions, portion.contiguous(), group=cp_group)
-    return zigzag_merge(portions, cp, dim=1)              # cp x [b, s/cp] -> [b, s]
+    return torch.cat(portions, dim=1)                     # cp x [b, s/cp] -> [b, s]
+
+
+@torch.no_grad()
+def gather_context(x: torch.Tensor, sp_group, cp_group) -> torch.Tensor:
+    """A rank's [b, n] of the Ulysses x ring zigzag layout (megatron_sp.hf.batch without
+    documents: ring rank j owns zigzag chunks j and 2cp-1-j, cut contiguously over its sp ranks)
+    -> the full [b, s] in sequence order, on every rank. No autograd: for position ids."""
+    from megatron_sp.context_parallel.zigzag import zigzag_merge
+    gathered = gather_layout_order(x, sp_group, cp_group)    # [b, s], layout order
+    cp = group_size(cp_group)
+    if cp == 1:
+        return gathered
+    return zigzag_merge(list(gathered.chunk(cp, dim=1)), cp, dim=1)   # cp x [b, s/cp] -> [b, s]
 
 
 @torch.no_grad()

@@ -16,7 +16,10 @@ to GRAD_TOL (absolute, fp32), every step; each shard holds the hybrid zigzag lay
 (hybrid_positions) with their global positions.
 Packed documents (position_ids restarting at 0; documents crossing the zigzag chunks and the
 ring, one-token documents, one spanning every rank) against the block-diagonal reference (each
-document alone through the unsharded model), in all three layouts. Left and right padding
+document alone through the unsharded model), in all three layouts, under the balanced ring
+layout shard_batch gives packed documents (megatron_sp.hf.layout; that those rows are laid out
+otherwise than the zigzag, more evenly, is checked outside the spawn); packed documents cut by
+hand in the zigzag are refused, not guessed. Left and right padding
 (attention_mask, on a 30-token batch that shard_batch also pads to 32) equal the unsharded masked
 model. tiled_loss equals loss under sp2 x cp2 (value and gradients); loss(num_items_in_batch=N),
 N the global count of targets, equals loss(dp_group=dp) under dp2 x cp2 (value and gradients).
@@ -151,20 +154,24 @@ def _packed(mesh, family, lengths, seed):
 
 def _padded(mesh, seed):
     """Left and right padding (attention_mask) on 30 tokens (padded to 32 by shard_batch): the
-    reference is the unsharded model with the mask and the real tokens' positions."""
+    reference is the unsharded model with the mask and the real tokens' positions. The pads'
+    positions 0 make them one-token documents, so the shard follows the balanced layout."""
     from megatron_sp import hf
-    from megatron_sp.context_parallel.hybrid import hybrid_positions
+    from megatron_sp.hf.batch import document_ids
+    from megatron_sp.hf.layout import ring_layout
     ref, model = _pair("qwen3")
     hf.sequence_parallel(model, mesh.sp_group, mesh.cp_group)
     # left padding over two chunks, right padding into the added pads
     batch, positions, ref_loss = padded_batch(ref, seed, 30, 11, 19)
     mask = batch["attention_mask"]
     shard = hf.shard_batch(batch, mesh.sp_group, mesh.cp_group)
-    index = hybrid_positions(SEQ, mesh.sp_size, mesh.cp_size, mesh.sp_rank, mesh.cp_rank)
     full_positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, 3)], dim=1)
     full_mask = torch.cat([mask, torch.zeros(2, 2, dtype=torch.long)], dim=1)
-    follows = (torch.equal(shard["position_ids"], full_positions[:, index])
-               and torch.equal(shard["attention_mask"].long(), full_mask[:, index]))
+    n = SEQ // (mesh.sp_size * mesh.cp_size)
+    index = ring_layout(document_ids(full_positions), mesh.cp_size).positions(mesh.cp_rank)
+    index = index[:, mesh.sp_rank * n:(mesh.sp_rank + 1) * n]               # [2, n] of [2, s/cp]
+    follows = (torch.equal(shard["position_ids"], full_positions.gather(1, index))
+               and torch.equal(shard["attention_mask"].long(), full_mask.gather(1, index)))
     out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
                 attention_mask=shard["attention_mask"])
     value = hf.loss(out.logits, shard, mesh.sp_group, mesh.cp_group)
@@ -246,6 +253,14 @@ def _refusals(meshes, rank):
     shard = hf.shard_batch(random_batch(torch.Generator().manual_seed(3), 1, SEQ), sp, cp)
     said["window"] = _said(lambda: model(input_ids=shard["input_ids"],
                                          position_ids=shard["position_ids"]))
+    # packed documents cut by hand in the zigzag (not by shard_batch): the attention cannot
+    # tell where the tokens sit, refused rather than guessed
+    from megatron_sp.context_parallel.hybrid import hybrid_positions
+    zig = hybrid_positions(SEQ, 2, 2, mesh.sp_rank, mesh.cp_rank)
+    unknown = packed_positions([[3, 7, 22]])[:, zig]
+    plain = hf.sequence_parallel(build("llama"), sp, cp)
+    said["not cut by shard_batch"] = _said(lambda: plain(input_ids=zig.unsqueeze(0) % 100,
+                                                         position_ids=unknown))
     batch = random_batch(torch.Generator().manual_seed(4), 2, 30)
     said["no pad"] = _said(lambda: hf.shard_batch(batch, sp, cp, pad=False))
     # one rank of the context with another batch; then the rings' halves differing (the sp
@@ -313,7 +328,7 @@ def test_hf_models_under_ulysses_x_ring_train_like_one_process():
         assert said["dp replicas"] is None, (rank, said)      # different batches over dp are fine
         assert said["second model keeps ours"] == "megatron_sp_ulysses_sdpa", said
         for name in ("dropout", "dropout cp4", "window", "no pad", "odd rank", "odd ring half",
-                     "one rank unpadded", "changed after"):
+                     "one rank unpadded", "changed after", "not cut by shard_batch"):
             text = said[name]
             assert text is not None, (rank, name)            # raised on every rank
             assert "\n" not in text and text.endswith("."), (rank, name, text)
@@ -322,8 +337,49 @@ def test_hf_models_under_ulysses_x_ring_train_like_one_process():
         assert "sliding-window" in said["window"] and "8" in said["window"], said
         assert "32" in said["window"] and "ring attention" in said["window"], said
         assert "different batches" in said["one rank unpadded"], said
+        assert "not cut by megatron_sp.hf.shard_batch" in said["not cut by shard_batch"], said
         assert "'sdpa'" in said["changed after"] and "unsharded" in said["changed after"], said
         assert "30" in said["no pad"] and "2*sp*cp = 2*2*2" in said["no pad"], said
         assert "multiple of 8" in said["no pad"], said
         for name in ("odd rank", "odd ring half"):
             assert "4 sp x cp ranks" in said[name] and "different batches" in said[name], said
+
+
+def test_packed_rows_are_laid_out_balanced_not_zigzag():
+    """Outside the spawn: shard_for_rank's tokens of the packed cases' rows are the balanced
+    layout's (context_parallel.balance) over every (sp, cp) rank, each token once, s/(sp cp) a
+    rank; the cases' rows are laid out otherwise than the zigzag for each ring size, with a
+    causal work balance no worse (and better on some); rows without documents stay the zigzag."""
+    from megatron_sp.context_parallel.balance import cp_layout
+    from megatron_sp.context_parallel.hybrid import hybrid_positions
+    from megatron_sp.hf.batch import document_ids, shard_for_rank
+    from megatron_sp.attention.segments import document_bounds
+    differs = {}
+    for layout, _, _, lengths in PACKED_CASES:
+        sp, cp = LAYOUTS[layout].get("sp", 1), LAYOUTS[layout]["cp"]
+        positions = packed_positions(lengths)
+        rows = positions.shape[0]
+        batch = {"input_ids": torch.arange(SEQ).expand(rows, SEQ).clone(),
+                 "labels": torch.zeros(rows, SEQ, dtype=torch.long), "position_ids": positions}
+        bounds = document_bounds(document_ids(positions))
+        balanced = cp_layout("balanced", bounds, rows, SEQ, cp)
+        zigzag = cp_layout("zigzag", bounds, rows, SEQ, cp)
+        assert balanced.balance() <= zigzag.balance()
+        n, seen = SEQ // (sp * cp), []
+        for cp_rank in range(cp):
+            for sp_rank in range(sp):
+                shard = shard_for_rank(batch, sp_rank, sp, cp=cp, cp_rank=cp_rank)
+                want = balanced.positions(cp_rank)[:, sp_rank * n:(sp_rank + 1) * n]
+                assert torch.equal(shard["input_ids"], want)         # the tokens' global indices
+                assert torch.equal(shard["position_ids"], positions.gather(1, want))
+                seen.append(shard["input_ids"])
+                zig = hybrid_positions(SEQ, sp, cp, sp_rank, cp_rank)
+                differs[layout] = differs.get(layout, False) or not torch.equal(
+                    shard["input_ids"], zig.expand(rows, -1))
+        assert torch.equal(torch.cat(seen, dim=1).sort(dim=1).values,
+                           torch.arange(SEQ).expand(rows, SEQ))
+    assert differs == {layout: True for layout, *_ in PACKED_CASES}, differs
+    plain = {"input_ids": torch.arange(SEQ).expand(2, SEQ).clone(),
+             "labels": torch.zeros(2, SEQ, dtype=torch.long)}
+    shard = shard_for_rank(plain, 1, 2, cp=2, cp_rank=1)
+    assert torch.equal(shard["input_ids"], hybrid_positions(SEQ, 2, 2, 1, 1).expand(2, -1))

@@ -168,15 +168,32 @@ def test_batch_checksum_tells_batches_apart():
 RING_LAYOUTS = [(1, 2), (2, 2), (1, 4), (2, 3), (4, 2)]     # (sp, cp)
 
 
+class _Shards(list):
+    """Shards in context-rank order, with `at`: each one's tokens' places in the prepared rows."""
+    at: list
+
+
 def _ring_shards(batch, sp, cp, **kw):
-    """Every rank's shard in context-rank order u + sp*j (what an all_gather over sp x cp gives)."""
-    return [shard_for_rank(batch, u, sp, cp=cp, cp_rank=j, **kw)
-            for j in range(cp) for u in range(sp)]
+    """Every rank's shard in context-rank order u + sp*j (what an all_gather over sp x cp gives);
+    .at: their tokens' places in the prepared rows (the zigzag's, or with packed documents the
+    balanced layout's), cut by take_chunk from the same positions."""
+    full = prepare_full(batch, sp, cp=cp, **kw)
+    b, s = full["input_ids"].shape
+    where = {"input_ids": torch.arange(s).expand(b, s), "position_ids": full["position_ids"]}
+    shards = _Shards(shard_for_rank(batch, u, sp, cp=cp, cp_rank=j, **kw)
+                     for j in range(cp) for u in range(sp))
+    shards.at = [take_chunk(where, u, sp, cp, j)["input_ids"]                  # [b, n] each
+                 for j in range(cp) for u in range(sp)]
+    return shards
 
 
 def _merged(shards, key, sp, cp):
-    from megatron_sp.context_parallel.hybrid import hybrid_merge
-    return hybrid_merge([s[key] for s in shards], sp, cp)                 # -> [b, s]
+    """The shards' `key` put back in sequence order: [b, s]."""
+    at = torch.cat(shards.at, dim=1)                                         # [b, s]
+    values = torch.cat([s[key] for s in shards], dim=1)                      # [b, s]
+    merged = torch.empty_like(values).scatter_(1, at, values)
+    assert torch.equal(at.sort(dim=1).values, torch.arange(at.shape[1]).expand_as(at))
+    return merged
 
 
 def test_hybrid_layout_is_the_docstring_example():
