@@ -13,11 +13,23 @@ _counters: dict[str, int] = defaultdict(int)
 _calls: dict[str, int] = defaultdict(int)
 
 
-@torch.compiler.disable   # --torch-compile: a host-side count, never traced (no guard on the counts)
-def record(kind: str, nbytes: int) -> None:
+def _count(kind: str, nbytes: int) -> None:
     """Add `nbytes` sent by this rank to the counter `kind` (e.g. "tp/all_reduce")."""
     _counters[kind] += int(nbytes)
     _calls[kind] += 1
+
+
+record = _count   # callers look it up as comm_stats.record at each call (keep_out_of_graphs)
+
+
+def keep_out_of_graphs() -> None:
+    """Make `record` run eagerly under torch.compile (a host-side count, never traced: no guard
+    on the counts). Called where compilation starts (compile.compile_layers, megatron_sp.hf whose
+    users compile their own models), not at import: torch.compiler.disable imports torch._dynamo,
+    about a second of start-up that a run without compilation never needs."""
+    global record
+    if record is _count:
+        record = torch.compiler.disable(_count)
 
 
 def snapshot() -> dict[str, int]:

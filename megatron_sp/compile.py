@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_sp import comm_stats
+
 BACKENDS = ("inductor", "aot_eager", "eager")
 
 
@@ -69,6 +71,7 @@ def compile_layers(chunks, mesh, *, backend="inductor", fullgraph: bool | None =
     backend: a name of BACKENDS or a torch.compile backend callable (tests count graphs with one).
     fullgraph: None = True unless the layers hold collectives (see the module docstring).
     """
+    comm_stats.keep_out_of_graphs()
     if fullgraph is None:
         fullgraph = not (layer_holds_collectives(mesh) or _forks_rng(chunks))
     count = 0

@@ -9,9 +9,12 @@
 No DeepSpeed, no checkpoint conversion: llama, mistral, qwen2, qwen3 and gpt2 configs, with the
 attention they were loaded with (sdpa; flash_attention_2 where installed).
 """
+from megatron_sp import comm_stats
 from megatron_sp.hf.attention import FAMILIES, sequence_parallel, ulysses_attention
 from megatron_sp.hf.batch import SequenceParallelError, shard_batch, shard_for_rank
 from megatron_sp.hf.loss import loss, tiled_loss
+
+comm_stats.keep_out_of_graphs()   # users compile their own models around our collectives
 
 __all__ = ["sequence_parallel", "shard_batch", "loss", "tiled_loss", "SequenceParallelError",
            "shard_for_rank", "ulysses_attention", "FAMILIES", "SequenceParallelTrainer",
