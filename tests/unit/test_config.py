@@ -49,9 +49,11 @@ def test_sections_are_frozen_and_every_field_names_its_flag():
         job.training.train_iters = 5
     with pytest.raises(TypeError):
         job.command_line["train_iters"] = 5          # the record is read-only too
-    tree = ast.parse(open(os.path.join(ROOT, "megatron_sp", "config.py")).read())
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in
-                {s.__name__ for s in SECTIONS.values()} | {"JobConfig"}):
+    classes = [n for path in sorted(glob.glob(os.path.join(ROOT, "megatron_sp", "config", "*.py")))
+               for n in ast.parse(open(path).read()).body if isinstance(n, ast.ClassDef)]
+    wanted = {s.__name__ for s in SECTIONS.values()} | {"JobConfig"}
+    assert wanted <= {c.name for c in classes}      # the megatron_sp/config/ package holds them all
+    for cls in (c for c in classes if c.name in wanted):
         body = cls.body
         for i, node in enumerate(body):
             if isinstance(node, ast.AnnAssign):

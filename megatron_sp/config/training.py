@@ -1,0 +1,214 @@
+"""DataConfig and TrainingConfig: where the tokens come from, and the batch, length of training,
+optimizer, learning-rate schedule, evaluation and non-finite policy (with the values Megatron-LM
+derives from other flags)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_sp.config.section import _resolve
+from megatron_sp.errors import ConfigError
+
+NONFINITE_POLICIES = ("skip", "stop")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the tokens come from and how samples are cut (docs/design.md §7)."""
+
+    data_path: tuple[str, ...] | None = None
+    """--data-path: dataset prefixes, optionally weighted: [w1] prefix1 [w2 prefix2 ...]."""
+    split: str = "969,30,1"
+    """--split: train,valid,test proportions of the documents, commas or slashes (Megatron's)."""
+    data_cache_path: str | None = None
+    """--data-cache-path: folder of the cached sample indices (default: next to the data)."""
+    tokenizer_type: str | None = None
+    """--tokenizer-type: the tokenizer the data was preprocessed with."""
+    tokenizer_model: str | None = None
+    """--tokenizer-model: its model file (.model) or Hugging Face folder."""
+    vocab_file: str | None = None
+    """--vocab-file: GPT2BPETokenizer: vocab.json."""
+    merge_file: str | None = None
+    """--merge-file: GPT2BPETokenizer: merges.txt."""
+    trust_remote_code: bool = False
+    """--trust-remote-code: a Hugging Face tokenizer folder may run its own code (auto_map)."""
+    vocab_size: int | None = None
+    """--vocab-size: vocabulary of the NullTokenizer."""
+    reset_position_ids: bool = False
+    """--reset-position-ids: positions restart after each end-of-document token."""
+    reset_attention_mask: bool = False
+    """--reset-attention-mask: attention never crosses an end-of-document token."""
+    eod_mask_loss: bool = False
+    """--eod-mask-loss: no loss on end-of-document tokens."""
+    mock_data: bool = False
+    """--mock-data: synthetic random tokens (tests and benchmarks)."""
+    cache_dir: str | None = None
+    """--cache-dir: where the embedded default corpus is built."""
+    num_workers: int = 0
+    """--num-workers: data loader worker processes."""
+    dataloader_type: str = "single"
+    """--dataloader-type: single: one pass in order; cyclic: epochs repeat, each shuffled."""
+
+    def __post_init__(self):
+        if self.data_path is not None:
+            _resolve(self, data_path=tuple(self.data_path))
+        self.split_weights()     # one sentence (DataError) for a --split that cannot be used
+
+    def split_weights(self) -> list[float]:
+        """--split as three non-negative weights, train, valid, test (commas or slashes, as
+        Megatron-LM; a DataError naming the flag for anything else)."""
+        from megatron_sp.data.builder import parse_split
+        return parse_split(self.split)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The batch, the length of training, the optimizer and its learning-rate schedule, evaluation
+    and the non-finite policy."""
+
+    micro_batch_size: int = 1
+    """--micro-batch-size: samples per micro-batch per data-parallel rank."""
+    global_batch_size: int | None = None
+    """--global-batch-size: samples per optimizer step over all data-parallel ranks (default:
+    --micro-batch-size x dp)."""
+    seq_length: int | None = None
+    """--seq-length: tokens per sample."""
+    train_iters: int | None = None
+    """--train-iters: optimizer steps to train (default 100 when --train-samples is not given)."""
+    train_samples: int | None = None
+    """--train-samples: samples to train, instead of --train-iters."""
+    rampup_batch_size: tuple[int, ...] | None = None
+    """--rampup-batch-size: the global batch grows from START by INCR over SAMPLES samples
+    (Megatron's ramp-up)."""
+    lr: float = 0.0003
+    """--lr: peak learning rate."""
+    min_lr: float = 0.0
+    """--min-lr: learning rate at the end of the decay."""
+    lr_warmup_iters: int = 0
+    """--lr-warmup-iters: linear warm-up steps."""
+    lr_warmup_fraction: float | None = None
+    """--lr-warmup-fraction: warm-up as a fraction of --lr-decay-iters."""
+    lr_decay_style: str = "linear"
+    """--lr-decay-style: learning-rate decay after warm-up."""
+    lr_decay_iters: int | None = None
+    """--lr-decay-iters: steps of the decay, warm-up included (default --train-iters)."""
+    lr_wsd_decay_iters: int | None = None
+    """--lr-wsd-decay-iters: WSD: steps of the final linear decay."""
+    lr_decay_samples: int | None = None
+    """--lr-decay-samples: decay length in samples (with --train-samples)."""
+    lr_warmup_samples: int = 0
+    """--lr-warmup-samples: warm-up length in samples (with --train-samples)."""
+    lr_wsd_decay_samples: int | None = None
+    """--lr-wsd-decay-samples: WSD final decay in samples (with --train-samples)."""
+    weight_decay: float = 0.01
+    """--weight-decay: AdamW decoupled weight decay (not on norms and biases)."""
+    clip_grad: float = 1.0
+    """--clip-grad: clip the global gradient norm to this (0: no clipping)."""
+    adam_beta1: float = 0.9
+    """--adam-beta1: Adam beta1."""
+    adam_beta2: float = 0.999
+    """--adam-beta2: Adam beta2."""
+    adam_eps: float = 1e-08
+    """--adam-eps: Adam epsilon."""
+    optimizer: str = "adam"
+    """--optimizer: adam (AdamW) or sgd."""
+    sgd_momentum: float = 0.9
+    """--sgd-momentum: --optimizer sgd momentum (0.9)."""
+    decoupled_lr: float | None = None
+    """--decoupled-lr: peak learning rate of the embedding and output layer weights."""
+    decoupled_min_lr: float | None = None
+    """--decoupled-min-lr: their minimum learning rate (default --min-lr)."""
+    calculate_per_token_loss: bool = False
+    """--calculate-per-token-loss: the loss is the sum of per-token losses over the global batch's
+    token count (always the case here)."""
+    seed: int = 1234
+    """--seed: seed of initialisation, data order and dropout."""
+    eval_interval: int = 1000
+    """--eval-interval: evaluate every N iterations."""
+    eval_iters: int = 10
+    """--eval-iters: batches per evaluation."""
+    nonfinite_loss: str = "stop"
+    """--nonfinite-loss: a NaN/inf loss or gradient norm: stop the run with the iteration (default,
+    like Megatron's NaN check) or skip that optimizer step and count it in the log."""
+    max_skipped_steps: int = 10
+    """--max-skipped-steps: with --nonfinite-loss skip: stop the run (it diverged) after this many
+    optimizer steps in a row were skipped; nothing is saved from the first one."""
+    torch_compile: bool = False
+    """--torch-compile: compile every transformer layer with torch.compile, one graph per layer as
+    torchtitan compiles its blocks (megatron_sp/compile.py; ours, Megatron-LM has no such flag)."""
+    torch_compile_backend: str = "inductor"
+    """--torch-compile-backend: torch.compile backend: inductor, aot_eager (no code generation),
+    eager (Dynamo only)."""
+
+    def __post_init__(self):
+        """Megatron-LM's defaults that follow from other flags, then its rules, one sentence each."""
+        if self.rampup_batch_size is not None:
+            _resolve(self, rampup_batch_size=tuple(self.rampup_batch_size))
+        if self.decoupled_min_lr is not None and self.decoupled_lr is None:
+            raise ConfigError("--decoupled-min-lr needs --decoupled-lr (the embedding and "
+                              "output layer's peak learning rate).")
+        if self.global_batch_size is None:
+            _resolve(self, global_batch_size=self.micro_batch_size)
+        if self.train_iters is None:   # Megatron: --train-samples counts samples, a constant batch
+            _resolve(self, train_iters=(self.train_samples // self.global_batch_size
+                                        if self.train_samples is not None else 100))
+        if self.lr_decay_iters is None:
+            _resolve(self, lr_decay_iters=self.train_iters if self.train_iters else 1)
+        if self.lr_warmup_fraction is not None:
+            _resolve(self, lr_warmup_iters=int(self.lr_warmup_fraction * self.lr_decay_iters))
+        if self.train_samples is None and self.lr_warmup_iters > self.lr_decay_iters:
+            raise ConfigError(f"--lr-warmup-iters {self.lr_warmup_iters} is longer than the "
+                              f"learning-rate decay, --lr-decay-iters {self.lr_decay_iters}"
+                              + (" (which defaults to --train-iters)"
+                                 if self.lr_decay_iters == self.train_iters else "")
+                              + "; lower --lr-warmup-iters or raise --lr-decay-iters.")
+        self._check_sample_schedule()
+        if self.rampup_batch_size is not None and self.train_samples is not None:
+            _resolve(self, train_iters=self.rampup().train_iters(self.train_samples))
+        _resolve(self, eval_iters=max(self.eval_iters, 0))  # train_llama3.sh's -1: no evaluation
+        if self.nonfinite_loss not in NONFINITE_POLICIES:
+            raise ConfigError(f"--nonfinite-loss {self.nonfinite_loss!r} is not one of "
+                              f"{NONFINITE_POLICIES}.")
+        if self.max_skipped_steps < 1:
+            raise ConfigError(f"--max-skipped-steps must be at least 1, got {self.max_skipped_steps}.")
+
+    def _check_sample_schedule(self) -> None:
+        """Megatron's rules for the sample flags; the ramp-up reaches --global-batch-size."""
+        sample_flags = [f for f, v in (("--lr-decay-samples", self.lr_decay_samples),
+                                       ("--lr-warmup-samples", self.lr_warmup_samples or None),
+                                       ("--lr-wsd-decay-samples", self.lr_wsd_decay_samples))
+                        if v is not None]
+        if sample_flags and self.train_samples is None:
+            raise ConfigError(f"{sample_flags[0]} counts the schedule in samples: it needs "
+                              f"--train-samples instead of --train-iters (as Megatron-LM).")
+        if self.rampup_batch_size is not None:
+            start, incr, samples = self.rampup_batch_size
+            gbs = self.global_batch_size
+            if start <= 0 or incr <= 0 or samples < 0 or start > gbs or (gbs - start) % incr:
+                raise ConfigError(f"--rampup-batch-size {start} {incr} {samples} does not reach "
+                                  f"--global-batch-size {gbs}: START and INCR must be positive and "
+                                  f"GLOBAL - START a multiple of INCR.")
+
+    def rampup(self):
+        """The batch-size ramp-up of --rampup-batch-size (megatron_sp.training.rampup), or None."""
+        if self.rampup_batch_size is None:
+            return None
+        from megatron_sp.training.rampup import BatchSizeRampup
+        return BatchSizeRampup(*self.rampup_batch_size, self.global_batch_size)
+
+    def end_iteration(self, iteration: int = 0, consumed_samples: int = 0) -> int:
+        """The iteration training stops at, from a run's state after --load: --train-iters, or
+        with --train-samples the iterations that consume the samples still due (with another
+        --global-batch-size or mid-ramp after a resume, as Megatron-LM's update_train_iters)."""
+        if self.train_samples is None:
+            return self.train_iters
+        ramp = self.rampup()
+        if ramp is not None:
+            return iteration + ramp.train_iters(self.train_samples, consumed_samples)
+        return iteration + max(0, self.train_samples - consumed_samples) // self.global_batch_size
+
+    @property
+    def counts_samples(self) -> bool:
+        """True when the learning-rate schedule is counted in samples (a ramp-up or the
+        --lr-*-samples flags; megatron_sp.training.rampup)."""
+        return bool(self.rampup_batch_size) or self.lr_decay_samples is not None \
+            or bool(self.lr_warmup_samples) or self.lr_wsd_decay_samples is not None
