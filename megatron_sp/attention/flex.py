@@ -1,5 +1,5 @@
-"""FlexAttention (torch.nn.attention.flex_attention) behind the attention-backend interface, and as
-the block kernel of a ring block pair (docs/design.md §5, §14).
+"""FlexAttention (torch.nn.attention.flex_attention) behind the attention-backend interface
+(docs/design.md §5).
 
 FlexAttention (Dong et al. 2024) computes softmax attention under a `mask_mod(b, h, q_idx, kv_idx)
 -> bool` predicate. A BlockMask records, per (query block, key block) of BLOCK_SIZE tokens, whether
@@ -10,8 +10,6 @@ the blockwise path (attention/lse.py). Masks here:
     causal           q_idx >= kv_idx
     document         doc[b, q_idx] == doc[b, kv_idx]     (doc: the document index of each token)
     sliding window   q_idx - kv_idx < window             (Mistral's window, with causal)
-    ring block       q_offset + q_idx >= k_offset + kv_idx, and same document
-                     (a query block at global position q_offset against a key block at k_offset)
 
 The block mask depends only on the step's document_ids (and the shapes), so it is built once per
 step and shared by every layer: `_BlockMaskCache`, keyed on the document_ids tensor's identity,
@@ -78,20 +76,6 @@ def sliding_window_mask_mod(window: int):
     return in_window
 
 
-def ring_block_mask_mod(q_offset: int, k_offset: int, causal: bool, doc_q=None, doc_k=None):
-    """A ring block pair: queries at global positions q_offset + i, keys at k_offset + j; causal
-    compares the global positions; doc_q [b, sq] / doc_k [b, sk]: the pair's document indices
-    (None: no documents). None when nothing is masked (a full pair)."""
-    mods = []
-    if causal:
-        def causal_at_offsets(b, h, q_idx, kv_idx):
-            return q_idx + q_offset >= kv_idx + k_offset
-        mods.append(causal_at_offsets)
-    if doc_q is not None:
-        mods.append(document_mask_mod(doc_q, doc_k))
-    return _combine(mods)
-
-
 def mask_mod_for(causal: bool, doc=None, window: int | None = None):
     """The mask_mod of self-attention over one row: causal, same document (doc [b, s] document
     index), sliding window; None when nothing is masked."""
@@ -137,29 +121,6 @@ def _flex(q, k, v, block_mask, scale, return_lse):
         warnings.simplefilter("ignore")
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                               return_lse=return_lse)
-
-
-def flex_attention_with_lse(q, k, v, *, causal: bool, scale: float | None = None,
-                            q_offset: int = 0, k_offset: int = 0, doc_q=None, doc_k=None,
-                            block_mask=None):
-    """One ring block pair through FlexAttention, in attention_with_lse's form (attention/lse.py).
-
-    q [b, sq, h, d], k, v [b, sk, g, d] (h % g == 0) -> (out [b, sq, h, d] in q's dtype, lse
-    [b, h, sq] fp32; a row that sees no key has lse = -inf and out = 0), ready for merge_partials.
-    causal compares global positions q_offset + i >= k_offset + j (offsets equal: the diagonal
-    block); doc_q [b, sq] / doc_k [b, sk]: document indices of the pair's tokens (None: no
-    documents). block_mask: a prebuilt one (e.g. cached per step); else built here.
-    """
-    b, sq, h, d = q.shape
-    sk = k.shape[1]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    if block_mask is None:
-        mod = ring_block_mask_mod(q_offset, k_offset, causal, doc_q, doc_k)
-        if mod is not None:
-            block_mask = build_block_mask(mod, b if doc_q is not None else None, sq, sk, q.device)
-    out, lse = _flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),   # [b, n, s, d]
-                     block_mask, scale, return_lse=True)
-    return out.transpose(1, 2), lse.float()          # [b, h, sq, d] -> [b, sq, h, d]; [b, h, sq]
 
 
 # The backend ------------------------------------------------------------------------------------

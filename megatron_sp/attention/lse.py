@@ -21,8 +21,8 @@ these formulas through attention/block_kernels.py, over segments (attention/segm
 the per-kernel pieces here (forward_math, forward_fused_cpu and their backwards; finite_lse) and
 merges each partial into running fp32 accumulators in place with its own merge (the same formula
 as merge_partials). attention_with_lse, attention_backward_with_lse and merge_partials are the
-whole-block forms: the tests' reference, and the form of FlexAttention's ring block
-(attention/flex.py).
+whole-block forms: the tests' reference, also for FlexAttention's ring block pair
+(tests/distributed/library_helpers.py).
 
 Shapes: q [b, sq, h, d], k, v [b, sk, g, d] with h % g == 0 (grouped-query attention: query head
 i uses key/value head i // (h/g), the repeat_interleave layout of megatron_sp/ulysses/attention.py).

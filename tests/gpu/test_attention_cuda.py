@@ -16,9 +16,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 from megatron_sp.attention import backends, get_attention_backend  # noqa: E402
 from megatron_sp.attention.documents import document_causal_mask  # noqa: E402
-from megatron_sp.attention.flex import FlexAttention, flex_attention_with_lse  # noqa: E402
+from megatron_sp.attention.flex import FlexAttention  # noqa: E402
 from megatron_sp.attention.blockwise import blockwise_attention  # noqa: E402
 from megatron_sp.attention.lse import attention_with_lse  # noqa: E402
+from library_helpers import flex_attention_with_lse  # noqa: E402  (tests/distributed)
 
 FWD_TOL, GRAD_TOL = 1e-4, 1e-3
 

@@ -10,10 +10,11 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from megatron_sp.attention import flex, get_attention_backend, sdpa_kernel_plan
-from megatron_sp.attention.flex import FlexAttention, flex_attention_with_lse
+from megatron_sp.attention.flex import FlexAttention
 from megatron_sp.attention.kernels import LONG_CONTEXT, warns_at
 from megatron_sp.attention.lse import attention_with_lse, document_index, merge_partials
 from megatron_sp.errors import ConfigError
+from library_helpers import flex_attention_with_lse
 from test_attention_blockwise import (allowed_mask, assert_close, random_documents,
                                                  reference)
 
