@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron_sp.mesh import (LayoutError, group_size, head_layout_problem,
-                              sequence_layout_problem)
+from megatron_sp.mesh import LayoutError, group_size, head_layout_problem
 from megatron_sp.ulysses.comm import (head_to_seq_all_to_all, seq_to_head_all_to_all,
                                       seq_to_head_qkv_all_to_all)
 
@@ -35,13 +34,6 @@ def check_ulysses_layout(num_heads: int, num_kv_heads: int, tp: int, sp: int) ->
     head replicated sp/g_l times).
     """
     problem = head_layout_problem(num_heads, num_kv_heads, tp, sp)
-    if problem:
-        raise LayoutError(problem)
-
-
-def check_seq_divisible(seq_length: int, sp: int, tp: int = 1, sequence_parallel: bool = False):
-    """Refuse a sequence length that sp (times tp with --sequence-parallel) does not divide."""
-    problem = sequence_layout_problem(seq_length, sp, tp, sequence_parallel, what="sequence length")
     if problem:
         raise LayoutError(problem)
 

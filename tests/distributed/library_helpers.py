@@ -4,6 +4,8 @@ production code). Each was a function of the library that nothing but tests call
 - `ring_block_mask_mod`, `flex_attention_with_lse`: FlexAttention on one ring block pair in
   attention_with_lse's form (were in megatron_sp/attention/flex.py; the ring itself uses
   attention/lse.py's kernels);
+- `check_seq_divisible`: megatron_sp.mesh.sequence_layout_problem raised as a LayoutError (was in
+  megatron_sp/ulysses/attention.py);
 
 The spawned ranks import this module too: tests/conftest.py keeps this folder on sys.path.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import math
 
 from megatron_sp.attention import flex
+from megatron_sp.mesh import LayoutError, sequence_layout_problem
 
 
 # FlexAttention on a ring block pair ---------------------------------------------------------------
@@ -52,3 +55,12 @@ def flex_attention_with_lse(q, k, v, *, causal: bool, scale: float | None = None
     out, lse = flex._flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [b, n, s, d]
                           block_mask, scale, return_lse=True)
     return out.transpose(1, 2), lse.float()          # [b, h, sq, d] -> [b, sq, h, d]; [b, h, sq]
+
+
+# Layout check -------------------------------------------------------------------------------------
+
+def check_seq_divisible(seq_length: int, sp: int, tp: int = 1, sequence_parallel: bool = False):
+    """Refuse a sequence length that sp (times tp with --sequence-parallel) does not divide."""
+    problem = sequence_layout_problem(seq_length, sp, tp, sequence_parallel, what="sequence length")
+    if problem:
+        raise LayoutError(problem)

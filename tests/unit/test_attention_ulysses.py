@@ -6,10 +6,10 @@ import torch
 from megatron_sp import comm_stats
 from megatron_sp.attention import SDPAAttention
 from megatron_sp.mesh import LayoutError
-from megatron_sp.ulysses import (UlyssesAttention, check_head_chunks, check_seq_divisible,
-                                 check_ulysses_layout, expand_kv_heads,
-                                 head_chunk_problem, head_to_seq_all_to_all,
+from megatron_sp.ulysses import (UlyssesAttention, check_head_chunks, check_ulysses_layout,
+                                 expand_kv_heads, head_chunk_problem, head_to_seq_all_to_all,
                                  seq_to_head_all_to_all)
+from library_helpers import check_seq_divisible
 
 
 @pytest.mark.parametrize("h,g,tp,sp", [
