@@ -7,7 +7,6 @@ from megatron_sp.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     full_shape,
-    gather_full,
     gather_full_like,
     sequence_parallel_linear,
     set_tp_attributes,
@@ -28,8 +27,8 @@ from megatron_sp.tensor_parallel.utils import check_divisible, divide
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-    "vocab_parallel_cross_entropy", "full_shape", "shard_of_full", "gather_full",
-    "gather_full_like", "set_tp_attributes", "sequence_parallel_linear",
+    "vocab_parallel_cross_entropy", "full_shape", "shard_of_full", "gather_full_like",
+    "set_tp_attributes", "sequence_parallel_linear",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",

@@ -67,15 +67,6 @@ def shard_of_full(full_tensor: torch.Tensor, param: torch.Tensor, tp_rank: int,
     return torch.cat([c.chunk(tp_size, dim=dim)[tp_rank] for c in parts], dim=dim).contiguous()
 
 
-def gather_full(param: torch.Tensor, group) -> torch.Tensor:
-    """All-gather the shards of `param` over the tp `group` into the full tensor (no autograd).
-
-    Every rank of the group gets the full tensor. For a gradient use `gather_full_like(p.grad, p,
-    group)`.
-    """
-    return gather_full_like(param.detach(), param, group)
-
-
 def gather_full_like(tensor: torch.Tensor, param: torch.Tensor, group) -> torch.Tensor:
     """Full tensor of the shards `tensor` (same layout as `param`, e.g. its gradient) over tp."""
     dim = getattr(param, "tp_partition_dim", None)

@@ -6,6 +6,8 @@ production code). Each was a function of the library that nothing but tests call
   attention/lse.py's kernels);
 - `check_seq_divisible`: megatron_sp.mesh.sequence_layout_problem raised as a LayoutError (was in
   megatron_sp/ulysses/attention.py);
+- `gather_full`: a tp-sharded parameter's full tensor on every rank (was in
+  megatron_sp/tensor_parallel/layers.py);
 
 The spawned ranks import this module too: tests/conftest.py keeps this folder on sys.path.
 """
@@ -13,8 +15,11 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from megatron_sp.attention import flex
 from megatron_sp.mesh import LayoutError, sequence_layout_problem
+from megatron_sp.tensor_parallel.layers import gather_full_like
 
 
 # FlexAttention on a ring block pair ---------------------------------------------------------------
@@ -64,3 +69,14 @@ def check_seq_divisible(seq_length: int, sp: int, tp: int = 1, sequence_parallel
     problem = sequence_layout_problem(seq_length, sp, tp, sequence_parallel, what="sequence length")
     if problem:
         raise LayoutError(problem)
+
+
+# Tensor parallelism -------------------------------------------------------------------------------
+
+def gather_full(param: torch.Tensor, group) -> torch.Tensor:
+    """All-gather the shards of `param` over the tp `group` into the full tensor (no autograd).
+
+    Every rank of the group gets the full tensor. For a gradient use `gather_full_like(p.grad, p,
+    group)`.
+    """
+    return gather_full_like(param.detach(), param, group)

@@ -15,12 +15,13 @@ from megatron_sp.mesh import ParallelMesh
 from megatron_sp.tensor_parallel import (
     ColumnParallelLinear, RNGTracker, RowParallelLinear, VocabParallelEmbedding, all_reduce_grads,
     copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-    gather_from_tensor_parallel_region, gather_full, gather_full_like,
+    gather_from_tensor_parallel_region, gather_full_like,
     reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region, shard_of_full,
     vocab_parallel_cross_entropy)
 from megatron_sp.tensor_parallel import mappings
 from megatron_sp.testing import run_distributed
+from library_helpers import gather_full
 
 B, S, F32 = 2, 8, 4  # batch, sequence (divisible by every tp), bytes per fp32 element
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
