@@ -8,7 +8,7 @@ Modules (as torchtitan keeps format, staging and manager apart):
 - `format`: what is stored (keys, `Shard` rectangles, model / optimizer / RNG state, metadata);
 - `planners`: DCP planners for `Shard`, DCP errors turned into `CheckpointError`;
 - `io`: DCP save / load (synchronous or background), atomic publish, the tracker file;
-- `pretrained`: one-process access (full tensors, `load_pretrained`, safetensors export);
+- `pretrained`: one-process access (`load_pretrained`, safetensors export);
 - `manager`: `CheckpointManager` (--save / --load / exit flags) and `SignalHandler`;
 - `lock`: one run per --save folder (`SaveLock`, the refusal of a fresh run into another's);
 - `preflight`: start-up checks of the folders a run writes (writable, free space);
@@ -26,12 +26,11 @@ from megatron_sp.checkpointing.format import (ARCHITECTURE_FIELDS, FORMAT_VERSIO
 from megatron_sp.checkpointing.io import (finalize_async_save, load_checkpoint, read_tracker,
                                           resolve_checkpoint, save_checkpoint)
 from megatron_sp.checkpointing.manager import CheckpointManager, SignalHandler
-from megatron_sp.checkpointing.pretrained import (export_safetensors, load_pretrained,
-                                                  read_full_tensors)
+from megatron_sp.checkpointing.pretrained import export_safetensors, load_pretrained
 
 __all__ = ["ARCHITECTURE_FIELDS", "FORMAT_VERSION", "FUNCTION_FIELDS", "META_FILENAME", "RELEASE",
            "TRACKER_FILENAME", "CheckpointError", "CheckpointManager", "Shard", "SignalHandler",
            "any_rank_flag", "check_config", "export_safetensors", "finalize_async_save",
            "iteration_dirname", "load_checkpoint", "load_pretrained", "model_state",
-           "named_parameters", "optimizer_state", "param_shard", "read_full_tensors", "read_meta",
-           "read_tracker", "resolve_checkpoint", "save_checkpoint"]
+           "named_parameters", "optimizer_state", "param_shard", "read_meta", "read_tracker",
+           "resolve_checkpoint", "save_checkpoint"]

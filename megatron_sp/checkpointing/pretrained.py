@@ -1,5 +1,5 @@
-"""One-process access to a checkpoint of any layout (conversion, inference): full tensors, a ready
-one-rank model, a consolidated safetensors export."""
+"""One-process access to a checkpoint of any layout (conversion, inference): a ready one-rank
+model, a consolidated safetensors export."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from megatron_sp.checkpointing.format import (META_FILENAME, TRACKER_FILENAME, CheckpointError, Shard,
+from megatron_sp.checkpointing.format import (META_FILENAME, TRACKER_FILENAME, CheckpointError,
                                               model_state, read_meta)
 from megatron_sp.checkpointing.integrity import require_digests, verify_files
 from megatron_sp.checkpointing.io import dcp_load, fallback_advice, resolve_checkpoint
@@ -44,28 +44,6 @@ def _read_dcp_metadata(folder: str, advice: str):
         text = (str(err).strip().splitlines() or [""])[0][:160]
         raise CheckpointError(f"checkpoint file {path} could not be read ({type(err).__name__}"
                               f"{': ' + text if text else ''}): {advice}") from None
-
-
-def read_full_tensors(path: str, prefix: str = "model/",
-                      verify: bool = True) -> dict[str, torch.Tensor]:
-    """Every stored tensor under `prefix` at its full stored shape (one process; no process group).
-
-    Fused projections come back as [c, n/c, ...] and vocabulary rows unpadded; see the module
-    docstring. For a ready model use `megatron_sp.load_pretrained`. `verify`: check the files
-    against the checksums recorded at save first (integrity.py).
-    """
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    folder = resolve_checkpoint(path)
-    if folder is None:
-        raise CheckpointError(f"{path} holds no checkpoint ({TRACKER_FILENAME} is missing).")
-    _, checks, advice = _open_local(folder, verify)
-    md = _read_dcp_metadata(folder, advice)
-    state = {k: Shard(torch.empty(m.size, dtype=m.properties.dtype), m.size,
-                      torch.Size([0] * len(m.size)))
-             for k, m in md.state_dict_metadata.items()
-             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-    dcp_load(state, folder, local=True, verify=checks, advice=advice)
-    return {k[len(prefix):]: v.local for k, v in state.items()}
 
 
 def load_pretrained(path: str, *, device="cpu", dtype: torch.dtype | None = None,

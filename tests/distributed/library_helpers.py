@@ -8,6 +8,8 @@ production code). Each was a function of the library that nothing but tests call
   megatron_sp/ulysses/attention.py);
 - `gather_full`: a tp-sharded parameter's full tensor on every rank (was in
   megatron_sp/tensor_parallel/layers.py);
+- `read_full_tensors`: every stored tensor of a checkpoint at its full shape, in one process (was
+  in megatron_sp/checkpointing/pretrained.py; load_pretrained is the library's reader).
 
 The spawned ranks import this module too: tests/conftest.py keeps this folder on sys.path.
 """
@@ -18,6 +20,9 @@ import math
 import torch
 
 from megatron_sp.attention import flex
+from megatron_sp.checkpointing import pretrained
+from megatron_sp.checkpointing.format import TRACKER_FILENAME, CheckpointError, Shard
+from megatron_sp.checkpointing.io import dcp_load, resolve_checkpoint
 from megatron_sp.mesh import LayoutError, sequence_layout_problem
 from megatron_sp.tensor_parallel.layers import gather_full_like
 
@@ -80,3 +85,27 @@ def gather_full(param: torch.Tensor, group) -> torch.Tensor:
     group)`.
     """
     return gather_full_like(param.detach(), param, group)
+
+
+# Checkpoints --------------------------------------------------------------------------------------
+
+def read_full_tensors(path: str, prefix: str = "model/",
+                      verify: bool = True) -> dict[str, torch.Tensor]:
+    """Every stored tensor under `prefix` at its full stored shape (one process; no process group).
+
+    Fused projections come back as [c, n/c, ...] and vocabulary rows unpadded (the stored shapes).
+    `verify`: check the files against the checksums recorded at save first (the checks
+    load_pretrained runs, through the same checkpointing/pretrained.py helpers).
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    folder = resolve_checkpoint(path)
+    if folder is None:
+        raise CheckpointError(f"{path} holds no checkpoint ({TRACKER_FILENAME} is missing).")
+    _, checks, advice = pretrained._open_local(folder, verify)
+    md = pretrained._read_dcp_metadata(folder, advice)
+    state = {k: Shard(torch.empty(m.size, dtype=m.properties.dtype), m.size,
+                      torch.Size([0] * len(m.size)))
+             for k, m in md.state_dict_metadata.items()
+             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    dcp_load(state, folder, local=True, verify=checks, advice=advice)
+    return {k[len(prefix):]: v.local for k, v in state.items()}

@@ -26,6 +26,8 @@ import torch
 from megatron_sp.checkpointing import CheckpointError
 from megatron_sp.testing import free_port
 
+from library_helpers import read_full_tensors
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ("--mock-data --vocab-size 300 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
         "--seq-length 32 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --lr-warmup-iters 1 "
@@ -191,7 +193,7 @@ def test_digest_recorded_and_crc32_fallback(tmp_path, monkeypatch, seed):
                 f"--no-verify-checkpoint to load it unverified.")
             with pytest.raises(ck.CheckpointError, match=r"pip install xxhash .*, or pass "
                                                          r"verify=False to load it unverified\.$"):
-                ck.read_full_tensors(os.path.join(root, "iter_0000002"))
+                read_full_tensors(os.path.join(root, "iter_0000002"))
             assert loads(2, verify=False)
     assert loads(4)                                      # CRC-32 verifies with xxhash present too
     if have_xxhash:   # ranks whose installs differ: each file is verified with its own digest
@@ -247,7 +249,7 @@ def test_damaged_checkpoint_outside_training(tmp_path, seed):
     meta.pop("checksums")
     json.dump(meta, open(meta_path, "w"))
     _truncate(os.path.join(folder, ".metadata"))
-    for fn in (ck.read_full_tensors, megatron_sp.load_pretrained):
+    for fn in (read_full_tensors, megatron_sp.load_pretrained):
         msg = refusal(fn)
         assert msg.startswith(f"checkpoint file {os.path.join(folder, '.metadata')} could not be "
                               f"read (UnpicklingError"), msg
@@ -256,7 +258,7 @@ def test_damaged_checkpoint_outside_training(tmp_path, seed):
     shutil.rmtree(folder)
     shutil.copytree(pristine, folder)
     _flip(os.path.join(folder, "__0_0.distcp"))
-    for fn in (ck.read_full_tensors, megatron_sp.load_pretrained):
+    for fn in (read_full_tensors, megatron_sp.load_pretrained):
         assert refusal(fn).endswith(earlier)
     # The oldest iteration damaged: nothing earlier to name.
     _truncate(os.path.join(root, "iter_0000002", "__0_0.distcp"))

@@ -24,7 +24,7 @@ import os
 import pytest
 import torch
 
-from megatron_sp.checkpointing import load_checkpoint, read_full_tensors, save_checkpoint
+from megatron_sp.checkpointing import load_checkpoint, save_checkpoint
 from megatron_sp.config import JobConfig
 from megatron_sp.grad_sync import all_reduce_sum, expert_groups_of, is_expert_parallel
 from megatron_sp.memory import MemoryOptions
@@ -39,6 +39,7 @@ from megatron_sp.testing import FaultInjection, assert_same_curve, run_distribut
 from megatron_sp.training import Trainer
 
 from layout_utils import build_chunks, global_batches, micro_batches
+from library_helpers import read_full_tensors
 
 LOSS_RTOL, ATOL = 1e-5, 1e-4
 BF16_LOSS_RTOL, BF16_ATOL = 2e-2, 1e-2

@@ -200,7 +200,8 @@ def test_pretrain_resumes_a_megatron_folder(made, tmp_path, capsys):
     warm-up 2 / decay 20; the weights are one Adam step (lr <= 3e-3) from the checkpoint's."""
     sys.path.insert(0, ROOT)
     import pretrain_gpt
-    from megatron_sp.checkpointing import read_full_tensors, read_meta
+    from library_helpers import read_full_tensors
+    from megatron_sp.checkpointing import read_meta
     from megatron_sp.checkpointing.megatron_lm import read_checkpoint
     source = f"{made['out']}/gqa_torch"
     run = str(tmp_path / "run")
