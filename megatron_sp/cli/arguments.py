@@ -28,29 +28,36 @@ def build_parser() -> argparse.ArgumentParser:
                    "llama-tiny, llama-1b, llama-8b, llama3.1-8b, llama3.2-1b, llama3-70b, "
                    "qwen3-0.6b, qwen3-4b, qwen3-8b, qwen2.5-7b, mistral-7b (flags below override "
                    "its fields)")
-    m.add_argument("--num-layers", type=int)
-    m.add_argument("--hidden-size", type=int)
-    m.add_argument("--ffn-hidden-size", type=int)
-    m.add_argument("--num-attention-heads", type=int)
+    m.add_argument("--num-layers", type=int, help="transformer layers")
+    m.add_argument("--hidden-size", type=int, help="hidden size H")
+    m.add_argument("--ffn-hidden-size", type=int,
+                   help="MLP hidden size (default 4H, or Megatron's SwiGLU rule)")
+    m.add_argument("--num-attention-heads", type=int, help="query heads")
     _bool_flag(m, "--group-query-attention", "use grouped-query attention (--num-query-groups)")
-    m.add_argument("--num-query-groups", type=int)
-    m.add_argument("--kv-channels", type=int)
-    m.add_argument("--seq-length", type=int, default=None)
-    m.add_argument("--max-position-embeddings", type=int)
-    m.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "yarn"])
-    m.add_argument("--rotary-base", type=float)
-    m.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
-    m.add_argument("--norm-epsilon", type=float)
+    m.add_argument("--num-query-groups", type=int, help="key/value heads (GQA)")
+    m.add_argument("--kv-channels", type=int, help="head dimension (default H / heads)")
+    m.add_argument("--seq-length", type=int, default=None, help="tokens per sample")
+    m.add_argument("--max-position-embeddings", type=int,
+                   help="positions of the learned embedding (defaults to --seq-length)")
+    m.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "yarn"],
+                   help="learned absolute positions, RoPE or YaRN-scaled RoPE")
+    m.add_argument("--rotary-base", type=float, help="RoPE base theta")
+    m.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], help="LayerNorm or RMSNorm")
+    m.add_argument("--norm-epsilon", type=float, help="epsilon of the norms")
     _bool_flag(m, "--swiglu", "SwiGLU MLP")
     _bool_flag(m, "--openai-gelu", "tanh-approximated GeLU (GPT-2)")
     _bool_flag(m, "--disable-bias-linear", "no biases in linear layers")
     _bool_flag(m, "--add-qkv-bias", "bias in the QKV projection even with --disable-bias-linear")
     _bool_flag(m, "--untie-embeddings-and-output-weights", "separate output layer")
-    m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    m.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this times tp")
     m.add_argument("--vocab-size", type=int, help="vocabulary of the NullTokenizer")
-    m.add_argument("--attention-dropout", type=float)
-    m.add_argument("--hidden-dropout", type=float)
-    m.add_argument("--init-method-std", type=float)
+    m.add_argument("--attention-dropout", type=float,
+                   help="dropout on attention probabilities (Megatron's 0.1 without --model)")
+    m.add_argument("--hidden-dropout", type=float,
+                   help="dropout on the residual branches (Megatron's 0.1 without --model)")
+    m.add_argument("--init-method-std", type=float,
+                   help="standard deviation of the normal initialisation")
     # Model families (models/families.py), Megatron-LM's names.
     _bool_flag(m, "--qk-layernorm", "normalise every query and key head over head_dim (Qwen3)")
     _bool_flag(m, "--use-rope-scaling", "Llama-3.1 RoPE frequency scaling (low/high frequency "
@@ -99,29 +106,44 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(moe, "--moe-pad-expert-input-to-capacity", "with --moe-expert-capacity-factor: every expert's input padded to its capacity (static shapes)")
 
     t = p.add_argument_group("training")
-    t.add_argument("--micro-batch-size", type=int, default=1)
-    t.add_argument("--global-batch-size", type=int, default=None)
-    t.add_argument("--train-iters", type=int, default=None)
-    t.add_argument("--train-samples", type=int, default=None)
-    t.add_argument("--lr", type=float, default=3e-4)
-    t.add_argument("--min-lr", type=float, default=0.0)
-    t.add_argument("--lr-warmup-iters", type=int, default=0)
-    t.add_argument("--lr-warmup-fraction", type=float, default=None)
+    t.add_argument("--micro-batch-size", type=int, default=1,
+                   help="samples per micro-batch per data-parallel rank")
+    t.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per optimizer step over all data-parallel ranks (default: "
+                        "--micro-batch-size x dp)")
+    t.add_argument("--train-iters", type=int, default=None,
+                   help="optimizer steps to train (default 100 when --train-samples is not given)")
+    t.add_argument("--train-samples", type=int, default=None,
+                   help="samples to train, instead of --train-iters")
+    t.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    t.add_argument("--min-lr", type=float, default=0.0,
+                   help="learning rate at the end of the decay")
+    t.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up steps")
+    t.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warm-up as a fraction of --lr-decay-iters")
     t.add_argument("--lr-decay-style", default="linear",
-                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
-    t.add_argument("--lr-decay-iters", type=int, default=None)
-    t.add_argument("--lr-wsd-decay-iters", type=int, default=None)
-    t.add_argument("--weight-decay", type=float, default=0.01)
-    t.add_argument("--clip-grad", type=float, default=1.0)
-    t.add_argument("--adam-beta1", type=float, default=0.9)
-    t.add_argument("--adam-beta2", type=float, default=0.999)
-    t.add_argument("--adam-eps", type=float, default=1e-8)
+                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                   help="learning-rate decay after warm-up")
+    t.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="steps of the decay, warm-up included (default --train-iters)")
+    t.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="WSD: steps of the final linear decay")
+    t.add_argument("--weight-decay", type=float, default=0.01,
+                   help="AdamW decoupled weight decay (not on norms and biases)")
+    t.add_argument("--clip-grad", type=float, default=1.0,
+                   help="clip the global gradient norm to this (0: no clipping)")
+    t.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1")
+    t.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2")
+    t.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
     _bool_flag(t, "--bf16", "bf16 mixed precision (fp32 master weights)")
     _bool_flag(t, "--fp16", "fp16 mixed precision (fp32 master weights) with Megatron's loss "
                "scaling (--loss-scale, --initial-loss-scale, ...)")
-    t.add_argument("--seed", type=int, default=1234)
-    t.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
-    t.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    t.add_argument("--seed", type=int, default=1234,
+                   help="seed of initialisation, data order and dropout")
+    t.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="activation recompute: full layers or the attention core (selective)")
+    t.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="full recompute: uniform groups or the first N layers (block)")
     t.add_argument("--recompute-num-layers", type=int, default=None,
                    help="full+uniform: layers per checkpointed group; full+block: layers of each "
                         "stage recomputed (default 1)")
@@ -155,17 +177,24 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["inductor", "aot_eager", "eager"],
                    help="torch.compile backend of --torch-compile: inductor, aot_eager (no code "
                         "generation), eager (Dynamo only)")
-    t.add_argument("--grad-bucket-size-mb", type=float, default=25.0)
+    t.add_argument("--grad-bucket-size-mb", type=float, default=25.0,
+                   help="size of the gradient buckets reduced during backward")
     t.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
 
     d = p.add_argument_group("data")
-    d.add_argument("--data-path", nargs="*", default=None)
-    d.add_argument("--split", default="969,30,1")
-    d.add_argument("--data-cache-path", default=None)
+    d.add_argument("--data-path", nargs="*", default=None,
+                   help="dataset prefixes, optionally weighted: [w1] prefix1 [w2 prefix2 ...]")
+    d.add_argument("--split", default="969,30,1",
+                   help="train,valid,test proportions of the documents, separated by commas or "
+                        "slashes (Megatron's)")
+    d.add_argument("--data-cache-path", default=None,
+                   help="folder of the cached sample indices (default: next to the data)")
     d.add_argument("--tokenizer-type", default=None,
                    choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                            "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"])
-    d.add_argument("--tokenizer-model", default=None)
+                            "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"],
+                   help="the tokenizer the data was preprocessed with")
+    d.add_argument("--tokenizer-model", default=None,
+                   help="its model file (.model) or Hugging Face folder")
     d.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
     d.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     _bool_flag(d, "--trust-remote-code", "HuggingFaceTokenizer: allow a tokenizer folder whose "
@@ -177,8 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--cache-dir", default=None, help="where the embedded default corpus is built")
 
     par = p.add_argument_group("parallelism")
-    par.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    par.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                     help="tensor-parallel ranks (tp)")
+    par.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                     help="pipeline stages (pp)")
     par.add_argument("--sequence-parallel-size", type=int, default=1,
                      help="Ulysses sequence-parallel degree")
     par.add_argument("--ulysses-head-chunks", type=int, default=1, metavar="N",
@@ -208,11 +239,16 @@ def build_parser() -> argparse.ArgumentParser:
                           "experts split over tp, tokens all-gathered around them) or 1 (whole "
                           "experts, each tp rank routes its own tokens); tp > 1 needs "
                           "--sequence-parallel")
-    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    par.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
-    par.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
-    par.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
-    par.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                     help="interleaved 1F1B: layers per virtual stage")
+    par.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                     help="layers of the first pipeline stage (uneven stages)")
+    par.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                     help="layers of the last pipeline stage (uneven stages)")
+    par.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                     help="nccl or gloo (default: nccl on GPU, gloo on CPU)")
+    par.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                     help="a collective gives up (and the run stops) after this long")
 
     sh = p.add_argument_group("sharded model state over dp x sp (docs/design.md §11)")
     _bool_flag(sh, "--use-distributed-optimizer", "ZeRO-1/2: shard the Adam state (and fp32 master "
@@ -234,17 +270,18 @@ def build_parser() -> argparse.ArgumentParser:
                "buckets at once after the step (FSDP2 always prefetches the next layer's)")
 
     c = p.add_argument_group("checkpointing and exit")
-    c.add_argument("--save", default=None)
-    c.add_argument("--load", default=None)
-    c.add_argument("--save-interval", type=int, default=None)
+    c.add_argument("--save", default=None, help="checkpoint folder to save to")
+    c.add_argument("--load", default=None, help="checkpoint folder to resume or start from")
+    c.add_argument("--save-interval", type=int, default=None, help="save every N iterations")
     _bool_flag(c, "--no-load-optim", "do not load optimizer state")
     _bool_flag(c, "--no-load-rng", "do not load RNG state")
     _bool_flag(c, "--finetune", "load weights only, reset iteration")
     _bool_flag(c, "--use-checkpoint-args", "take the model flags from the --load checkpoint's stored "
                "config (explicit model flags that differ are replaced, with a warning)")
     _bool_flag(c, "--exit-signal-handler", "save and exit on SIGTERM/SIGUSR1")
-    c.add_argument("--exit-interval", type=int, default=None)
-    c.add_argument("--exit-duration-in-mins", type=float, default=None)
+    c.add_argument("--exit-interval", type=int, default=None, help="save and exit at iteration N")
+    c.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save and exit after this much wall time")
     _bool_flag(c, "--async-save", "write checkpoints in the background (published at the next save)")
     c.add_argument("--ckpt-step", type=int, default=None,
                    help="load this iteration of --load instead of the newest (Megatron's)")
@@ -264,11 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_megatron_math_args(p, m)
 
     lg = p.add_argument_group("logging")
-    lg.add_argument("--log-interval", type=int, default=10)
-    lg.add_argument("--eval-interval", type=int, default=1000)
-    lg.add_argument("--eval-iters", type=int, default=10)
-    lg.add_argument("--tensorboard-dir", default=None)
-    lg.add_argument("--metrics-jsonl", default=None)
+    lg.add_argument("--log-interval", type=int, default=10,
+                    help="print the log line every N iterations")
+    lg.add_argument("--eval-interval", type=int, default=1000, help="evaluate every N iterations")
+    lg.add_argument("--eval-iters", type=int, default=10, help="batches per evaluation")
+    lg.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here")
+    lg.add_argument("--metrics-jsonl", default=None,
+                    help="write one JSON object per logged iteration here")
     _bool_flag(lg, "--debug", "print the Python traceback with an error message (also "
                "MEGATRON_SP_DEBUG=1); without it a user error is one line")
     lg.add_argument("--nonfinite-loss", choices=["skip", "stop"], default="stop",
@@ -280,9 +319,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_megatron_honoured(p)
     from megatron_sp.cli import megatron_compat
     megatron_compat.add_arguments(p)
-    for action in p._actions:           # one sentence for every flag (Megatron's meaning)
-        if action.option_strings and not action.help:
-            action.help = HELP.get(action.option_strings[0])
     return p
 
 
@@ -376,70 +412,6 @@ class _HelpWithDefaults(argparse.HelpFormatter):
         return text
 
 
-# Help of the flags added above without one: Megatron-LM's meaning, in a sentence each.
-HELP = {
-    "--num-layers": "transformer layers", "--hidden-size": "hidden size H",
-    "--ffn-hidden-size": "MLP hidden size (default 4H, or Megatron's SwiGLU rule)",
-    "--num-attention-heads": "query heads", "--num-query-groups": "key/value heads (GQA)",
-    "--kv-channels": "head dimension (default H / heads)",
-    "--seq-length": "tokens per sample", "--max-position-embeddings":
-    "positions of the learned embedding (defaults to --seq-length)",
-    "--position-embedding-type": "learned absolute positions, RoPE or YaRN-scaled RoPE",
-    "--rotary-base": "RoPE base theta", "--normalization": "LayerNorm or RMSNorm",
-    "--norm-epsilon": "epsilon of the norms",
-    "--make-vocab-size-divisible-by": "pad the vocabulary to a multiple of this times tp",
-    "--attention-dropout": "dropout on attention probabilities (Megatron's 0.1 without --model)",
-    "--hidden-dropout": "dropout on the residual branches (Megatron's 0.1 without --model)",
-    "--init-method-std": "standard deviation of the normal initialisation",
-    "--micro-batch-size": "samples per micro-batch per data-parallel rank",
-    "--global-batch-size": "samples per optimizer step over all data-parallel ranks (default: "
-                           "--micro-batch-size x dp)",
-    "--train-iters": "optimizer steps to train (default 100 when --train-samples is not given)",
-    "--train-samples": "samples to train, instead of --train-iters",
-    "--lr": "peak learning rate", "--min-lr": "learning rate at the end of the decay",
-    "--lr-warmup-iters": "linear warm-up steps", "--lr-warmup-fraction":
-    "warm-up as a fraction of --lr-decay-iters", "--lr-decay-style": "learning-rate decay after warm-up",
-    "--lr-decay-iters": "steps of the decay, warm-up included (default --train-iters)",
-    "--lr-wsd-decay-iters": "WSD: steps of the final linear decay",
-    "--weight-decay": "AdamW decoupled weight decay (not on norms and biases)",
-    "--clip-grad": "clip the global gradient norm to this (0: no clipping)",
-    "--adam-beta1": "Adam beta1", "--adam-beta2": "Adam beta2", "--adam-eps": "Adam epsilon",
-    "--seed": "seed of initialisation, data order and dropout",
-    "--recompute-granularity": "activation recompute: full layers or the attention core (selective)",
-    "--recompute-method": "full recompute: uniform groups or the first N layers (block)",
-    "--grad-bucket-size-mb": "size of the gradient buckets reduced during backward",
-    "--data-path": "dataset prefixes, optionally weighted: [w1] prefix1 [w2 prefix2 ...]",
-    "--split": "train,valid,test proportions of the documents, separated by commas or slashes "
-               "(Megatron's)",
-    "--data-cache-path": "folder of the cached sample indices (default: next to the data)",
-    "--tokenizer-type": "the tokenizer the data was preprocessed with",
-    "--tokenizer-model": "its model file (.model) or Hugging Face folder",
-    "--tensor-model-parallel-size": "tensor-parallel ranks (tp)",
-    "--pipeline-model-parallel-size": "pipeline stages (pp)",
-    "--num-layers-per-virtual-pipeline-stage": "interleaved 1F1B: layers per virtual stage",
-    "--decoder-first-pipeline-num-layers": "layers of the first pipeline stage (uneven stages)",
-    "--decoder-last-pipeline-num-layers": "layers of the last pipeline stage (uneven stages)",
-    "--distributed-backend": "nccl or gloo (default: nccl on GPU, gloo on CPU)",
-    "--distributed-timeout-minutes": "a collective gives up (and the run stops) after this long",
-    "--save": "checkpoint folder to save to", "--load": "checkpoint folder to resume or start from",
-    "--save-interval": "save every N iterations", "--exit-interval": "save and exit at iteration N",
-    "--exit-duration-in-mins": "save and exit after this much wall time",
-    "--optimizer": "adam (AdamW) or sgd", "--fp8-margin": "FP8 scaling margin (Transformer Engine)",
-    "--fp8-amax-history-len": "FP8 amax history length (Transformer Engine)",
-    "--fp8-amax-compute-algo": "FP8 amax from the history's most recent or max value",
-    "--log-interval": "print the log line every N iterations",
-    "--eval-interval": "evaluate every N iterations", "--eval-iters": "batches per evaluation",
-    "--tensorboard-dir": "write TensorBoard scalars here",
-    "--metrics-jsonl": "write one JSON object per logged iteration here",
-    "--lr-decay-samples": "decay length in samples (with --train-samples)",
-    "--lr-warmup-samples": "warm-up length in samples (with --train-samples)",
-    "--lr-wsd-decay-samples": "WSD final decay in samples (with --train-samples)",
-    "--profile-step-start": "first profiled iteration", "--profile-step-end": "iteration after the last profiled one",
-    "--wandb-project": "Weights & Biases project (needs wandb)",
-    "--wandb-exp-name": "Weights & Biases run name", "--wandb-save-dir": "Weights & Biases folder",
-}
-
-
 def _add_megatron_math_args(p, model_group) -> None:
     """Megatron-LM flags that change the math (docs/design.md §10), with Megatron's names and defaults.
 
@@ -472,7 +444,8 @@ def _add_megatron_math_args(p, model_group) -> None:
                "global batch's token count (always the case here)")
     _bool_flag(g, "--grad-reduce-in-bf16", "reduce gradients over dp x sp in bf16 on the wire "
                "(accumulated in fp32)")
-    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
+                   help="adam (AdamW) or sgd")
     g.add_argument("--sgd-momentum", type=float, default=0.9, help="--optimizer sgd momentum (0.9)")
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
                    help="local: these layers; transformer_engine: Transformer Engine's fused "
@@ -485,11 +458,14 @@ def _add_megatron_math_args(p, model_group) -> None:
                    help="tensorwise | delayed | blockwise | mxfp8 (Megatron-LM's) or rowwise | "
                         "rowwise_with_gw_hp (torchao's); default: delayed under Transformer "
                         "Engine, tensorwise through torchao")
-    g.add_argument("--fp8-margin", type=int, default=0)
+    g.add_argument("--fp8-margin", type=int, default=0,
+                   help="FP8 scaling margin (Transformer Engine)")
     g.add_argument("--fp8-interval", type=int, default=1,
                    help="deprecated by Transformer Engine 1.8 (passed to older versions)")
-    g.add_argument("--fp8-amax-history-len", type=int, default=1)
-    g.add_argument("--fp8-amax-compute-algo", choices=["most_recent", "max"], default="most_recent")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1,
+                   help="FP8 amax history length (Transformer Engine)")
+    g.add_argument("--fp8-amax-compute-algo", choices=["most_recent", "max"], default="most_recent",
+                   help="FP8 amax from the history's most recent or max value")
     _bool_flag(g, "--fp8-param-gather", "build the Transformer Engine modules' weights in FP8 "
                "(fp8_model_init)")
 
@@ -500,9 +476,12 @@ def _add_megatron_honoured(p) -> None:
     g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
                    metavar=("START", "INCR", "SAMPLES"), help="the global batch grows from START "
                    "by INCR over SAMPLES samples (Megatron's ramp-up)")
-    g.add_argument("--lr-decay-samples", type=int, default=None)
-    g.add_argument("--lr-warmup-samples", type=int, default=0)
-    g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="decay length in samples (with --train-samples)")
+    g.add_argument("--lr-warmup-samples", type=int, default=0,
+                   help="warm-up length in samples (with --train-samples)")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="WSD final decay in samples (with --train-samples)")
     g.add_argument("--num-workers", type=int, default=0, help="data loader worker processes")
     g.add_argument("--dataloader-type", choices=["single", "cyclic"], default="single",
                    help="single: one pass in order; cyclic: epochs repeat, each shuffled")
@@ -515,13 +494,14 @@ def _add_megatron_honoured(p) -> None:
     _bool_flag(g, "--log-num-zeros-in-grad", "the number of zero gradient entries in the log line")
     _bool_flag(g, "--log-timers-to-tensorboard", "timings to TensorBoard (they always go there)")
     _bool_flag(g, "--profile", "profile iterations --profile-step-start to --profile-step-end")
-    g.add_argument("--profile-step-start", type=int, default=10)
-    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-step-start", type=int, default=10, help="first profiled iteration")
+    g.add_argument("--profile-step-end", type=int, default=12,
+                   help="iteration after the last profiled one")
     _bool_flag(g, "--use-pytorch-profiler", "--profile writes a torch.profiler trace to "
                "--tensorboard-dir (else it marks the nsys capture range on CUDA)")
-    g.add_argument("--wandb-project", default=None)
-    g.add_argument("--wandb-exp-name", default=None)
-    g.add_argument("--wandb-save-dir", default=None)
+    g.add_argument("--wandb-project", default=None, help="Weights & Biases project (needs wandb)")
+    g.add_argument("--wandb-exp-name", default=None, help="Weights & Biases run name")
+    g.add_argument("--wandb-save-dir", default=None, help="Weights & Biases folder")
 
 
 # Flags whose feature has not landed yet: refused with the reason instead of ignored.

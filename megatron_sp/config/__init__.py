@@ -6,9 +6,11 @@ the embedded default run, --use-checkpoint-args), turned into one `JobConfig`, a
 afterwards. Everything past the edge (trainer, checkpointing, sharding, loss scaler, memory options,
 profiler, ramp-up, FP8, model families) takes these sections instead of the argparse namespace.
 
-Each field keeps its Megatron-LM flag's name (docs/design.md §10) and says which flag sets it. A
-section checks its own rules in `__post_init__` with one sentence each (a ConfigError: what, where,
-what to do); values that Megatron-LM derives from other flags (--global-batch-size from
+Each field keeps its Megatron-LM flag's name (docs/design.md §10) and its docstring names that flag.
+What the flag means is written once, in its help in megatron_sp/cli/arguments.py (shown by
+`python pretrain_gpt.py --help-all`); a field's docstring adds only what the section does with the
+value. A section checks its own rules in `__post_init__` with one sentence each (a ConfigError:
+what, where, what to do); values that Megatron-LM derives from other flags (--global-batch-size from
 --micro-batch-size, --train-iters from --train-samples, --lr-decay-iters from --train-iters, ...)
 are filled in there too, so a section is complete once it exists. Rules that need the mesh or the
 model (heads over tp x sp, layers over stages, the batch over dp) are checked where those exist

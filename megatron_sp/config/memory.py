@@ -15,35 +15,23 @@ class MemoryConfig:
     the memory report."""
 
     recompute_granularity: str | None = None
-    """--recompute-granularity: activation recompute: full layers or the attention core
-    (selective)."""
+    """--recompute-granularity"""
     recompute_method: str | None = None
-    """--recompute-method: full recompute: uniform groups or the first N layers (block)."""
+    """--recompute-method"""
     recompute_num_layers: int | None = None
-    """--recompute-num-layers: full+uniform: layers per checkpointed group; full+block: layers of
-    each stage recomputed (default 1)."""
+    """--recompute-num-layers"""
     mlp_tiles: int | str = "1"
-    """--mlp-tiles: run the MLP over N sequence tiles recomputed in backward (or 'auto': ceil(ffn
-    width / hidden), none under 2048 tokens), so the [s, ffn] intermediate never exists whole."""
+    """--mlp-tiles; an int or 'auto' once checked."""
     loss_chunks: int | str = "1"
-    """--loss-chunks: output layer + cross entropy over N sequence chunks recomputed in backward
-    (or 'auto': ceil(vocab / hidden), none under 2048 tokens), so the [s, vocab] logits never
-    exist whole."""
+    """--loss-chunks; an int or 'auto' once checked."""
     ulysses_head_chunks: int = 1
-    """--ulysses-head-chunks: Ulysses attention over N head chunks in turn, each recomputed in
-    backward (UPipe): one chunk's exchange buffers and q, k, v, out live at a time. N must fit
-    the heads per sp rank (checked with the model at start-up)."""
+    """--ulysses-head-chunks"""
     offload_activations: bool = False
-    """--offload-activations: keep saved activations of the transformer layers (with full
-    recompute: the checkpointed layer inputs) in pinned host memory until backward."""
+    """--offload-activations"""
     offload_pool_gb: float | None = None
-    """--offload-pool-gb: GiB of the exact pinned host pool that holds the offloaded activations on
-    CUDA (megatron_sp/memory/host_pool.py; default: the planner's count for this rank, with full
-    recompute and no pipeline; 0: torch's pinned buffers, each rounded up to a power of two)."""
+    """--offload-pool-gb"""
     report_memory: bool = False
-    """--report-memory: print activation bytes saved for backward per rank and layer, peak device
-    memory and the model-state bytes per rank (parameters, gradients, optimizer state on device
-    and on host), with the log line."""
+    """--report-memory"""
 
     def __post_init__(self):
         if self.recompute_granularity != "full" and (self.recompute_method is not None

@@ -1,4 +1,4 @@
-"""ModelFlags: the model flags as given (a --model preset and the Megatron-LM flags that override it),
+"""ModelFlags: the model flags as given (a --model preset, the Megatron-LM flags that override it),
 with Megatron-LM's --moe-layer-freq read safely (an int, or its list expression read with ast)."""
 from __future__ import annotations
 
@@ -90,127 +90,110 @@ class ModelFlags:
     edge turns them into the model's own config."""
 
     model: str | None = None
-    """--model: preset: gpt2-tiny, gpt2-small, gpt2-medium, llama-tiny, llama-1b, llama-8b,
-    llama3.1-8b, llama3.2-1b, qwen3-0.6b, qwen3-4b, qwen3-8b, qwen2.5-7b, mistral-7b (flags
-    below override its fields)."""
+    """--model"""
     num_layers: int | None = None
-    """--num-layers: transformer layers."""
+    """--num-layers"""
     hidden_size: int | None = None
-    """--hidden-size: hidden size H."""
+    """--hidden-size"""
     ffn_hidden_size: int | None = None
-    """--ffn-hidden-size: MLP hidden size (default 4H, or Megatron's SwiGLU rule)."""
+    """--ffn-hidden-size"""
     num_attention_heads: int | None = None
-    """--num-attention-heads: query heads."""
+    """--num-attention-heads"""
     group_query_attention: bool = False
-    """--group-query-attention: use grouped-query attention (--num-query-groups)."""
+    """--group-query-attention"""
     num_query_groups: int | None = None
-    """--num-query-groups: key/value heads (GQA)."""
+    """--num-query-groups; 1 under --group-query-attention when not given (Megatron's)."""
     kv_channels: int | None = None
-    """--kv-channels: head dimension (default H / heads)."""
+    """--kv-channels"""
     max_position_embeddings: int | None = None
-    """--max-position-embeddings: positions of the learned embedding (defaults to --seq-length)."""
+    """--max-position-embeddings"""
     position_embedding_type: str | None = None
-    """--position-embedding-type: learned absolute positions, RoPE or YaRN-scaled RoPE."""
+    """--position-embedding-type"""
     rotary_base: float | None = None
-    """--rotary-base: RoPE base theta."""
+    """--rotary-base"""
     normalization: str | None = None
-    """--normalization: LayerNorm or RMSNorm."""
+    """--normalization"""
     norm_epsilon: float | None = None
-    """--norm-epsilon: epsilon of the norms."""
+    """--norm-epsilon"""
     swiglu: bool = False
-    """--swiglu: SwiGLU MLP."""
+    """--swiglu"""
     openai_gelu: bool = False
-    """--openai-gelu: tanh-approximated GeLU (GPT-2)."""
+    """--openai-gelu"""
     disable_bias_linear: bool = False
-    """--disable-bias-linear: no biases in linear layers."""
+    """--disable-bias-linear"""
     add_qkv_bias: bool = False
-    """--add-qkv-bias: bias in the QKV projection even with --disable-bias-linear."""
+    """--add-qkv-bias"""
     untie_embeddings_and_output_weights: bool = False
-    """--untie-embeddings-and-output-weights: separate output layer."""
+    """--untie-embeddings-and-output-weights"""
     make_vocab_size_divisible_by: int = 128
-    """--make-vocab-size-divisible-by: pad the vocabulary to a multiple of this times tp."""
+    """--make-vocab-size-divisible-by"""
     attention_dropout: float | None = None
-    """--attention-dropout: dropout on attention probabilities (Megatron's 0.1 without --model)."""
+    """--attention-dropout"""
     hidden_dropout: float | None = None
-    """--hidden-dropout: dropout on the residual branches (Megatron's 0.1 without --model)."""
+    """--hidden-dropout"""
     init_method_std: float | None = None
-    """--init-method-std: standard deviation of the normal initialisation."""
+    """--init-method-std"""
     qk_layernorm: bool = False
-    """--qk-layernorm: normalise every query and key head over head_dim (Qwen3)."""
+    """--qk-layernorm"""
     use_rope_scaling: bool = False
-    """--use-rope-scaling: Llama-3.1 RoPE frequency scaling (low/high frequency factors 1/4,
-    original context 8192)."""
+    """--use-rope-scaling"""
     rope_scaling_factor: float | None = None
-    """--rope-scaling-factor: Llama-3.1 RoPE scaling factor (8)."""
+    """--rope-scaling-factor"""
     yarn_rotary_scaling_factor: float | None = None
-    """--yarn-rotary-scaling-factor: YaRN factor."""
+    """--yarn-rotary-scaling-factor"""
     yarn_original_max_position_embeddings: int | None = None
-    """--yarn-original-max-position-embeddings: YaRN: the context before extension (default --max-
-    position-embeddings)."""
+    """--yarn-original-max-position-embeddings"""
     yarn_beta_fast: float | None = None
-    """--yarn-beta-fast: YaRN beta_fast (32)."""
+    """--yarn-beta-fast"""
     yarn_beta_slow: float | None = None
-    """--yarn-beta-slow: YaRN beta_slow (1)."""
+    """--yarn-beta-slow"""
     yarn_mscale: float | None = None
-    """--yarn-mscale: YaRN mscale (1)."""
+    """--yarn-mscale"""
     yarn_mscale_all_dim: float | None = None
-    """--yarn-mscale-all-dim: YaRN mscale_all_dim (0)."""
+    """--yarn-mscale-all-dim"""
     apply_layernorm_1p: bool = False
-    """--apply-layernorm-1p: norm weights stored zero-centred (gamma - 1, initialised to 0) and
-    applied as 1 + w."""
+    """--apply-layernorm-1p"""
     rotary_percent: float = 1.0
-    """--rotary-percent: RoPE on the first int(head_dim * percent) dimensions only (1.0)."""
+    """--rotary-percent"""
     add_position_embedding: bool = True
-    """--no-position-embedding: no learned position embedding (with --position-embedding-type rope,
-    already the case)."""
+    """--no-position-embedding"""
     attention_backend: str = "auto"
-    """--attention-backend: Megatron's auto, flash, fused (TE), unfused (two matmuls: short
-    sequences), local (SDPA); ours te, flash-attn, sdpa, flex (FlexAttention). Resolved by
-    cli/megatron_compat.py: Megatron's flash / fused become sdpa when their package is missing."""
+    """--attention-backend; auto, flash, te, unfused, sdpa or flex once cli/megatron_compat.py has
+    mapped Megatron's names."""
     transformer_impl: str = "local"
-    """--transformer-impl: local: these layers; transformer_engine: Transformer Engine's fused
-    attention (runs as local, said at start-up, when it is not installed)."""
+    """--transformer-impl; local once cli/megatron_compat.py finds no Transformer Engine."""
     num_experts: int | None = None
-    """--num-experts: experts of each mixture-of-experts layer (None: a dense model)."""
+    """--num-experts"""
     moe_ffn_hidden_size: int | None = None
-    """--moe-ffn-hidden-size: hidden size of each expert's SwiGLU MLP (default --ffn-hidden-size)."""
+    """--moe-ffn-hidden-size"""
     moe_router_topk: int | None = None
-    """--moe-router-topk: experts each token is routed to (Megatron's default 2)."""
+    """--moe-router-topk"""
     moe_layer_freq: int | tuple[int, ...] | str | None = None
-    """--moe-layer-freq: experts in every k-th layer (layer i if i % k == 0; default 1: all), or
-    Megatron's list of 0/1 per layer, e.g. "([1]*3+[0]*1)*3" (read with ast: list literals,
-    integers, + and * only)."""
+    """--moe-layer-freq; k or a tuple of one 0/1 per layer once read (parse_moe_layer_freq)."""
     moe_shared_expert_intermediate_size: int | None = None
-    """--moe-shared-expert-intermediate-size: hidden size of the shared expert every token also
-    goes through (None: no shared expert)."""
+    """--moe-shared-expert-intermediate-size"""
     moe_shared_expert_gate: bool = False
-    """--moe-shared-expert-gate: the shared expert's output times sigmoid(x . g) per token
-    (Qwen2-MoE's shared_expert_gate; Megatron-core's moe_shared_expert_gate)."""
+    """--moe-shared-expert-gate"""
     moe_router_pre_softmax: bool = False
-    """--moe-router-pre-softmax: softmax over all experts before the top-k (default: top-k of the
-    logits, then softmax over the k)."""
+    """--moe-router-pre-softmax"""
     moe_router_score_function: str | None = None
-    """--moe-router-score-function: softmax (default) or sigmoid router scores."""
+    """--moe-router-score-function"""
     moe_router_topk_scaling_factor: float | None = None
-    """--moe-router-topk-scaling-factor: the routing weights of the top-k times this."""
+    """--moe-router-topk-scaling-factor"""
     moe_aux_loss_coeff: float | None = None
-    """--moe-aux-loss-coeff: weight of the load-balancing loss (default 0: none)."""
+    """--moe-aux-loss-coeff"""
     moe_z_loss_coeff: float | None = None
-    """--moe-z-loss-coeff: weight of the router z-loss (default: none)."""
+    """--moe-z-loss-coeff"""
     moe_router_load_balancing_type: str | None = None
-    """--moe-router-load-balancing-type: aux_loss (default: over the micro-batch), seq_aux_loss
-    (per sequence) or none."""
+    """--moe-router-load-balancing-type"""
     moe_expert_capacity_factor: float | None = None
-    """--moe-expert-capacity-factor: each expert takes at most capacity_factor x tokens x topk /
-    experts tokens, the others are dropped (default: no dropping)."""
+    """--moe-expert-capacity-factor"""
     moe_pad_expert_input_to_capacity: bool = False
-    """--moe-pad-expert-input-to-capacity: with --moe-expert-capacity-factor, every expert's input
-    padded with zero rows to its capacity (static shapes; the same outputs)."""
+    """--moe-pad-expert-input-to-capacity"""
     moe_token_dispatcher_type: str | None = None
-    """--moe-token-dispatcher-type: alltoall or allgather, accepted: one rank holds every expert
-    and permutes its tokens locally (no dispatch communication)."""
+    """--moe-token-dispatcher-type"""
     moe_router_dtype: str | None = None
-    """--moe-router-dtype: fp32 only: the router always runs in fp32."""
+    """--moe-router-dtype"""
     checkpoint_vocab_size: int | None = None
     """Not a flag: the vocabulary of the --load checkpoint's model under --use-checkpoint-args."""
 

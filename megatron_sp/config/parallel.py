@@ -18,70 +18,50 @@ class ParallelConfig:
     """The parallel layout and how model state is sharded and reduced (docs/design.md §3, §11)."""
 
     tensor_model_parallel_size: int = 1
-    """--tensor-model-parallel-size: tensor-parallel ranks (tp)."""
+    """--tensor-model-parallel-size"""
     pipeline_model_parallel_size: int = 1
-    """--pipeline-model-parallel-size: pipeline stages (pp)."""
+    """--pipeline-model-parallel-size"""
     sequence_parallel_size: int = 1
-    """--sequence-parallel-size: Ulysses sequence-parallel degree."""
+    """--sequence-parallel-size; set from the context-parallel flags under --cp-comm-type a2a or
+    a2a+p2p (_resolve_context)."""
     sequence_parallel: bool = False
-    """--sequence-parallel: Megatron sequence sharding inside tensor parallelism."""
+    """--sequence-parallel; False at tp 1, as Megatron-LM (nothing to shard)."""
     num_layers_per_virtual_pipeline_stage: int | None = None
-    """--num-layers-per-virtual-pipeline-stage: interleaved 1F1B: layers per virtual stage."""
+    """--num-layers-per-virtual-pipeline-stage"""
     decoder_first_pipeline_num_layers: int | None = None
-    """--decoder-first-pipeline-num-layers: layers of the first pipeline stage (uneven stages)."""
+    """--decoder-first-pipeline-num-layers"""
     decoder_last_pipeline_num_layers: int | None = None
-    """--decoder-last-pipeline-num-layers: layers of the last pipeline stage (uneven stages)."""
+    """--decoder-last-pipeline-num-layers"""
     distributed_backend: str | None = None
-    """--distributed-backend: nccl or gloo (default: nccl on GPU, gloo on CPU)."""
+    """--distributed-backend"""
     distributed_timeout_minutes: float = 10.0
-    """--distributed-timeout-minutes: a collective gives up (and the run stops) after this long."""
+    """--distributed-timeout-minutes"""
     use_distributed_optimizer: bool = False
-    """--use-distributed-optimizer: ZeRO-1/2: shard the Adam state (and fp32 master weights of
-    16-bit parameters) over the dp x sp ranks; gradients reduce-scattered, updated parameters
-    all-gathered."""
+    """--use-distributed-optimizer"""
     use_torch_fsdp2: bool = False
-    """--use-torch-fsdp2: ZeRO-3 with torch's FSDP2: parameters, gradients and optimizer state
-    sharded over the dp x sp ranks, one FSDP unit per transformer layer (all-gathered just
-    before use, next layer prefetched), gradients reduce-scattered; with --bf16 the gathered
-    parameters and the gradients on the wire are bf16 and the sharded master weights fp32."""
+    """--use-torch-fsdp2"""
     optimizer_cpu_offload: bool = False
-    """--optimizer-cpu-offload: keep the sharded state in (pinned) host memory and step the
-    optimizer there: with --use-distributed-optimizer the master rows, their gradients and the
-    Adam state; with --use-torch-fsdp2 the sharded parameters, gradients and optimizer state
-    (CPUOffloadPolicy), the device holding only the layers in flight."""
+    """--optimizer-cpu-offload"""
     overlap_grad_reduce: bool = False
-    """--overlap-grad-reduce: overlap the gradient reduction with backward (always on: buckets are
-    launched from the gradient hooks of the last backward pass)."""
+    """--overlap-grad-reduce"""
     overlap_param_gather: bool = False
-    """--overlap-param-gather: distributed optimizer: launch the all-gathers of all buckets at once
-    after the step (FSDP2 always prefetches the next layer's)."""
+    """--overlap-param-gather"""
     grad_bucket_size_mb: float = 25.0
-    """--grad-bucket-size-mb: size of the gradient buckets reduced during backward."""
+    """--grad-bucket-size-mb"""
     grad_reduce_in_bf16: bool = False
-    """--grad-reduce-in-bf16: reduce gradients over dp x sp in bf16 on the wire (accumulated in
-    fp32)."""
+    """--grad-reduce-in-bf16"""
     context_parallel_size: int = 1
-    """--context-parallel-size: Megatron-LM's context-parallel degree, the ranks one sequence is
-    split over (how: cp_comm_type)."""
+    """--context-parallel-size"""
     cp_comm_type: str = "p2p"
-    """--cp-comm-type: p2p (ring attention, Megatron's default), a2a (Ulysses), a2a+p2p (Ulysses
-    inside x ring across) or allgather (refused)."""
+    """--cp-comm-type"""
     hierarchical_context_parallel_sizes: tuple[int, ...] | None = None
-    """--hierarchical-context-parallel-sizes: a2a+p2p's Ulysses and ring degrees (A R)."""
+    """--hierarchical-context-parallel-sizes"""
     context_parallel_layout: str = "balanced"
-    """--context-parallel-layout: which tokens each ring rank holds with packed documents:
-    balanced (documents placed so every rank has the same causal attention work; docs/design.md
-    §14) or zigzag (chunks r and 2cp-1-r of the row). Without documents both are the zigzag."""
+    """--context-parallel-layout"""
     expert_model_parallel_size: int = 1
-    """--expert-model-parallel-size: Megatron-LM's expert-parallel degree (ep): each MoE layer's
-    experts split over ep consecutive ranks of a stage's (dp, cp, sp, tp) order, tokens dispatched
-    by all-to-all; with --expert-tensor-parallel-size tp (the default) over dp x cp x sp only."""
+    """--expert-model-parallel-size"""
     expert_tensor_parallel_size: int | None = None
-    """--expert-tensor-parallel-size: tensor-parallel degree of the experts. tp (or unset, as in
-    Megatron-LM; MoE under tp > 1 needs --sequence-parallel): the experts split over tp like the
-    dense SwiGLU MLP, the tokens all-gathered over tp around them, ep over dp x cp x sp; 1: whole
-    experts on each rank, each tp rank routing its own tokens, ep folded over tp too (Megatron's
-    parallel folding). GPTModel resolves None."""
+    """--expert-tensor-parallel-size; None until GPTModel resolves it."""
 
     def __post_init__(self):
         pp = self.pipeline_model_parallel_size

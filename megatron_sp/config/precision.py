@@ -23,39 +23,36 @@ class PrecisionConfig:
     """Mixed precision: bf16, fp16 with Megatron-LM's loss scaling, FP8 through Transformer Engine."""
 
     bf16: bool = False
-    """--bf16: bf16 mixed precision (fp32 master weights)."""
+    """--bf16"""
     fp16: bool = False
-    """--fp16: fp16 mixed precision (fp32 master weights) with Megatron's loss scaling (--loss-
-    scale, --initial-loss-scale, ...)."""
+    """--fp16"""
     loss_scale: float | None = None
-    """--loss-scale: --fp16: a static loss scale (default: dynamic loss scaling)."""
+    """--loss-scale"""
     initial_loss_scale: float = 4294967296.0
-    """--initial-loss-scale: --fp16: the dynamic loss scale's start (2**32)."""
+    """--initial-loss-scale"""
     min_loss_scale: float = 1.0
-    """--min-loss-scale: --fp16: the dynamic loss scale's floor (1)."""
+    """--min-loss-scale"""
     loss_scale_window: float = 1000
-    """--loss-scale-window: --fp16: steps without overflow before the scale doubles (1000)."""
+    """--loss-scale-window"""
     hysteresis: int = 2
-    """--hysteresis: --fp16: overflows in a row before the scale halves (2)."""
+    """--hysteresis"""
     fp8_format: str | None = None
-    """--fp8-format e4m3|hybrid: FP8 through Transformer Engine's fp8_autocast, or through torchao
-    in the projections and MLP linears (megatron_sp.training.fp8; fp8_backend)."""
+    """--fp8-format; run by fp8_backend."""
     fp8_recipe: str | None = None
-    """--fp8-recipe: Megatron-LM's tensorwise|delayed|blockwise|mxfp8, or torchao's rowwise|
-    rowwise_with_gw_hp; None: delayed under Transformer Engine, tensorwise through torchao."""
+    """--fp8-recipe"""
     fp8_backend: str | None = None
     """Which library runs --fp8-format: "transformer_engine" or "torchao" (the command line resolves
     it with megatron_sp.training.fp8.resolve_backend; None: Transformer Engine where installed)."""
     fp8_margin: int = 0
-    """--fp8-margin: FP8 scales divided by 2^margin (both backends)."""
+    """--fp8-margin"""
     fp8_interval: int = 1
-    """--fp8-interval: deprecated by Transformer Engine 1.8 (passed to older versions)."""
+    """--fp8-interval"""
     fp8_amax_history_len: int = 1
-    """--fp8-amax-history-len: FP8 amax history length (Transformer Engine)."""
+    """--fp8-amax-history-len"""
     fp8_amax_compute_algo: str = "most_recent"
-    """--fp8-amax-compute-algo: FP8 amax from the history's most recent or max value."""
+    """--fp8-amax-compute-algo"""
     fp8_param_gather: bool = False
-    """--fp8-param-gather: build the Transformer Engine modules' weights in FP8 (fp8_model_init)."""
+    """--fp8-param-gather"""
 
     def __post_init__(self):
         if self.fp16 and self.bf16:

@@ -16,37 +16,37 @@ class DataConfig:
     """Where the tokens come from and how samples are cut (docs/design.md §7)."""
 
     data_path: tuple[str, ...] | None = None
-    """--data-path: dataset prefixes, optionally weighted: [w1] prefix1 [w2 prefix2 ...]."""
+    """--data-path"""
     split: str = "969,30,1"
-    """--split: train,valid,test proportions of the documents, commas or slashes (Megatron's)."""
+    """--split"""
     data_cache_path: str | None = None
-    """--data-cache-path: folder of the cached sample indices (default: next to the data)."""
+    """--data-cache-path"""
     tokenizer_type: str | None = None
-    """--tokenizer-type: the tokenizer the data was preprocessed with."""
+    """--tokenizer-type"""
     tokenizer_model: str | None = None
-    """--tokenizer-model: its model file (.model) or Hugging Face folder."""
+    """--tokenizer-model"""
     vocab_file: str | None = None
-    """--vocab-file: GPT2BPETokenizer: vocab.json."""
+    """--vocab-file"""
     merge_file: str | None = None
-    """--merge-file: GPT2BPETokenizer: merges.txt."""
+    """--merge-file"""
     trust_remote_code: bool = False
-    """--trust-remote-code: a Hugging Face tokenizer folder may run its own code (auto_map)."""
+    """--trust-remote-code"""
     vocab_size: int | None = None
-    """--vocab-size: vocabulary of the NullTokenizer."""
+    """--vocab-size"""
     reset_position_ids: bool = False
-    """--reset-position-ids: positions restart after each end-of-document token."""
+    """--reset-position-ids"""
     reset_attention_mask: bool = False
-    """--reset-attention-mask: attention never crosses an end-of-document token."""
+    """--reset-attention-mask"""
     eod_mask_loss: bool = False
-    """--eod-mask-loss: no loss on end-of-document tokens."""
+    """--eod-mask-loss"""
     mock_data: bool = False
-    """--mock-data: synthetic random tokens (tests and benchmarks)."""
+    """--mock-data"""
     cache_dir: str | None = None
-    """--cache-dir: where the embedded default corpus is built."""
+    """--cache-dir"""
     num_workers: int = 0
-    """--num-workers: data loader worker processes."""
+    """--num-workers"""
     dataloader_type: str = "single"
-    """--dataloader-type: single: one pass in order; cyclic: epochs repeat, each shuffled."""
+    """--dataloader-type"""
 
     def __post_init__(self):
         if self.data_path is not None:
@@ -66,78 +66,71 @@ class TrainingConfig:
     and the non-finite policy."""
 
     micro_batch_size: int = 1
-    """--micro-batch-size: samples per micro-batch per data-parallel rank."""
+    """--micro-batch-size"""
     global_batch_size: int | None = None
-    """--global-batch-size: samples per optimizer step over all data-parallel ranks (default:
-    --micro-batch-size x dp)."""
+    """--global-batch-size"""
     seq_length: int | None = None
-    """--seq-length: tokens per sample."""
+    """--seq-length"""
     train_iters: int | None = None
-    """--train-iters: optimizer steps to train (default 100 when --train-samples is not given)."""
+    """--train-iters"""
     train_samples: int | None = None
-    """--train-samples: samples to train, instead of --train-iters."""
+    """--train-samples"""
     rampup_batch_size: tuple[int, ...] | None = None
-    """--rampup-batch-size: the global batch grows from START by INCR over SAMPLES samples
-    (Megatron's ramp-up)."""
+    """--rampup-batch-size"""
     lr: float = 0.0003
-    """--lr: peak learning rate."""
+    """--lr"""
     min_lr: float = 0.0
-    """--min-lr: learning rate at the end of the decay."""
+    """--min-lr"""
     lr_warmup_iters: int = 0
-    """--lr-warmup-iters: linear warm-up steps."""
+    """--lr-warmup-iters"""
     lr_warmup_fraction: float | None = None
-    """--lr-warmup-fraction: warm-up as a fraction of --lr-decay-iters."""
+    """--lr-warmup-fraction"""
     lr_decay_style: str = "linear"
-    """--lr-decay-style: learning-rate decay after warm-up."""
+    """--lr-decay-style"""
     lr_decay_iters: int | None = None
-    """--lr-decay-iters: steps of the decay, warm-up included (default --train-iters)."""
+    """--lr-decay-iters"""
     lr_wsd_decay_iters: int | None = None
-    """--lr-wsd-decay-iters: WSD: steps of the final linear decay."""
+    """--lr-wsd-decay-iters"""
     lr_decay_samples: int | None = None
-    """--lr-decay-samples: decay length in samples (with --train-samples)."""
+    """--lr-decay-samples"""
     lr_warmup_samples: int = 0
-    """--lr-warmup-samples: warm-up length in samples (with --train-samples)."""
+    """--lr-warmup-samples"""
     lr_wsd_decay_samples: int | None = None
-    """--lr-wsd-decay-samples: WSD final decay in samples (with --train-samples)."""
+    """--lr-wsd-decay-samples"""
     weight_decay: float = 0.01
-    """--weight-decay: AdamW decoupled weight decay (not on norms and biases)."""
+    """--weight-decay"""
     clip_grad: float = 1.0
-    """--clip-grad: clip the global gradient norm to this (0: no clipping)."""
+    """--clip-grad"""
     adam_beta1: float = 0.9
-    """--adam-beta1: Adam beta1."""
+    """--adam-beta1"""
     adam_beta2: float = 0.999
-    """--adam-beta2: Adam beta2."""
+    """--adam-beta2"""
     adam_eps: float = 1e-08
-    """--adam-eps: Adam epsilon."""
+    """--adam-eps"""
     optimizer: str = "adam"
-    """--optimizer: adam (AdamW) or sgd."""
+    """--optimizer"""
     sgd_momentum: float = 0.9
-    """--sgd-momentum: --optimizer sgd momentum (0.9)."""
+    """--sgd-momentum"""
     decoupled_lr: float | None = None
-    """--decoupled-lr: peak learning rate of the embedding and output layer weights."""
+    """--decoupled-lr"""
     decoupled_min_lr: float | None = None
-    """--decoupled-min-lr: their minimum learning rate (default --min-lr)."""
+    """--decoupled-min-lr"""
     calculate_per_token_loss: bool = False
-    """--calculate-per-token-loss: the loss is the sum of per-token losses over the global batch's
-    token count (always the case here)."""
+    """--calculate-per-token-loss"""
     seed: int = 1234
-    """--seed: seed of initialisation, data order and dropout."""
+    """--seed"""
     eval_interval: int = 1000
-    """--eval-interval: evaluate every N iterations."""
+    """--eval-interval"""
     eval_iters: int = 10
-    """--eval-iters: batches per evaluation."""
+    """--eval-iters"""
     nonfinite_loss: str = "stop"
-    """--nonfinite-loss: a NaN/inf loss or gradient norm: stop the run with the iteration (default,
-    like Megatron's NaN check) or skip that optimizer step and count it in the log."""
+    """--nonfinite-loss"""
     max_skipped_steps: int = 10
-    """--max-skipped-steps: with --nonfinite-loss skip: stop the run (it diverged) after this many
-    optimizer steps in a row were skipped; nothing is saved from the first one."""
+    """--max-skipped-steps"""
     torch_compile: bool = False
-    """--torch-compile: compile every transformer layer with torch.compile, one graph per layer as
-    torchtitan compiles its blocks (megatron_sp/compile.py; ours, Megatron-LM has no such flag)."""
+    """--torch-compile"""
     torch_compile_backend: str = "inductor"
-    """--torch-compile-backend: torch.compile backend: inductor, aot_eager (no code generation),
-    eager (Dynamo only)."""
+    """--torch-compile-backend"""
 
     def __post_init__(self):
         """Megatron-LM's defaults that follow from other flags, then its rules, one sentence each."""
