@@ -34,6 +34,7 @@ from megatron_sp.tensor_parallel.layers import sequence_parallel_linear
 from megatron_sp.context_parallel import RingLocalAttention, zigzag_split
 from megatron_sp.context_parallel.balance import LayoutPlanner
 from megatron_sp.context_parallel.te import TEContextParallelAttention
+from megatron_sp.context_parallel.te_thd import thd_work
 from megatron_sp.ulysses import UlyssesAttention, check_head_chunks
 
 from .config import GPTConfig
@@ -605,12 +606,14 @@ class GPTModel(nn.Module):
         """One LayoutPlanner for this model's rings (cp > 1): the step's layout is computed once
         from the document ids, and the tokens this model gathers are the ones every ring plans."""
         self.cp_planner, self._cp_positions, self._cp_work = None, None, None
+        self._te_ring = False
         if self.mesh.cp_size == 1:
             return
         self.cp_planner = LayoutPlanner(kind, self.mesh.cp_size, self.mesh.cp_rank)
         for module in self.modules():
             if isinstance(module, RingLocalAttention):
                 module.planner = self.cp_planner
+        self._te_ring = any(isinstance(m, TEContextParallelAttention) for m in self.modules())
 
     def _set_cp_layout(self, document_ids) -> None:
         """This step's ring layout: the balanced one's positions [b, s/cp] when the planner uses
@@ -619,11 +622,21 @@ class GPTModel(nn.Module):
         if planner is None or document_ids is None:
             return
         layout = planner.layout(document_ids, *document_ids.shape)
-        work = layout.work()                    # every ring rank's causal pairs, this micro-batch
+        # every ring rank's causal pairs, this micro-batch: in TE's thd layout where TE attends
+        work = thd_work(layout) if self._tes_thd(document_ids.device) else layout.work()
         self._cp_work = work if self._cp_work is None else [a + b for a, b in
                                                             zip(self._cp_work, work)]
         if planner.uses_layout(document_ids):
             self._cp_positions = layout.positions(self.mesh.cp_rank, document_ids.device)
+
+    def _tes_thd(self, device) -> bool:
+        """Whether TE's context parallelism attends this forward's packed documents (its thd
+        layout; 16-bit only: fp32 runs our ring)."""
+        if not self._te_ring:
+            return False
+        dtype = (torch.get_autocast_dtype(device.type)
+                 if torch.is_autocast_enabled(device.type) else next(self.parameters()).dtype)
+        return dtype in (torch.float16, torch.bfloat16)
 
     def take_cp_work(self) -> list[int] | None:
         """Every ring rank's causal (query, key) pairs summed over the forwards since the last

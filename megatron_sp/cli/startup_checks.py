@@ -203,7 +203,8 @@ def ring_is_transformer_engine(job: JobConfig) -> bool:
 
 def check_te_context_parallel(job: JobConfig, config, mesh) -> None:
     """A ring layout Transformer Engine's context parallelism refuses, in one sentence at
-    start-up (heads per rank after our Ulysses exchange, the head size, packed documents)."""
+    start-up (heads per rank after our Ulysses exchange, the head size; packed documents run in
+    TE's thd layout, context_parallel/te_thd.py)."""
     import torch
     from megatron_sp.context_parallel.te import te_cp_problem
     tp, sp = mesh.tp_size, mesh.sp_size

@@ -359,6 +359,7 @@ class LayoutPlanner:
         self.kind, self.cp, self.rank = kind, cp, rank
         self._layouts = PlanCache(self._layout)
         self._plans = PlanCache(self._plan)
+        self._derived = {}
 
     def uses_layout(self, document_ids) -> bool:
         """Whether the tokens are not the whole-row zigzag (balanced, with documents)."""
@@ -374,6 +375,14 @@ class LayoutPlanner:
     def plan(self, document_ids, b: int, n: int, causal: bool):
         """This rank's RingPlan for rows of n tokens per ring rank (cached on the ids tensor)."""
         return self._plans(document_ids, b, n, causal)
+
+    def cached(self, key: str, build, document_ids, *extra):
+        """build(document_ids, *extra) once per step and `key`, shared by every layer holding
+        this planner (e.g. TE's thd plan of the step's layout)."""
+        cache = self._derived.get(key)
+        if cache is None:
+            cache = self._derived[key] = PlanCache(build)
+        return cache(document_ids, *extra)
 
     def _plan(self, document_ids, b, n, causal):
         if not self.uses_layout(document_ids):

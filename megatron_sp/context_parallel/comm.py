@@ -18,6 +18,10 @@ transfer of the next block overlaps the work on the current one. Forward sends k
 (GRAD_TAG), posted in that order on every rank, so they match also where tags are ignored (NCCL).
 With cp = 2 the next and previous rank are the same; the tags keep the two messages apart.
 
+Packed documents under Transformer Engine's context parallelism move the rows between our layout
+and TE's thd layout (te_thd.py) by an all-to-all of uneven splits (thd_exchange, kind
+"cp/thd all_to_all"; the rows all-to-all of expert parallelism, moe/comm.py).
+
 A group that is None or of size 1 is a ring of one: the exchange returns the tensors themselves
 without touching torch.distributed. Bytes sent are recorded under comm_stats kind "cp/ring_p2p".
 """
@@ -28,8 +32,10 @@ import torch.distributed as dist
 
 from megatron_sp import comm_stats
 from megatron_sp.mesh import group_rank, group_size
+from megatron_sp.moe.comm import all_to_all_rows
 
 COMM_KIND = "cp/ring_p2p"
+THD_KIND = "cp/thd all_to_all"
 KV_TAG = 0
 GRAD_TAG = 1
 
@@ -93,3 +99,11 @@ def send_next_recv_prev(tensors, group, tag: int = KV_TAG, shape=None) -> RingEx
     next_rank, prev_rank = ring_neighbours(group)
     works = _post(sends, recvs, next_rank, prev_rank, group, tag)
     return RingExchange(list(works), recvs, sends)
+
+
+def thd_exchange(rows: torch.Tensor, group, send_counts: list[int], recv_counts: list[int]):
+    """rows [sum(send_counts), ...] -> [sum(recv_counts), ...]: send_counts[j] rows to context
+    rank j, recv_counts[j] from it (autograd: gradients go back by the reverse exchange)."""
+    if group_size(group) == 1:
+        return rows
+    return all_to_all_rows(rows, group, send_counts, recv_counts, kind=THD_KIND)

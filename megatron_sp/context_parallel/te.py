@@ -32,17 +32,15 @@ contiguously over its a Ulysses ranks (hybrid.py), TE's gives context rank k = j
 (ring group), ulysses group): after the seq->head exchange each rank holds its ring rank's whole
 zigzag portion, which is TE's p2p layout over the ring group.
 
-Packed documents are refused (documents_problem). Under context parallelism TE takes them only as
-qkv_format "thd" (bshd / sbhd support no_mask and causal there: TE's backend filter), and thd splits
-EVERY sequence of cu_seqlens_q_padded into 2 cp chunks of its own, rank i holding chunks i and
-2cp-1-i of each (DualChunkSwap per sequence: tex.thd_get_partitioned_indices, and
-get_cu_seqlens_on_cp_rank counts a rank's tokens of each sequence so). A rank then holds sum_i
-P_i/cp tokens (P_i the padded lengths); ours holds n = s/cp tokens of the row, so sum_i P_i = s =
-the sum of the document lengths: no room for padding, every document is its own DualChunkSwap, and
-rank r holds chunks r and 2cp-1-r of every document, which is our whole-row zigzag only when the row
-is one document. Describing our tokens to thd would need them (with their positions, labels and loss
-mask) re-distributed among the ranks. Our ring (--attention-backend sdpa) attends packed documents
-as segments.
+Packed documents. Under context parallelism TE takes them only as qkv_format "thd" (bshd /
+sbhd support no_mask and causal there: TE's backend filter), and thd splits EVERY document in
+2 cp chunks of its own, padded to a multiple of 2 cp, rank i holding chunks i and 2cp-1-i of each
+(DualChunkSwap per sequence: tex.thd_get_partitioned_indices). Our ranks hold n = s/cp tokens of
+the row in the balanced (or zigzag) layout, so with 16-bit inputs and documents the tokens move
+to TE's layout and back around TE's call (te_thd.py: one all-to-all of q, k, v in, one of the
+output out; tokens whose places agree stay home), with cu_seqlens (real lengths),
+cu_seqlens_padded and "padding_causal". TE implements thd only for its p2p exchange, so the other
+communication types refuse packed documents (documents_problem).
 
 fp32: TE runs context parallelism on FlashAttention or FusedAttention only (it disables its unfused
 attention there), both fp16 / bf16, so fp32 calls run our ring over the same group and layout
@@ -58,7 +56,8 @@ from torch import nn
 from megatron_sp.attention.backends import FUSED_DTYPES, TEAttention, import_optional
 from megatron_sp.attention.base import check_shapes
 from megatron_sp.context_parallel.attention import RingLocalAttention
-from megatron_sp.context_parallel.comm import group_global_ranks
+from megatron_sp.context_parallel.comm import group_global_ranks, thd_exchange
+from megatron_sp.context_parallel.te_thd import thd_plan
 from megatron_sp.errors import ConfigError
 from megatron_sp.mesh import LayoutError, group_rank, group_size
 
@@ -82,14 +81,13 @@ def te_comm_type(cp_comm_type: str) -> str:
     return kind
 
 
-def documents_problem(cp: int) -> str:
-    """The one sentence refusing packed documents under TE's context parallelism (module
-    docstring: why)."""
-    return (f"packed documents (--reset-attention-mask) cannot run under Transformer Engine's "
-            f"context parallelism over {cp} ranks (--attention-backend te): TE's packed (thd) "
-            f"format gives every rank two chunks of each document, our zigzag layout two chunks "
-            f"of the whole row, so TE would need the tokens re-distributed among the ranks; use "
-            f"--attention-backend sdpa, whose ring attends packed documents as segments.")
+def documents_problem(cp: int, cp_comm_type: str) -> str:
+    """The one sentence refusing packed documents under TE's context parallelism with a
+    communication type other than p2p (TE's thd format has only the p2p exchange)."""
+    return (f"packed documents (--reset-attention-mask) run under Transformer Engine's context "
+            f"parallelism over {cp} ranks only with --cp-comm-type p2p (TE implements its packed "
+            f"thd format for the p2p exchange alone), not {cp_comm_type}: use --cp-comm-type p2p, "
+            f"or --attention-backend sdpa, whose ring attends packed documents in any layout.")
 
 
 def te_cp_problem(cp_comm_type: str, cp: int, heads: int, kv_heads: int,
@@ -103,7 +101,7 @@ def te_cp_problem(cp_comm_type: str, cp: int, heads: int, kv_heads: int,
     head size if known. TE's checks read: a2a scatters the heads ("The number of attention heads
     needs to be divisible by CP size!", query and key/value heads), a2a+p2p does so over its a2a
     group, p2p and a2a+p2p need "hidden size per attention head ... multiple of 8", and packed
-    documents are refused (documents_problem).
+    documents run in TE's thd format, p2p only (documents_problem).
     """
     kind = TE_COMM_TYPES.get(cp_comm_type)
     if kind is None:
@@ -130,8 +128,8 @@ def te_cp_problem(cp_comm_type: str, cp: int, heads: int, kv_heads: int,
         return (f"Transformer Engine's {kind} context parallelism needs a head size that is a "
                 f"multiple of 8, got {head_dim}: use --kv-channels {8 * math.ceil(head_dim / 8)} "
                 f"or --attention-backend sdpa.")
-    if documents and dtype in FUSED_DTYPES:
-        return documents_problem(cp)
+    if documents and dtype in FUSED_DTYPES and kind != "p2p":
+        return documents_problem(cp, cp_comm_type)
     return None
 
 
@@ -200,8 +198,8 @@ class TEContextParallelAttention(nn.Module):
                               f"context group's rank order.")
         return [a2a, p2p]
 
-    def _module(self, h, g, d, mask_type, dropout_p, scale, device):
-        key = (h, g, d, mask_type, float(dropout_p), float(scale))
+    def _module(self, h, g, d, mask_type, dropout_p, scale, device, fmt="bshd"):
+        key = (h, g, d, mask_type, float(dropout_p), float(scale), fmt)
         module = self._cache.get(key)
         if module is None:
             problem = te_cp_problem(self.cp_comm_type, self.cp_size, h, g,
@@ -211,7 +209,7 @@ class TEContextParallelAttention(nn.Module):
             cp = {} if self._cp_kwargs is None else dict(self._cp_kwargs,
                                                           cp_stream=_cp_stream(device))
             module = self._te.DotProductAttention(
-                h, d, num_gqa_groups=g, attention_dropout=dropout_p, qkv_format="bshd",
+                h, d, num_gqa_groups=g, attention_dropout=dropout_p, qkv_format=fmt,
                 attn_mask_type=mask_type, softmax_scale=scale, **cp)
             self._cache[key] = module
         module.train(dropout_p > 0)  # TE applies attention_dropout only in training mode
@@ -219,11 +217,11 @@ class TEContextParallelAttention(nn.Module):
 
     def forward(self, q, k, v, *, causal=True, softmax_scale=None, document_ids=None,
                 dropout_p=0.0):
-        """q [b, n, h, d], k, v [b, n, g, d]: this rank's n = s/cp zigzag tokens (chunk i then
-        chunk 2cp-1-i, i its position in the cp group), all of its heads. document_ids: None or
-        the FULL rows' int64 [b, s] segment ids: with 16-bit inputs refused when cp > 1 (module
-        docstring; with cp = 1 TE's thd attention takes them), with fp32 ones attended by our
-        ring. Returns out [b, n, h, d] in q's dtype."""
+        """q [b, n, h, d], k, v [b, n, g, d]: this rank's n = s/cp tokens of the shared planner's
+        layout (zigzag: chunk i then chunk 2cp-1-i, i its position in the cp group), all of its
+        heads. document_ids: None or the FULL rows' int64 [b, s] segment ids: with 16-bit inputs
+        and cp > 1 attended in TE's thd layout (module docstring; p2p only), with cp = 1 by TE's
+        plain thd attention, with fp32 ones by our ring. Returns out [b, n, h, d] in q's dtype."""
         check_shapes(q, k, v, None)
         (b, n, h, d), g = q.shape, k.shape[2]
         if document_ids is not None and tuple(document_ids.shape) != (b, n * self.cp_size):
@@ -237,12 +235,45 @@ class TEContextParallelAttention(nn.Module):
             if self._one_rank is not None:
                 return self._one_rank(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                       document_ids=document_ids, dropout_p=dropout_p)
-            raise ConfigError(documents_problem(self.cp_size))
+            if self.cp_comm_type != "p2p":
+                raise ConfigError(documents_problem(self.cp_size, self.cp_comm_type))
+            return self._thd(q, k, v, document_ids, causal, softmax_scale, dropout_p)
         scale = softmax_scale if softmax_scale is not None else d ** -0.5
         mask_type = "causal" if causal else "no_mask"
         te_attention = self._module(h, g, d, mask_type, dropout_p, scale, q.device)
         out = te_attention(q, k, v, qkv_format="bshd", attn_mask_type=mask_type)
         return out.view(b, n, h, d)                                   # [b, n, h*d] -> [b, n, h, d]
+
+    @property
+    def planner(self):
+        """The layout our tokens follow (the model shares one LayoutPlanner with every ring)."""
+        return self._ring.planner
+
+    def _thd_plan(self, document_ids, b, n, device):
+        layout = self.planner.layout(document_ids, b, n * self.cp_size)
+        return thd_plan(layout, group_rank(self.cp_group), device)
+
+    def _thd(self, q, k, v, document_ids, causal, softmax_scale, dropout_p):
+        """Packed documents: our tokens to TE's thd layout, TE's attention, and back (te_thd)."""
+        (b, n, h, d), g = q.shape, k.shape[2]
+        plan = self.planner.cached("te_thd", self._thd_plan, document_ids, b, n, q.device)
+        rows = torch.cat([q, k, v], dim=2).reshape(b * n, h + 2 * g, d)  # [b, n, h+2g, d] -> rows
+        received = thd_exchange(rows[plan.send_index], self.cp_group, plan.send_counts,
+                                plan.recv_counts)                         # [M, h+2g, d]
+        thd = rows.new_zeros(plan.slots, h + 2 * g, d).index_copy(0, plan.recv_slots, received)
+        q_t, k_t, v_t = (t.contiguous() for t in thd.split([h, g, g], dim=1))   # [T, h|g, d]
+        scale = softmax_scale if softmax_scale is not None else d ** -0.5
+        mask_type = "padding_causal" if causal else "padding"
+        te_attention = self._module(h, g, d, mask_type, dropout_p, scale, q.device, "thd")
+        out = te_attention(q_t, k_t, v_t, qkv_format="thd", attn_mask_type=mask_type,
+                           cu_seqlens_q=plan.cu_seqlens, cu_seqlens_kv=plan.cu_seqlens,
+                           cu_seqlens_q_padded=plan.cu_seqlens_padded,
+                           cu_seqlens_kv_padded=plan.cu_seqlens_padded,
+                           max_seqlen_q=plan.max_seqlen, max_seqlen_kv=plan.max_seqlen)
+        out = out.view(plan.slots, h, d)[plan.recv_slots]          # [T, h*d] -> [M, h, d] rows
+        back = thd_exchange(out, self.cp_group, plan.recv_counts, plan.send_counts)  # [b*n, h, d]
+        mine = back.new_zeros(b * n, h, d).index_copy(0, plan.send_index, back)
+        return mine.view(b, n, h, d)                                  # rows -> [b, n, h, d]
 
     def extra_repr(self) -> str:
         return f"cp={self.cp_size}, cp_comm_type={self.cp_comm_type}"

@@ -89,11 +89,13 @@ ROWS_KIND = "moe/dispatch all_to_all"
 COUNTS_KIND = "moe/dispatch counts all_to_all"
 
 
-def _all_to_all_rows(x: torch.Tensor, group, input_splits: list[int], output_splits: list[int]):
-    """x [sum(input_splits), H] -> [sum(output_splits), H]; counts the rows sent to other ranks."""
+def _all_to_all_rows(x: torch.Tensor, group, input_splits: list[int], output_splits: list[int],
+                     kind: str = ROWS_KIND):
+    """x [sum(input_splits), ...] -> [sum(output_splits), ...]; counts the rows sent to other
+    ranks under comm_stats `kind`."""
     me = group_rank(group)
     sent = sum(input_splits) - input_splits[me]
-    comm_stats.record(ROWS_KIND, sent * math.prod(x.shape[1:]) * x.element_size())
+    comm_stats.record(kind, sent * math.prod(x.shape[1:]) * x.element_size())
     x = x.contiguous()
     out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, x, output_split_sizes=output_splits,
@@ -105,13 +107,15 @@ class _AllToAllRows(torch.autograd.Function):
     """Rows all-to-all forward; backward the reverse exchange (splits swapped)."""
 
     @staticmethod
-    def forward(ctx, x, group, input_splits, output_splits):
+    def forward(ctx, x, group, input_splits, output_splits, kind):
         ctx.group, ctx.input_splits, ctx.output_splits = group, input_splits, output_splits
-        return _all_to_all_rows(x, group, input_splits, output_splits)
+        ctx.kind = kind
+        return _all_to_all_rows(x, group, input_splits, output_splits, kind)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_to_all_rows(grad, ctx.group, ctx.output_splits, ctx.input_splits), None, None, None
+        back = _all_to_all_rows(grad, ctx.group, ctx.output_splits, ctx.input_splits, ctx.kind)
+        return back, None, None, None, None
 
 
 def exchange_counts(tokens_per_expert: torch.Tensor, group) -> torch.Tensor:
@@ -126,7 +130,9 @@ def exchange_counts(tokens_per_expert: torch.Tensor, group) -> torch.Tensor:
     return recv
 
 
-def all_to_all_rows(x: torch.Tensor, group, input_splits: list[int], output_splits: list[int]):
-    """x [sum(input_splits), H] -> [sum(output_splits), H] over the ep group (autograd: the
-    backward sends the gradients back with the splits swapped)."""
-    return _AllToAllRows.apply(x, group, input_splits, output_splits)
+def all_to_all_rows(x: torch.Tensor, group, input_splits: list[int], output_splits: list[int],
+                    kind: str = ROWS_KIND):
+    """x [sum(input_splits), ...] -> [sum(output_splits), ...] over `group` (the ep group; the
+    context group for TE's thd layout), input_splits[j] rows to rank j (autograd: the backward
+    sends the gradients back with the splits swapped). Bytes counted under comm_stats `kind`."""
+    return _AllToAllRows.apply(x, group, input_splits, output_splits, kind)

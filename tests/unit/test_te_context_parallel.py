@@ -33,6 +33,7 @@ from megatron_sp.errors import ConfigError
 from megatron_sp.mesh import LayoutError
 
 RTOL_16, ATOL_16 = 2 ** -8, 1e-6
+GRAD_NORM_RTOL = 0.05     # the model check: TE's thd path against our ring, both under bf16
 FWD_TOL_32 = 1e-5
 
 
@@ -70,6 +71,22 @@ def _gather(t, group):
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, t.contiguous(), group=group)
     return parts
+
+
+class _GatherWithGrad(torch.autograd.Function):
+    """x [...] -> [c, ...] every group rank's x; backward: the gradients of every rank's
+    queries summed (all-reduce), this rank's part returned (what TE's ring sends back as dkv)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return torch.stack(_gather(x, group))
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
 
 
 def make_te_stub(built, calls):
@@ -141,6 +158,10 @@ def make_te_stub(built, calls):
                     pad_between_seqs=None, fp8_output=False):
             fmt = qkv_format or self.qkv_format
             mask_type = attn_mask_type or self.attn_mask_type
+            if fmt == "thd":
+                return self._thd(query_layer, key_layer, value_layer, mask_type, cu_seqlens_q,
+                                 cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
+                                 max_seqlen_q, max_seqlen_kv, attention_mask)
             # TE's context parallelism with bshd: no_mask or causal, no cu_seqlens, 16-bit
             assert fmt == "bshd" and mask_type in ("causal", "no_mask"), (fmt, mask_type)
             assert cu_seqlens_q is None and attention_mask is None
@@ -156,6 +177,49 @@ def make_te_stub(built, calls):
             out = masked_attention(query_layer, torch.cat(ks, 1), torch.cat(vs, 1), pos_q, pos_k,
                                    mask_type == "causal", self.softmax_scale)
             return out.to(query_layer.dtype).reshape(b, n, self.h * self.d)   # heads merged
+
+        def _thd(self, q, k, v, mask_type, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_q, max_kv,
+                 attention_mask):
+            """TE's thd context parallelism (p2p): q, k, v [t, heads, d] hold, per sequence i of
+            cu_seqlens_padded (global, each P_i a multiple of 2c), chunks i and 2c-1-i of c_i =
+            P_i / 2c slots, at local offset cu_seqlens_padded[i] / c; the real tokens are the
+            first cu_seqlens[i+1] - cu_seqlens[i] of the padded sequence. Out [t, h*d]: each real
+            query against the real keys of its sequence (causal by offset), padding rows zero."""
+            assert mask_type in ("padding_causal", "padding"), mask_type
+            assert attention_mask is None and self.cp_comm_type == "p2p", self.cp_comm_type
+            for cu in (cu_q, cu_kv, cu_q_pad, cu_kv_pad):
+                assert cu is not None and cu.dtype == torch.int32 and cu.dim() == 1, cu
+            assert torch.equal(cu_q, cu_kv) and torch.equal(cu_q_pad, cu_kv_pad)
+            assert q.dtype in (torch.float16, torch.bfloat16) and q.dim() == 3
+            assert q.shape[1:] == (self.h, self.d) and k.shape == v.shape == (
+                q.shape[0], self.g, self.d)
+            c, i, _, _ = self._context(k, v)               # the group and cp_global_ranks checks
+            kv = _GatherWithGrad.apply(torch.stack([k, v]).double(), self.cp_group)
+            ks, vs = [part[0] for part in kv], [part[1] for part in kv]    # every rank's [t, g, d]
+            real, padded = (cu[1:] - cu[:-1] for cu in (cu_q, cu_q_pad))
+            assert bool((padded % (2 * c) == 0).all()) and bool((real <= padded).all())
+            assert q.shape[0] == int(cu_q_pad[-1]) // c, (q.shape, cu_q_pad)
+            assert max_q == max_kv == int(padded.max()), (max_q, int(padded.max()))
+            calls.append(dict(qkv_format="thd", attn_mask_type=mask_type, q=tuple(q.shape),
+                              training=self.training, sequences=len(real)))
+            out = torch.zeros(q.shape[0], self.h, self.d, dtype=torch.float64)
+            for seq, (length, size) in enumerate(zip(real.tolist(), padded.tolist())):
+                half, at = size // (2 * c), int(cu_q_pad[seq]) // c
+                def whole(parts):       # the padded sequence [P, heads, d] from every rank's chunks
+                    chunks = [None] * (2 * c)
+                    for j, part in enumerate(parts):
+                        chunks[j] = part[at:at + half]
+                        chunks[2 * c - 1 - j] = part[at + half:at + 2 * half]
+                    return torch.cat(chunks)[:length]
+                keys, values = whole(ks), whole(vs)
+                mine = dual_chunk_swap(c, i, 2 * half)                 # my slots' offsets
+                real_rows = mine < length
+                rows = torch.arange(at, at + 2 * half)[real_rows]
+                got = masked_attention(q[rows][None], keys[None], values[None],
+                                       mine[real_rows], torch.arange(length),
+                                       mask_type == "padding_causal", self.softmax_scale)[0]
+                out[rows] = got
+            return out.to(q.dtype).reshape(q.shape[0], self.h * self.d)     # heads merged
 
     te_pytorch.DotProductAttention = DotProductAttention
     package.pytorch = te_pytorch
@@ -175,7 +239,7 @@ def inputs(gen, b, s, h, g, d, dtype=torch.bfloat16):
 
 
 def assert_close_16(got, want, what):
-    torch.testing.assert_close(got.double(), want, rtol=RTOL_16, atol=ATOL_16, msg=what)
+    torch.testing.assert_close(got.double(), want, rtol=RTOL_16, atol=ATOL_16, msg=lambda m: f"{what}: {m}")
 
 
 # One process ------------------------------------------------------------------------------------
@@ -262,13 +326,15 @@ def test_te_cp_problem_sentences():
     assert te_cp_problem("a2a+p2p", 8, 32, 8, (2, 4), False, bf16, head_dim=64) is None
     assert te_cp_problem("a2a", 1, 3, 1, None, True, bf16) is None          # no context split
     assert te_cp_problem("p2p", 4, 32, 8, None, True, fp32) is None          # fp32: our ring
-    assert te_cp_problem("p2p", 4, 32, 8, None, True, bf16) == documents_problem(4)
-    assert documents_problem(4) == (
-        "packed documents (--reset-attention-mask) cannot run under Transformer Engine's context "
-        "parallelism over 4 ranks (--attention-backend te): TE's packed (thd) format gives every "
-        "rank two chunks of each document, our zigzag layout two chunks of the whole row, so TE "
-        "would need the tokens re-distributed among the ranks; use --attention-backend sdpa, "
-        "whose ring attends packed documents as segments.")
+    assert te_cp_problem("p2p", 4, 32, 8, None, True, bf16) is None          # TE's thd layout
+    assert te_cp_problem("a2a", 4, 32, 8, None, True, bf16) == documents_problem(4, "a2a")
+    assert te_cp_problem("allgather", 4, 32, 8, None, True, bf16) == documents_problem(
+        4, "allgather")
+    assert documents_problem(4, "a2a") == (
+        "packed documents (--reset-attention-mask) run under Transformer Engine's context "
+        "parallelism over 4 ranks only with --cp-comm-type p2p (TE implements its packed thd "
+        "format for the p2p exchange alone), not a2a: use --cp-comm-type p2p, or "
+        "--attention-backend sdpa, whose ring attends packed documents in any layout.")
     assert te_cp_problem("a2a", 4, 6, 2, None, False, bf16) == (
         "Transformer Engine's a2a context parallelism scatters the attention heads over the 4 "
         "context-parallel ranks, so 6 query and 2 key/value heads per rank do not split: use a "
@@ -324,13 +390,17 @@ def _te_cp_checks(rank, world, seed):
         assert (made["num_attention_heads"], made["num_gqa_groups"]) == (h, g), made
         assert made["kv_channels"] == D, made
         assert made["qkv_format"] == "bshd" and made["attn_mask_type"] == "causal", made
-    # refusals: packed documents in bf16, key/value heads a2a cannot scatter
+    errors.update(_thd_checks(rank, both, seed, calls))
+    errors["model"] = _model_thd_check(rank, seed, calls)
+    # refusals: packed documents in bf16 with a2a (TE's thd is p2p only), key/value heads a2a
+    # cannot scatter
     q = torch.zeros(B, S // 2, 4, D, dtype=torch.bfloat16)
     try:
-        TEContextParallelAttention(both)(q, q, q, document_ids=torch.zeros(B, S, dtype=torch.long))
-        raise AssertionError("packed documents were not refused")
+        TEContextParallelAttention(both, "a2a")(q, q, q,
+                                                document_ids=torch.zeros(B, S, dtype=torch.long))
+        raise AssertionError("packed documents were not refused under a2a")
     except ConfigError as err:
-        assert str(err) == documents_problem(2), err
+        assert str(err) == documents_problem(2, "a2a"), err
     try:
         TEContextParallelAttention(both, "a2a")(q, q[:, :, :1], q[:, :, :1])
         raise AssertionError("a2a with 1 key/value head over 2 ranks was not refused")
@@ -339,13 +409,121 @@ def _te_cp_checks(rank, world, seed):
     return errors
 
 
+# Packed documents: TE's thd layout ---------------------------------------------------------------
+
+def ids_of(lengths_per_row):
+    """[b, s] document ids of rows with the given document lengths (ids restart per row)."""
+    rows = [torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+            for lengths in lengths_per_row]
+    return torch.stack(rows)
+
+
+def document_reference(q, k, v, ids, causal, scale):
+    """fp64 attention over the full rows [b, s, h, d], each query against the keys of its own
+    document (up to itself when causal)."""
+    h, g = q.shape[2], k.shape[2]
+    qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))          # [b, heads, s, d]
+    kd, vd = kd.repeat_interleave(h // g, 1), vd.repeat_interleave(h // g, 1)
+    scores = qd @ kd.transpose(-1, -2) * scale                            # [b, h, s, s]
+    s = q.shape[1]
+    allowed = ids[:, :, None] == ids[:, None, :]                           # [b, s, s]
+    if causal:
+        allowed = allowed & torch.ones(s, s, dtype=torch.bool).tril()
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ vd).transpose(1, 2)           # [b, s, h, d]
+
+
+# document mixes of rows of S = 32 over cp = 2 (2cp = 4): the balanced layout's example (long
+# A split per document, short ones whole), lengths 2cp does not divide (padding in TE's layout),
+# one-token documents, one document the whole row (the layout is then the zigzag), a document
+# spanning every rank, and two rows of different mixes
+THD_MIXES = [[[16, 6, 4, 4, 2]] * 2,
+             [[13, 11, 5, 3], [1] * 32],
+             [[32], [3, 29]],
+             [[1, 30, 1], [7, 2, 9, 1, 1, 12]]]
+
+
+def _thd_checks(rank, group, seed, calls):
+    """TE's thd path over 2 ranks: this rank's tokens of the balanced (and zigzag) layout in,
+    outputs and q, k, v gradients equal to full-row document attention (fp64 reference of the
+    same bf16 values; the stand-in computes in fp64 and rounds once)."""
+    from megatron_sp.context_parallel.balance import LayoutPlanner
+    errors = {}
+    cases = [(kind, mix, causal, h, g) for kind in ("balanced", "zigzag") for mix in THD_MIXES
+             for causal, h, g in ((True, 4, 2),)] + [("balanced", THD_MIXES[0], False, 2, 2)]
+    for n, (kind, mix, causal, h, g) in enumerate(cases):
+        gen = torch.Generator().manual_seed(seed + 100 + n)
+        q, k, v, dout = inputs(gen, B, S, h, g, D)
+        ids = ids_of(mix)
+        attention = TEContextParallelAttention(group)
+        attention._ring.planner = LayoutPlanner(kind, 2, rank)     # as the model shares its own
+        positions = attention.planner.layout(ids, B, S).positions(rank)          # [B, S/2]
+        mine = [torch.stack([t[r, positions[r]] for r in range(B)]) for t in (q, k, v, dout)]
+        local = [t.clone().requires_grad_() for t in mine[:3]]
+        before = len(calls)
+        out = attention(*local, causal=causal, document_ids=ids)
+        out.backward(mine[3])
+        assert calls[before]["qkv_format"] == "thd", calls[before:]
+        assert calls[before]["attn_mask_type"] == ("padding_causal" if causal else "padding")
+        full = [t.double().requires_grad_() for t in (q, k, v)]      # the same bf16 values
+        want = document_reference(*full, ids, causal, D ** -0.5)
+        want.backward(dout.double())
+        pick = (lambda t: torch.stack([t[r, positions[r]] for r in range(B)]))
+        tag = f"thd {kind} {mix} causal={causal}"
+        assert_close_16(out, pick(want.detach()), f"{tag}: out")
+        for name, got, ref in zip("qkv", local, full):
+            assert_close_16(got.grad, pick(ref.grad), f"{tag}: d{name}")
+        errors[f"thd{n}"] = float((out.double() - pick(want.detach())).abs().max())
+    return errors
+
+
+def _model_thd_check(rank, seed, calls):
+    """A llama-tiny GPTModel at cp 2 under bf16 autocast with --attention-backend te and packed
+    documents: every layer's TE call is thd, the work the model counts is TE's layout's
+    (thd_work, here unlike our balanced layout's), and its per-token loss and gradients equal
+    the same model's with our ring (sdpa) within bf16: losses rtol / atol 2e-2, each gradient's
+    difference under GRAD_NORM_RTOL of its norm (two bf16 kernels)."""
+    from megatron_sp.context_parallel.te_thd import thd_work
+    from megatron_sp.mesh import ParallelMesh
+    from megatron_sp.models import GPTModel, preset
+    from megatron_sp.models.init import init_parameters
+    config = preset("llama-tiny", num_layers=2, hidden_size=64, num_attention_heads=4,
+                    num_query_groups=2, ffn_hidden_size=128, vocab_size=300)
+    mesh = ParallelMesh.from_sizes(cp=2)
+    models = {name: GPTModel(config, mesh, attention_backend=name) for name in ("te", "sdpa")}
+    init_parameters(models["te"], seed=seed)
+    models["sdpa"].load_state_dict(models["te"].state_dict())
+    gen = torch.Generator().manual_seed(seed + 7)
+    tokens, labels = (torch.randint(0, 300, (B, S), generator=gen) for _ in range(2))
+    ids = ids_of(THD_MIXES[3])
+    losses, before = {}, len(calls)
+    for name, model in models.items():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses[name] = model(input_ids=tokens, labels=labels, document_ids=ids)
+        losses[name].float().sum().backward()
+    thd_calls = [c for c in calls[before:] if c["qkv_format"] == "thd"]
+    assert len(thd_calls) == config.num_layers, calls[before:]     # one forward per layer
+    layout = models["te"].cp_planner.layout(ids, B, S)
+    counted = models["te"].take_cp_work()
+    assert counted == thd_work(layout) and counted != layout.work(), (counted, layout.work())
+    assert models["sdpa"].take_cp_work() == layout.work()
+    torch.testing.assert_close(losses["te"].float(), losses["sdpa"].float(), rtol=2e-2, atol=2e-2)
+    worst = 0.0
+    for (name, p), q in zip(models["te"].named_parameters(), models["sdpa"].parameters()):
+        relative = float((p.grad - q.grad).norm() / q.grad.norm())
+        assert relative < GRAD_NORM_RTOL, (name, relative)
+        worst = max(worst, relative)
+    return worst
+
+
 @pytest.mark.timeout(120)
 def test_te_context_parallelism_on_two_ranks(seed):
     """TE's exchange over 2 gloo ranks (the stand-in gathers over the groups it is given): our
     zigzag tokens in, full attention out, for every cp_comm_type; TE's arguments as documented."""
     from megatron_sp.testing import run_distributed
     for errors in run_distributed(_te_cp_checks, 2, seed):
-        assert len(errors) == 5 and max(errors.values()) < 0.05, errors
+        assert len(errors) == 5 + 2 * len(THD_MIXES) + 2, errors
+        assert max(errors.values()) < 0.05, errors
 
 
 class _FakeGroup:
@@ -393,9 +571,9 @@ def test_the_model_picks_tes_context_parallelism_for_the_te_backend(te_stub):
     assert isinstance(wrapped.backend, RingLocalAttention)
 
 
-def test_pretrain_refuses_documents_under_tes_ring_at_start_up(monkeypatch):
-    """pretrain_gpt's start-up check: --attention-backend te with a ring and packed documents is
-    one sentence naming what works; without documents the layout passes."""
+def test_pretrain_takes_documents_under_tes_ring_at_start_up(monkeypatch):
+    """pretrain_gpt's start-up check: --attention-backend te with a ring passes with and without
+    packed documents (TE's thd layout, p2p); a layout TE refuses is one sentence."""
     from types import SimpleNamespace
 
     from megatron_sp.cli.build import parse_job
@@ -408,7 +586,9 @@ def test_pretrain_refuses_documents_under_tes_ring_at_start_up(monkeypatch):
              "--attention-backend", "te"]
     assert startup_checks.ring_is_transformer_engine(parse_job(flags))
     startup_checks.check_te_context_parallel(parse_job(flags), config, mesh)       # passes
-    with pytest.raises(ConfigError, match=r"^packed documents .* Transformer Engine's context "
-                                          r"parallelism .* use --attention-backend sdpa"):
+    startup_checks.check_te_context_parallel(parse_job(flags + ["--reset-attention-mask"]),
+                                             config, mesh)                      # passes: thd
+    odd = GPTConfig(num_layers=2, hidden_size=48, num_attention_heads=4, vocab_size=512)
+    with pytest.raises(ConfigError, match=r"multiple of 8, got 12: use --kv-channels 16"):
         startup_checks.check_te_context_parallel(parse_job(flags + ["--reset-attention-mask"]),
-                                                 config, mesh)
+                                                 odd, mesh)
