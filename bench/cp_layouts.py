@@ -176,6 +176,48 @@ def plan_table(seqs, degrees, rows) -> list[dict]:
     return out
 
 
+# Transformer Engine's thd layout (--attention-backend te with packed documents) ------------------
+
+TE_COLUMNS = [("mix", "mix"), ("seq", "s"), ("cp", "cp"), ("layout", "our layout"),
+              ("te_balance_worst_row", "TE thd max/mean"),
+              ("our_balance_worst_row", "our max/mean"), ("moved_share", "tokens moved"),
+              ("padding_share", "TE padding")]
+
+
+def te_row(mix: str, s: int, cp: int, rows: int, kind: str) -> dict:
+    """TE's thd layout of `kind`'s tokens: its work balance, the share of the row's tokens the
+    all-to-all moves (each way, q k v in and the output out), the padding TE's layout adds."""
+    import torch
+    from megatron_sp.context_parallel.te_thd import te_places, thd_work
+    te, ours, moved, padding = [], [], 0, 0
+    for row in range(rows):
+        layout = cp_layout(kind, [_bounds(mix_lengths(mix, s, row))], 1, s, cp)
+        te_rank, _, _, padded = te_places(layout)
+        te.append(work_balance(thd_work(layout)))
+        ours.append(layout.balance())
+        moved += sum(int((te_rank[layout.positions(r)[0]] != r).sum()) for r in range(cp))
+        padding += sum(padded) - s
+    return {"mix": mix, "seq": s, "cp": cp, "layout": kind, "te_balance_worst_row": max(te),
+            "our_balance_worst_row": max(ours), "moved_share": moved / (s * rows),
+            "padding_share": padding / (s * rows)}
+
+
+def te_table(seqs, degrees, rows) -> list[dict]:
+    out = []
+    print(f"{'mix':>24} {'s':>8} {'cp':>3} {'layout':>8} | {'TE bal':>6} {'ours':>6} | "
+          f"{'moved':>6} {'padding':>7}")
+    for mix in MIXES:
+        for s in seqs:
+            for cp in degrees:
+                for kind in ("balanced", "zigzag"):
+                    r = te_row(mix, s, cp, rows, kind)
+                    out.append(r)
+                    print(f"{mix:>24} {s:>8} {cp:>3} {kind:>8} | "
+                          f"{r['te_balance_worst_row']:>6.3f} {r['our_balance_worst_row']:>6.3f} "
+                          f"| {r['moved_share']:>6.3f} {r['padding_share']:>7.4f}", flush=True)
+    return out
+
+
 # Timed block kernels, per rank and ring step --------------------------------------------------
 
 def rank_step_seconds(plan, n, heads, kv_heads, head_dim, reps, gen):
@@ -462,6 +504,23 @@ def write_tables(result: dict) -> list[str]:
     return paths
 
 
+def write_te_table(rows, command) -> str:
+    """bench/results/context_parallel_te_thd_cpu.json."""
+    from performance_table import write_results
+    return write_results(
+            "context_parallel_te_thd_cpu", "cp_layouts", rows, columns=TE_COLUMNS,
+            command=command,
+            title="Packed documents under Transformer Engine's context parallelism: its thd "
+                  "layout against ours (plan, pure computation)",
+            notes=["TE balance: max/mean causal (query, key) pairs over the ranks in TE's thd "
+                   "layout (every document padded to 2cp chunks, i and 2cp-1-i on rank i), worst "
+                   "row; ours: the same figure of our layout (what our ring balances)",
+                   "moved: the share of the row's tokens the all-to-all carries from our layout "
+                   "to TE's (q, k, v in; the output back the same way); padding: the slots TE's "
+                   "layout adds, over the row's tokens",
+                   "TE has not run (it installs nowhere here): these are the plan's figures"])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq", type=int, nargs="+", default=[32768, 131072, 1 << 20])
@@ -475,6 +534,9 @@ def main():
                    help="also time the block kernels per rank and ring step at these lengths")
     p.add_argument("--kernel-degrees", type=int, nargs="+", default=[2, 4])
     p.add_argument("--kernel-rows", type=int, default=2)
+    p.add_argument("--te", type=int, nargs="*", default=None,
+                   help="only Transformer Engine's thd layout table, at these lengths "
+                        "(default 32768 131072)")
     p.add_argument("--no-save", action="store_true", help="print only")
     p.add_argument("--tables-from", default=None, help=argparse.SUPPRESS)   # re-emit a raw run
     args = p.parse_args()
@@ -490,6 +552,11 @@ def main():
           f"the rows together); ring GiB: forward kv bytes per layer, all ranks, as the zigzag "
           f"ring sends them; needed: what the balanced ring sends (the keys another rank "
           f"attends); share: needed / ring\n")
+    if args.te is not None:
+        te = te_table(args.te or [32768, 131072], args.degrees, args.rows)
+        if not args.no_save:
+            print("\nwritten: " + write_te_table(te, command))
+        return
     plan = plan_table(args.seq, args.degrees, args.rows)
     kernels = (kernel_rows(args.kernels, args.kernel_degrees, SKEWED, args.kernel_rows, 3)
                if args.kernels else [])
