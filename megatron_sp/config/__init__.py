@@ -22,7 +22,7 @@ model (heads over tp x sp, layers over stages, the batch over dp) are checked wh
 
 The package, one module per part of a run (each section checks its own rules):
 
-    section.py    what the sections share: a field's flag, resolving a field while building
+    section.py    what the sections share: field_flag, resolve_fields (while building)
     parallel.py   ParallelConfig: tp, pp, Ulysses sp, context parallelism, experts, sharded state
     model.py      ModelFlags and --moe-layer-freq (parse_moe_layer_freq, check_moe_layer_freq)
     training.py   DataConfig, TrainingConfig (batch, schedule, optimizer, evaluation)
@@ -35,14 +35,20 @@ Every name is importable from `megatron_sp.config` itself, as before the split.
 """
 from megatron_sp.config.job import SECTIONS, JobConfig
 from megatron_sp.config.memory import MemoryConfig
-from megatron_sp.config.model import (MOE_LAYER_FREQ_LIMIT, ModelFlags, _layer_freq_value,
-                                      check_moe_layer_freq, parse_moe_layer_freq)
-from megatron_sp.config.parallel import ParallelConfig, _example_hierarchy
+from megatron_sp.config.model import MOE_LAYER_FREQ_LIMIT, ModelFlags, check_moe_layer_freq, \
+    parse_moe_layer_freq
+from megatron_sp.config.parallel import ParallelConfig
 from megatron_sp.config.precision import FP8_RECIPES, PrecisionConfig, check_fp8_recipe
 from megatron_sp.config.run import CheckpointConfig, LoggingConfig
-from megatron_sp.config.section import _flag, _resolve
+from megatron_sp.config.section import field_flag, resolve_fields
 from megatron_sp.config.training import NONFINITE_POLICIES, DataConfig, TrainingConfig
 from megatron_sp.errors import ConfigError
+
+# The private helpers of megatron_sp/config.py before the split, still importable from here under
+# those names (nothing in the repository imports them from here).
+from megatron_sp.config.model import _layer_freq_value
+from megatron_sp.config.parallel import _example_hierarchy
+_flag, _resolve = field_flag, resolve_fields
 
 __all__ = ["SECTIONS", "JobConfig", "ParallelConfig", "ModelFlags", "DataConfig", "TrainingConfig",
            "PrecisionConfig", "CheckpointConfig", "MemoryConfig", "LoggingConfig",

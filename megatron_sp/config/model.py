@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_sp.config.section import _flag, _resolve
+from megatron_sp.config.section import field_flag as _flag
+from megatron_sp.config.section import resolve_fields as _resolve
 from megatron_sp.errors import ConfigError
 
 # --moe-layer-freq: Megatron-LM's int, or its Python list expression ("([1]*3+[0]*1)*3").

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_sp.config.section import _flag, _resolve
+from megatron_sp.config.section import field_flag as _flag
+from megatron_sp.config.section import resolve_fields as _resolve
 from megatron_sp.errors import ConfigError
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_sp.config.section import _resolve
+from megatron_sp.config.section import resolve_fields as _resolve
 from megatron_sp.errors import ConfigError
 
 NONFINITE_POLICIES = ("skip", "stop")
