@@ -31,7 +31,7 @@ The package, one module per part of a run (each section checks its own rules):
     run.py        CheckpointConfig, LoggingConfig (what a run writes, when it exits)
     job.py        JobConfig and SECTIONS, the whole run
 
-Every name is importable from `megatron_sp.config` itself, as before the split.
+Every public name is importable from `megatron_sp.config` itself, as before the split.
 """
 from megatron_sp.config.job import SECTIONS, JobConfig
 from megatron_sp.config.memory import MemoryConfig
@@ -44,11 +44,6 @@ from megatron_sp.config.section import field_flag, resolve_fields
 from megatron_sp.config.training import NONFINITE_POLICIES, DataConfig, TrainingConfig
 from megatron_sp.errors import ConfigError
 
-# The private helpers of megatron_sp/config.py before the split, still importable from here under
-# those names (nothing in the repository imports them from here).
-from megatron_sp.config.model import _layer_freq_value
-from megatron_sp.config.parallel import _example_hierarchy
-_flag, _resolve = field_flag, resolve_fields
 
 __all__ = ["SECTIONS", "JobConfig", "ParallelConfig", "ModelFlags", "DataConfig", "TrainingConfig",
            "PrecisionConfig", "CheckpointConfig", "MemoryConfig", "LoggingConfig",
