@@ -71,6 +71,9 @@ SwitchType=switch/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SchedulerType=sched/backfill
+# the main scheduling pass every second (default 60 s): a requeued job starts once cred_expire
+# has passed, not up to a minute later (one node, a few jobs: the pass costs nothing)
+SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2

@@ -15,7 +15,8 @@ a tiny model on CPU/gloo (two processes), waits for it, and checks the metrics a
 - requeue: a USR1 to the batch shell (what #SBATCH --signal=B:USR1@N sends before the time limit)
   makes the training save and exit, the script requeues the job, and the requeued job resumes
   from the checkpoint to the last iteration (SLURM makes a requeued job eligible cred_expire
-  seconds later: 120 by default, 10 in the test cluster's slurm.conf).
+  seconds later: 120 by default, 10 in the test cluster's slurm.conf, whose backfill pass runs
+  every second to start it then).
 
 Run here (Debian 12, slurm 22.05, 2 CPUs): 3 passed in about 5 minutes plus the apt install.
 """
@@ -89,10 +90,27 @@ def job_env(base, run_dir, train_iters, **extra):
 
 
 def sbatch(env, script, log, *options, wait=True, timeout=300):
+    """Submit; with wait, return once the job has ended, returncode 0 if it completed with exit
+    code 0 (as `sbatch --wait` says, but polled every 0.2 s: `--wait` polls every 10 s, 6 s lost
+    per 4 s job here)."""
     cmd = ["sbatch", "--parsable", f"--output={log}", "--gpus-per-node=2", "--time=10",
-           *(["--wait"] if wait else []), *options, os.path.join(ROOT, "tools/slurm", script)]
+           *options, os.path.join(ROOT, "tools/slurm", script)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc
+    if not wait or proc.returncode != 0:
+        return proc
+    job, deadline = proc.stdout.strip().split(";")[0], time.time() + timeout
+    while True:
+        info = subprocess.run(["scontrol", "-o", "show", "job", job], env=env,
+                              capture_output=True, text=True).stdout
+        fields = dict(f.split("=", 1) for f in info.split() if "=" in f)
+        if fields.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                                      "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE"):
+            ok = fields["JobState"] == "COMPLETED" and fields.get("ExitCode") == "0:0"
+            proc.returncode = 0 if ok else 1
+            proc.stdout += info
+            return proc
+        assert time.time() < deadline, f"job {job} still {fields.get('JobState')} after {timeout} s"
+        time.sleep(0.2)
 
 
 def metrics(run_dir):
@@ -134,7 +152,9 @@ def test_srun_one_task_per_gpu(slurm_env, tmp_path):
 
 def test_signal_saves_and_requeues(slurm_env, tmp_path):
     run, log = tmp_path / "run", tmp_path / "job.out"
-    iters = 200
+    iters = 60      # rank 0 sleeps 100 ms a step: the signal, sent at iteration 5, finds the
+    # training running (>= 5 s left; it is handled within an iteration, measured), and the
+    # requeued run's 50-odd iterations take ~6 s (200 took 22 s)
     env = job_env(slurm_env, run, iters, SAVE_INTERVAL="1000", LOG_INTERVAL="1",
                   MEGATRON_SP_INJECT_SLEEP_MS="100", MEGATRON_SP_INJECT_RANK="0")
     proc = sbatch(env, "pretrain_1node.sbatch", log, "--job-name=msp-requeue", wait=False)
@@ -145,7 +165,7 @@ def test_signal_saves_and_requeues(slurm_env, tmp_path):
     while time.time() < deadline:        # wait until training runs, then signal the batch shell
         if os.path.exists(run / "metrics.jsonl") and len(metrics(run)) >= 5:
             break
-        time.sleep(1)
+        time.sleep(0.2)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm_env, check=True)
     while time.time() < deadline:
         state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=slurm_env,
@@ -153,7 +173,7 @@ def test_signal_saves_and_requeues(slurm_env, tmp_path):
         if not state and os.path.exists(run / "metrics.jsonl") and \
                 metrics(run)[-1].get("iteration") == iters:
             break
-        time.sleep(2)
+        time.sleep(0.5)
     out = read(log)
     assert "batch script got SIGUSR1" in out and "requeueing job" in out, out[-5000:]
     assert "(restart 1)" in out, out[-5000:]
