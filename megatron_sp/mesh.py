@@ -558,7 +558,7 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(env["local_rank"] % torch.cuda.device_count())
-    store = rendezvous.connect(env, timeout_minutes)
+    store = rendezvous.connect(env, timeout_minutes, wait_for_ranks=True)
     try:
         dist.init_process_group(backend=backend, store=store, rank=env["rank"],
                                 world_size=env["world_size"],

@@ -19,6 +19,11 @@ torch's tcp:// rendezvous has two gaps this closes (docs/design.md §12):
   process for a rank already taken (another job of the same size, no run id, same port) is
   refused instead of joining. Only then does init_process_group(store=...) run.
 
+init_distributed (wait_for_ranks=True) then waits here, in Python, until every rank has taken its
+rank, before init_process_group: a rank waiting there for a peer that never comes (one that
+failed its start-up checks) sits in C++, where the launcher's SIGTERM is not handled; torchrun
+then killed it only after its 30 s shutdown wait. Polled, it stops within POLL_S.
+
 Under torchrun with its agent store (TORCHELASTIC_USE_AGENT_STORE=True) every rank is a client of
 the agent's store, as in torch's own tcp:// handler; otherwise rank 0 hosts it (multi-tenant).
 The process group gets the store behind the "default_pg" prefix, as init_method would give it.
@@ -133,10 +138,12 @@ def _check_identity(store, rank: int, mine: str, address: str, timeout: datetime
             f"give each job its own MASTER_PORT.")
 
 
-def connect(env: dict, timeout_minutes: float, environ=os.environ):
+def connect(env: dict, timeout_minutes: float, environ=os.environ, wait_for_ranks: bool = False):
     """The store this job's ranks meet at (for init_process_group(store=...)), checked to be
     this job's; RendezvousError naming the address when it cannot be reached within the timeout
-    or belongs to another job. `env`: megatron_sp.mesh.distributed_env()."""
+    or belongs to another job. `env`: megatron_sp.mesh.distributed_env(). wait_for_ranks: also
+    wait (polling, signals handled) until every rank has taken its rank, within the timeout;
+    past it RendezvousError names the ranks missing."""
     rank, world = env["rank"], env["world_size"]
     host, port = env["master_addr"], env["master_port"]
     address = f"{host}:{port}"
@@ -155,7 +162,24 @@ def connect(env: dict, timeout_minutes: float, environ=os.environ):
     left = datetime.timedelta(seconds=max(0.0, deadline - time.monotonic()))   # one timeout in all
     _check_identity(store, rank, identity(world, environ), address, left, timeout_minutes)
     _claim_rank(store, rank, address, environ)
+    if wait_for_ranks:
+        _wait_for_ranks(store, rank, world, address, deadline, timeout_minutes, environ)
     return dist.PrefixStore("default_pg", store)
+
+
+def _wait_for_ranks(store, rank: int, world: int, address: str, deadline: float,
+                    minutes: float, environ=os.environ) -> None:
+    """Until every rank of this attempt has taken its rank (see the module docstring)."""
+    attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    keys = [f"{RANK_KEY}/{attempt}/{r}" for r in range(world)]
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            raise RendezvousError(
+                f"rank {rank} could not reach the rendezvous at {address} within {minutes} min "
+                f"(ranks {missing} never joined); check MASTER_ADDR/MASTER_PORT and that every "
+                f"rank is running.")
+        time.sleep(POLL_S)
 
 
 def _claim_rank(store, rank: int, address: str, environ=os.environ) -> None:

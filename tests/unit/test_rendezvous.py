@@ -130,6 +130,21 @@ def test_another_jobs_store_is_refused(ours):
         connect(env_of(1, 2, port), MINUTES, environ={"SLURM_JOB_ID": "79"})
 
 
+def test_waiting_for_every_rank_is_bounded_and_names_the_missing_ranks():
+    """init_distributed's wait (wait_for_ranks=True, in Python: the launcher's SIGTERM is handled
+    there, unlike in init_process_group): ranks 0 and 2 of 3 came, rank 1 never did: past the
+    timeout rank 0 says which ranks are missing; rank 1, the last to take its rank, goes on."""
+    store, port = foreign_store(3, {})
+    store.set(f"{RANK_KEY}/0/2", json.dumps({"host": "node7", "pid": 4242}))
+    with pytest.raises(RendezvousError, match=rf"^rank 0 could not reach the rendezvous at "
+                                              rf"127.0.0.1:{port} within {MINUTES} min \(ranks "
+                                              rf"\[1\] never joined\)"):
+        connect(env_of(0, 3, port), MINUTES, environ={"TORCHELASTIC_USE_AGENT_STORE": "True"},
+                wait_for_ranks=True)
+    connect(env_of(1, 3, port), MINUTES, environ={"TORCHELASTIC_USE_AGENT_STORE": "True"},
+            wait_for_ranks=True)
+
+
 def test_a_rank_already_taken_is_refused():
     """Two hand launches of the same size on one port (no run id): the second job's rank 1 finds
     rank 1 taken (by the first job's process) and is refused before joining its process group."""
