@@ -548,15 +548,18 @@ def main():
     machine = f"{platform.node()}: {os.cpu_count()} cores, Python {platform.python_version()}"
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"command: {command}\nmachine: {machine}; load average at start {load}")
-    print(f"balance: max/mean causal pairs over ring ranks (worst of {args.rows} rows; summed: "
-          f"the rows together); ring GiB: forward kv bytes per layer, all ranks, as the zigzag "
-          f"ring sends them; needed: what the balanced ring sends (the keys another rank "
-          f"attends); share: needed / ring\n")
     if args.te is not None:
+        print("TE bal: max/mean causal pairs over the ranks in TE's thd layout (worst of "
+              f"{args.rows} rows); ours: our layout's; moved: tokens the all-to-all carries, "
+              "over the row; padding: TE's padding slots, over the row\n")
         te = te_table(args.te or [32768, 131072], args.degrees, args.rows)
         if not args.no_save:
             print("\nwritten: " + write_te_table(te, command))
         return
+    print(f"balance: max/mean causal pairs over ring ranks (worst of {args.rows} rows; summed: "
+          f"the rows together); ring GiB: forward kv bytes per layer, all ranks, as the zigzag "
+          f"ring sends them; needed: what the balanced ring sends (the keys another rank "
+          f"attends); share: needed / ring\n")
     plan = plan_table(args.seq, args.degrees, args.rows)
     kernels = (kernel_rows(args.kernels, args.kernel_degrees, SKEWED, args.kernel_rows, 3)
                if args.kernels else [])
