@@ -45,13 +45,16 @@ def test_embedded_default_runs_end_to_end(tmp_path):
     assert (save / "iter_0000012").is_dir()
 
     # Re-running the finished default says so and trains nothing: metrics and checkpoint untouched.
+    # Another --train-iters with that run folder is refused, naming the folder, never trained over.
+    # (Both decide from the checkpoint before anything is built, locked or written: run together.)
     before = metrics.read_text()
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=tmp_path)
+             for c in (cmd, cmd + ["--train-iters", "3"])]              # (last wins)
+    outs = [p.communicate(timeout=600) for p in procs]
+    again, other = (subprocess.CompletedProcess(p.args, p.returncode, *o)
+                    for p, o in zip(procs, outs))
     assert again.returncode == 0, again.stderr[-2000:]
     assert "already finished" in again.stderr and "building the embedded default corpus" not in again.stdout
-    assert metrics.read_text() == before
-    # Another --train-iters with that run folder is refused, naming the folder, never trained over.
-    other = subprocess.run(cmd + ["--train-iters", "3"], capture_output=True, text=True,   # last wins
-                           timeout=600, cwd=tmp_path)
     assert other.returncode != 0 and "holds an embedded-default run of 12 iterations" in other.stderr
     assert metrics.read_text() == before

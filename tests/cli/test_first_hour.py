@@ -20,10 +20,28 @@ WORDS = ("the quick brown fox jumps over a lazy dog while models train on tokens
 
 
 def _run(args, cwd, expect_ok=True, **env):
-    out = subprocess.run([sys.executable] + args, capture_output=True, text=True, timeout=300,
-                         cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    return _finish(_start(args, cwd, **env), expect_ok)
+
+
+def _start(args, cwd, **env):
+    """A command started (stdout and stderr apart); _finish waits for it: the steps that do not
+    depend on each other overlap (each starts an interpreter that imports torch)."""
+    proc = subprocess.Popen([sys.executable] + args, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=cwd,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    proc.argv = args
+    return proc
+
+
+def _finish(proc, expect_ok=True):
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    out = subprocess.CompletedProcess(proc.argv, proc.returncode, stdout, stderr)
     if expect_ok:
-        assert out.returncode == 0, " ".join(args) + "\n" + out.stdout[-2000:] + out.stderr[-2000:]
+        assert out.returncode == 0, " ".join(proc.argv) + "\n" + stdout[-2000:] + stderr[-2000:]
     return out
 
 
@@ -54,6 +72,9 @@ def test_readme_own_text_walkthrough(tmp_path):
           "--workers", "2"], tmp_path)
     data = ["--data-path", "mydata/corpus_text_document", "--split", "98,2,0",
             "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", "mydata/tok.model"]
+    # (checked at the end; it reads nothing the walkthrough writes, so it runs alongside)
+    missing = _start([os.path.join(ROOT, "pretrain_gpt.py"), "--load", "runs/none", "--finetune",
+                      "--use-checkpoint-args", "--seq-length", "32"] + data, tmp_path)
     train = [os.path.join(ROOT, "pretrain_gpt.py"), "--model", "llama-tiny", "--num-layers", "2",
              "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
              "--train-iters", "4", "--lr", "1e-3", "--lr-warmup-iters", "1", "--eval-interval", "2",
@@ -81,9 +102,10 @@ def test_readme_own_text_walkthrough(tmp_path):
                    "runs/mine/checkpoints", "--save-dir", "runs/mine/hf"], tmp_path)
     assert ("> tokenizer: GPTSentencePieceTokenizer mydata/tok.model (recorded in the checkpoint): "
             "bos 1, eos 2, pad 3") in export.stdout, export.stdout
+    back = _start([convert, "--loader", "hf", "--saver", "megatron_sp", "--load-dir",
+                   "runs/mine/hf", "--save-dir", "runs/ft/base"], tmp_path)   # both only read hf
     _transformers_load_and_generate(tmp_path / "runs" / "mine" / "hf", d / "tok.model")
-    back = _run([convert, "--loader", "hf", "--saver", "megatron_sp", "--load-dir", "runs/mine/hf",
-                 "--save-dir", "runs/ft/base"], tmp_path)
+    back = _finish(back)
     assert "--use-checkpoint-args" in back.stdout and "--num-layers 2" in back.stdout
 
     finetune = [os.path.join(ROOT, "pretrain_gpt.py"), "--load", "runs/ft/base", "--finetune",
@@ -101,8 +123,7 @@ def test_readme_own_text_walkthrough(tmp_path):
     # far below a fresh model's ln(vocab) (~6).
     assert abs(first - trained) < 0.5, (first, trained)
 
-    missing = _run(finetune[:1] + ["--load", "runs/none", "--finetune", "--use-checkpoint-args",
-                                   "--seq-length", "32"] + data, tmp_path, expect_ok=False)
+    missing = _finish(missing, expect_ok=False)
     assert missing.returncode != 0 and "--use-checkpoint-args found no checkpoint" in missing.stderr
 
 
