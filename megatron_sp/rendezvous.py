@@ -43,6 +43,7 @@ from megatron_sp.errors import UserError
 
 IDENTITY_KEY = "megatron_sp/rendezvous/identity"
 RANK_KEY = "megatron_sp/rendezvous/rank"          # /<torchrun attempt>/<rank>: who holds it
+JOINED_KEY = "megatron_sp/rendezvous/joined"      # /<torchrun attempt>: ranks that took theirs
 POLL_S = 0.05
 RUN_ID_VARIABLES = ("MEGATRON_SP_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
 
@@ -162,6 +163,7 @@ def connect(env: dict, timeout_minutes: float, environ=os.environ, wait_for_rank
     left = datetime.timedelta(seconds=max(0.0, deadline - time.monotonic()))   # one timeout in all
     _check_identity(store, rank, identity(world, environ), address, left, timeout_minutes)
     _claim_rank(store, rank, address, environ)
+    store.add(f"{JOINED_KEY}/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", 1)
     if wait_for_ranks:
         _wait_for_ranks(store, rank, world, address, deadline, timeout_minutes, environ)
     return dist.PrefixStore("default_pg", store)
@@ -169,12 +171,13 @@ def connect(env: dict, timeout_minutes: float, environ=os.environ, wait_for_rank
 
 def _wait_for_ranks(store, rank: int, world: int, address: str, deadline: float,
                     minutes: float, environ=os.environ) -> None:
-    """Until every rank of this attempt has taken its rank (see the module docstring)."""
+    """Until every rank of this attempt has taken its rank (see the module docstring): one
+    counter polled (one key per poll whatever the world size), the missing ranks looked up once,
+    past the deadline."""
     attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    keys = [f"{RANK_KEY}/{attempt}/{r}" for r in range(world)]
-    while not store.check(keys):
+    while store.add(f"{JOINED_KEY}/{attempt}", 0) < world:
         if time.monotonic() > deadline:
-            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            missing = [r for r in range(world) if not store.check([f"{RANK_KEY}/{attempt}/{r}"])]
             raise RendezvousError(
                 f"rank {rank} could not reach the rendezvous at {address} within {minutes} min "
                 f"(ranks {missing} never joined); check MASTER_ADDR/MASTER_PORT and that every "

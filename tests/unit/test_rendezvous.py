@@ -15,8 +15,8 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from megatron_sp.rendezvous import (IDENTITY_KEY, RANK_KEY, RendezvousError, connect, identity,
-                                    run_id)
+from megatron_sp.rendezvous import (IDENTITY_KEY, JOINED_KEY, RANK_KEY, RendezvousError, connect,
+                                    identity, run_id)
 from megatron_sp.testing import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -136,6 +136,7 @@ def test_waiting_for_every_rank_is_bounded_and_names_the_missing_ranks():
     timeout rank 0 says which ranks are missing; rank 1, the last to take its rank, goes on."""
     store, port = foreign_store(3, {})
     store.set(f"{RANK_KEY}/0/2", json.dumps({"host": "node7", "pid": 4242}))
+    store.add(f"{JOINED_KEY}/0", 1)                                     # rank 2 came
     with pytest.raises(RendezvousError, match=rf"^rank 0 could not reach the rendezvous at "
                                               rf"127.0.0.1:{port} within {MINUTES} min \(ranks "
                                               rf"\[1\] never joined\)"):
