@@ -30,7 +30,11 @@ import torch.multiprocessing as mp
 _PRELOAD = ["torch", "torch.distributed", "numpy", "megatron_sp.config", "megatron_sp.mesh",
             "megatron_sp.models", "megatron_sp.training", "megatron_sp.checkpointing",
             "megatron_sp.sharding.fsdp", "megatron_sp.sharding.distributed_optimizer",
-            "megatron_sp.hf", "layout_utils"]
+            "megatron_sp.hf", "layout_utils",
+            # the Hugging Face tests' ranks: the model classes and trainers (~3 s each to import)
+            "transformers.models.llama.modeling_llama", "transformers.models.qwen3.modeling_qwen3",
+            "transformers.models.qwen2.modeling_qwen2", "transformers.models.mistral.modeling_mistral",
+            "transformers.models.gpt2.modeling_gpt2", "transformers.trainer", "trl"]
 
 
 def _context():
