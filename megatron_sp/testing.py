@@ -286,7 +286,9 @@ def install_faults(environ=None, trainer_module=None) -> bool:
     Trainer built here gets its rank's FaultInjection step hook, and
     MEGATRON_SP_INJECT_REPORT_DELAY_S=2 slows rank MEGATRON_SP_INJECT_RANK (default 0) before it
     reports a user error (the launcher's SIGTERM held off meanwhile, as while reporting), so that a
-    test forces the launcher's race (another rank exits first). The production code knows nothing
+    test forces the launcher's race (another rank exits first); MEGATRON_SP_INJECT_GRACE_S sets
+    reporting.GRACE_S (a test whose other rank is stopped need not wait 2 x 5 s for its word). The
+    production code knows nothing
     of it; the tests' processes get it from tests/faults/sitecustomize.py (any script under any
     launcher: tests/conftest.py puts that folder on PYTHONPATH), run_script's ranks, or
     `python -m megatron_sp.testing SCRIPT ARGS...`. Returns whether faults were asked for."""
@@ -320,6 +322,9 @@ def install_faults(environ=None, trainer_module=None) -> bool:
             report(error)
         delayed._with_faults = True
         reporting.report = delayed
+    grace = environ.get("MEGATRON_SP_INJECT_GRACE_S")
+    if grace:                    # a shorter wait for agreement where no other rank can answer
+        reporting.GRACE_S = float(grace)
     return True
 
 

@@ -93,7 +93,7 @@ def test_hung_rank_times_out_without_torchrun():
     port = free_port()
     base = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=2,
                 MEGATRON_SP_INJECT_KILL_AT_ITER=3, MEGATRON_SP_INJECT_RANK=1,
-                MEGATRON_SP_INJECT_SIGNAL="STOP")
+                MEGATRON_SP_INJECT_SIGNAL="STOP", MEGATRON_SP_INJECT_GRACE_S=1)
     cmd = [sys.executable, "pretrain_gpt.py", *TINY, "--train-iters", "6",
            "--distributed-timeout-minutes", "0.1"]
     procs = [start(cmd, env(RANK=r, LOCAL_RANK=r, **base)) for r in range(2)]
@@ -170,7 +170,7 @@ def test_unreachable_rendezvous_names_the_address():
     cases = {"127.0.0.1": None, "no-such-host.invalid": None}
     for addr in cases:
         cases[addr] = start([sys.executable, "pretrain_gpt.py", *TINY, "--train-iters", "1",
-                             "--distributed-timeout-minutes", "0.05"],
+                             "--distributed-timeout-minutes", "0.02"],
                             env(RANK=1, WORLD_SIZE=2, MASTER_ADDR=addr, MASTER_PORT=port))
     for addr, proc in cases.items():
         rc, out = finish_process(proc, 90)
