@@ -1,5 +1,6 @@
-"""Publishing a written file: the user's umask on its mode, then renamed into place (atomic);
-and whether a process named in a leftover (a lock record, a temporary folder) still runs.
+"""Publishing a written file: the user's umask on its mode, then renamed into place (atomic); a
+small text file written atomically (the checkpoint trackers and metadata); and whether a process
+named in a leftover (a lock record, a temporary folder) still runs.
 
 Writers that go through a private temporary file (safetensors writes mode 0600) would leave an
 export readable only by its owner; `publish` gives it the mode a plain open() would have
@@ -7,6 +8,7 @@ export readable only by its owner; `publish` gives it the mode a plain open() wo
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 
@@ -40,3 +42,31 @@ def pid_running(pid) -> bool:
     except (PermissionError, ValueError, TypeError, OverflowError):
         return True
     return True
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write `path` through `path`.tmp and a rename. The temporary file is created afresh
+    (O_EXCL | O_NOFOLLOW: a leftover or a symbolic link planted there is removed, never followed),
+    and the rename replaces a link at `path` itself, not its target."""
+    tmp = path + ".tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a folder (its entries: a rename in it is durable); errors ignored (not every file
+    system lets a folder be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass

@@ -39,6 +39,7 @@ from megatron_sp.checkpointing.format import (FORMAT_VERSION, META_FILENAME, REL
 from megatron_sp.checkpointing.integrity import (algorithms_of, checksum_files, dcp_item_offsets,
                                                  files_of_rank, require_digests, verify_files)
 from megatron_sp.checkpointing.planners import dcp_errors, shard_planners
+from megatron_sp.fileutil import fsync_dir, write_text_atomic
 from megatron_sp.mesh import barrier
 
 
@@ -247,32 +248,6 @@ def _missing_step(path: str, step: int, folder: str) -> str:
             f"leave --ckpt-step out to load the latest.")
 
 
-def _write_text_atomic(path: str, text: str):
-    """Write `path` through `path`.tmp and a rename. The temporary file is created afresh
-    (O_EXCL | O_NOFOLLOW: a leftover or a symbolic link planted there is removed, never followed),
-    and the rename replaces a link at `path` itself, not its target."""
-    tmp = path + ".tmp"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: str):
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
 # Save ----------------------------------------------------------------------------------------------
 
 class _PendingSave:
@@ -336,7 +311,7 @@ def _publish(root, iteration, tmp, final, meta, checksums=None, sizes=None):
     error = None
     if global_rank() == 0:
         try:
-            _write_text_atomic(os.path.join(tmp, META_FILENAME), json.dumps(meta, indent=1))
+            write_text_atomic(os.path.join(tmp, META_FILENAME), json.dumps(meta, indent=1))
             if os.path.exists(final):           # saving an iteration again: move the old one away
                 old = final + ".old"
                 shutil.rmtree(old, ignore_errors=True)
@@ -345,8 +320,8 @@ def _publish(root, iteration, tmp, final, meta, checksums=None, sizes=None):
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(tmp, final)
-            _fsync_dir(root)
-            _write_text_atomic(os.path.join(root, TRACKER_FILENAME), str(iteration))
+            fsync_dir(root)
+            write_text_atomic(os.path.join(root, TRACKER_FILENAME), str(iteration))
         except (OSError, KeyboardInterrupt) as err:
             error = err
     _agree_on_save(error, root, iteration, tmp, final, sizes or {})

@@ -68,6 +68,7 @@ import torch
 from transformers import Trainer
 
 from megatron_sp.errors import ConfigError
+from megatron_sp.fileutil import write_text_atomic
 from megatron_sp.reporting import say_user_errors
 from megatron_sp.hf.attention import layout_of, sequence_parallel
 from megatron_sp.hf.batch import (IGNORE_INDEX, batch_checksum, check_same_batch, has_documents,
@@ -172,10 +173,7 @@ class SequenceParallelMixin:
         folder = os.path.join(self._get_output_dir(trial=trial),
                               f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save and os.path.isdir(folder):
-            tmp = os.path.join(folder, f".{LAYOUT_FILE}.tmp{os.getpid()}")
-            with open(tmp, "w") as f:
-                json.dump(self.layout(), f)
-            os.replace(tmp, os.path.join(folder, LAYOUT_FILE))
+            write_text_atomic(os.path.join(folder, LAYOUT_FILE), json.dumps(self.layout()))
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is True:      # the Trainer's own rule: the last checkpoint-N

@@ -144,14 +144,14 @@ def test_disk_full_while_publishing(tmp_path, monkeypatch):
     root = tmp_path / "ck"
     mesh = ParallelMesh.single()
     ck.save_checkpoint(str(root), 1, [_model(1.0)], mesh)
-    write = io._write_text_atomic
+    write = io.write_text_atomic
 
     def full_at_tracker(path, text):
         if path.endswith("latest_checkpointed_iteration.txt"):
             open(path + ".tmp", "w").close()
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path + ".tmp")
         write(path, text)
-    monkeypatch.setattr(io, "_write_text_atomic", full_at_tracker)
+    monkeypatch.setattr(io, "write_text_atomic", full_at_tracker)
     with pytest.raises(ck.CheckpointError, match=re.escape(
             f"saving checkpoint {root}/iter_0000002 failed: no space left on the file system of "
             f"{root} (the checkpoint needs about 64.0 KiB, ")):

@@ -29,6 +29,7 @@ from megatron_sp.checkpointing.format import (RELEASE, TRACKER_FILENAME, Checkpo
                                               iteration_dirname)
 from megatron_sp.checkpointing.megatron_lm import names
 from megatron_sp.checkpointing.megatron_lm.arguments import args_for
+from megatron_sp.fileutil import write_text_atomic
 from megatron_sp.checkpointing.megatron_lm.folder import TORCH, TORCH_DIST
 
 IMPLS = ("transformer_engine", "local")
@@ -166,10 +167,7 @@ def write_checkpoint(root: str, config, tensors: dict[str, torch.Tensor], *, ckp
 
 
 def _write_tracker(root: str, iteration) -> None:
-    path = os.path.join(root, TRACKER_FILENAME)
-    with open(path + ".tmp", "w") as f:
-        f.write(str(iteration))
-    os.replace(path + ".tmp", path)
+    write_text_atomic(os.path.join(root, TRACKER_FILENAME), str(iteration))
 
 
 # torch_dist ---------------------------------------------------------------------------------------
