@@ -54,8 +54,8 @@ SlurmctldHost=$HOST(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=cred_expire=10
-# (a requeued job waits cred_expire seconds before it may start again: 120 by default)
+AuthInfo=cred_expire=5
+# (a requeued job waits cred_expire seconds before it may start again: 120 by default, 5 the least)
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/spool
 SlurmctldPidFile=$STATE/slurmctld.pid
