@@ -15,7 +15,7 @@ a tiny model on CPU/gloo (two processes), waits for it, and checks the metrics a
 - requeue: a USR1 to the batch shell (what #SBATCH --signal=B:USR1@N sends before the time limit)
   makes the training save and exit, the script requeues the job, and the requeued job resumes
   from the checkpoint to the last iteration (SLURM makes a requeued job eligible cred_expire
-  seconds later: 120 by default, 10 in the test cluster's slurm.conf, whose backfill pass runs
+  seconds later: 120 by default, 5 in the test cluster's slurm.conf, whose backfill pass runs
   every second to start it then).
 
 Run here (Debian 12, slurm 22.05, 2 CPUs): 3 passed in about 5 minutes plus the apt install.
@@ -160,7 +160,7 @@ def test_signal_saves_and_requeues(slurm_env, tmp_path):
     proc = sbatch(env, "pretrain_1node.sbatch", log, "--job-name=msp-requeue", wait=False)
     assert proc.returncode == 0, proc.stderr
     job = proc.stdout.strip().split(";")[0]
-    deadline = time.time() + 480    # SLURM holds a requeued job for cred_expire (10 s here; 120 s
+    deadline = time.time() + 480    # SLURM holds a requeued job for cred_expire (5 s here; 120 s
                                     # where an older test cluster still runs)
     while time.time() < deadline:        # wait until training runs, then signal the batch shell
         if os.path.exists(run / "metrics.jsonl") and len(metrics(run)) >= 5:
