@@ -88,6 +88,9 @@ class CpLayout:
     seq_len: int
     rows: list
     _positions: dict = field(default_factory=dict, repr=False)
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
+    """What other modules compute from this layout once (e.g. TE's thd places, te_thd.py): the
+    planner caches the layout per step, so the model and every layer share it."""
 
     def positions(self, rank: int, device=None) -> torch.Tensor:
         """Global positions [b, s/cp] (int64) of ring rank `rank`'s tokens, per row, local order."""

@@ -71,9 +71,19 @@ def chunk_size(length: int, cp: int) -> int:
 def te_places(layout: CpLayout):
     """Every token's place in TE's thd layout: (rank [b*s], slot [b*s], real lengths, padded
     lengths) for the rows of `layout` flattened row-major (index row * s + position)."""
+    places = _places(layout)
+    return places["rank"], places["slot"], places["real"], places["padded"]
+
+
+def _places(layout: CpLayout) -> dict:
+    """te_places' figures and every token's offset in its document, computed once per layout
+    (kept in layout.derived: the model's work count and the layers' plan share them)."""
+    if "te_places" in layout.derived:
+        return layout.derived["te_places"]
     cp, s, b = layout.cp, layout.seq_len, len(layout.rows)
     rank = torch.empty(b * s, dtype=torch.long)
     slot = torch.empty(b * s, dtype=torch.long)
+    offset = torch.empty(b * s, dtype=torch.long)
     real, padded, base = [], [], 0
     for r, row in enumerate(layout.rows):
         for start, end in zip(row.bounds, row.bounds[1:]):
@@ -85,10 +95,13 @@ def te_places(layout: CpLayout):
             at = slice(r * s + start, r * s + end)
             rank[at] = torch.where(first, chunk, 2 * cp - 1 - chunk)
             slot[at] = base + torch.where(first, 0, c) + within
+            offset[at] = t
             base += 2 * c
             real.append(length)
             padded.append(2 * cp * c)
-    return rank, slot, real, padded
+    places = dict(rank=rank, slot=slot, offset=offset, real=real, padded=padded)
+    layout.derived["te_places"] = places
+    return places
 
 
 def _cumulative(lengths, device) -> torch.Tensor:
@@ -101,17 +114,15 @@ def thd_plan(layout: CpLayout, rank: int, device=None) -> ThdPlan:
     te_rank, te_slot, real, padded = te_places(layout)
     slots = sum(padded) // cp
     rows = torch.arange(len(layout.rows))[:, None] * s                           # [b, 1]
-    send_index = recv_slots = None
-    send_counts, recv_counts = [0] * cp, [0] * cp
+    send_index, send_counts, received = None, [0] * cp, []
     for j in range(cp):
         flat = (layout.positions(j) + rows).reshape(-1)          # [b, n] -> [b*n] global index
         dest, slot = te_rank[flat], te_slot[flat]
         if j == rank:
             send_index = torch.argsort(dest * slots + slot)      # by TE rank, then TE slot
             send_counts = torch.bincount(dest, minlength=cp).tolist()
-        mine = slot[dest == rank].sort().values                  # what j sends here, in order
-        recv_counts[j] = int(mine.numel())
-        recv_slots = mine if recv_slots is None else torch.cat([recv_slots, mine])
+        received.append(slot[dest == rank].sort().values)        # what j sends here, in order
+    recv_slots, recv_counts = torch.cat(received), [int(t.numel()) for t in received]
     return ThdPlan(send_index.to(device), send_counts, recv_slots.to(device), recv_counts, slots,
                    _cumulative(real, device), _cumulative(padded, device), max(padded))
 
@@ -120,11 +131,6 @@ def thd_work(layout: CpLayout) -> list[int]:
     """Per context rank, the causal (query, key) pairs of its queries in TE's thd layout (a
     query at offset t of its document attends t + 1 keys; padding none): the work TE's ring
     balances, summed over the rows."""
-    te_rank, _, _, _ = te_places(layout)
-    s = layout.seq_len
+    places = _places(layout)
     work = torch.zeros(layout.cp, dtype=torch.long)
-    for r, row in enumerate(layout.rows):
-        for start, end in zip(row.bounds, row.bounds[1:]):
-            pairs = torch.arange(1, end - start + 1)                   # offset t costs t + 1
-            work.index_add_(0, te_rank[r * s + start:r * s + end], pairs)
-    return work.tolist()
+    return work.index_add_(0, places["rank"], places["offset"] + 1).tolist()
