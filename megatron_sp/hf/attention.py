@@ -59,9 +59,8 @@ from megatron_sp.attention.backends import SDPAAttention
 from megatron_sp.attention.documents import cu_seqlens_from_document_ids
 from megatron_sp.context_parallel.attention import RingLocalAttention
 from megatron_sp.context_parallel.balance import LayoutPlanner
-from megatron_sp.context_parallel.zigzag import zigzag_merge
 from megatron_sp.hf.batch import SequenceParallelError, document_ids, has_documents
-from megatron_sp.hf.comm import gather_context, gather_layout_order
+from megatron_sp.hf.comm import gather_context, gather_layout_order, zigzag_order
 from megatron_sp.hf.layout import KEEP, recall
 from megatron_sp.mesh import group_rank, group_size, head_layout_problem
 from megatron_sp.ulysses.attention import UlyssesAttention, expand_kv_heads
@@ -104,8 +103,7 @@ class _Documents:
         gathered = gather_layout_order(local, self.sp_group, self.cp_group)     # [b, s]
         full = recall(gathered)
         if full is None and not has_documents(gathered):                         # the zigzag
-            cp = group_size(self.cp_group)
-            return zigzag_merge(list(gathered.chunk(cp, dim=1)), cp, dim=1)  # cp x [b, s/cp]
+            return zigzag_order(gathered, group_size(self.cp_group))
         if full is None:
             raise SequenceParallelError(
                 "megatron_sp.hf: these packed-document position_ids under the ring were not cut "

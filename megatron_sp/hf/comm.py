@@ -95,9 +95,13 @@ def gather_context(x: torch.Tensor, sp_group, cp_group) -> torch.Tensor:
     """A rank's [b, n] of the Ulysses x ring zigzag layout (megatron_sp.hf.batch without
     documents: ring rank j owns zigzag chunks j and 2cp-1-j, cut contiguously over its sp ranks)
     -> the full [b, s] in sequence order, on every rank. No autograd: for position ids."""
+    return zigzag_order(gather_layout_order(x, sp_group, cp_group), group_size(cp_group))
+
+
+def zigzag_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
+    """[b, s] in the zigzag layout's order (ring rank 0's chunks 0 and 2cp-1, then rank 1's, ...)
+    -> [b, s] in sequence order."""
     from megatron_sp.context_parallel.zigzag import zigzag_merge
-    gathered = gather_layout_order(x, sp_group, cp_group)    # [b, s], layout order
-    cp = group_size(cp_group)
     if cp == 1:
         return gathered
     return zigzag_merge(list(gathered.chunk(cp, dim=1)), cp, dim=1)   # cp x [b, s/cp] -> [b, s]
